@@ -1,0 +1,250 @@
+"""The broker's lease table (DESIGN.md §3): which owner may use which page of a decode pool, at which generation.
+Plain Python, no torch and no gRPC, so the protocol is testable on its own. Every public method is one atomic
+step of the formal model; the servicer only translates messages and errors."""
+
+import enum
+import heapq
+import secrets
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterable, NamedTuple
+
+OWNER_NBYTES = 16
+Lease = tuple[int, int]  # (page, generation)
+PageState = enum.Enum("PageState", ["FREE", "LEASED", "QUARANTINED"])
+Revocation = NamedTuple("Revocation", [("owner", bytes), ("epoch", int), ("reason", str)])
+
+
+class LeaseError(Exception):
+    """A refused operation. kind: INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, NOT_FOUND or
+    ALREADY_EXISTS (the gRPC status code it maps to); reason: machine-readable, UPPER_SNAKE."""
+
+    def __init__(self, kind: str, reason: str, message: str):
+        super().__init__(message)
+        self.kind, self.reason, self.message = kind, reason, message
+
+
+@dataclass(slots=True)
+class Page:
+    state: PageState = PageState.FREE
+    owner: bytes | None = None
+    generation: int = 0  # kept when FREE: the next grant must take a larger one
+    active_writer: tuple[str, int] | None = None  # (writer_id, generation)
+
+
+@dataclass(slots=True)
+class _Pool:
+    pool_id: str
+    num_pages: int
+    pages: list[Page] = field(init=False)
+    free: list[int] = field(init=False)  # min-heap, so grants come out contiguous whenever the pool allows it
+    owners: dict[bytes, list[int]] = field(default_factory=dict)
+    quarantined: set[int] = field(default_factory=set)
+    writing: set[int] = field(default_factory=set)
+    next_generation: int = 1  # 0 is proto3's "unset" and never names a lease
+    revocations: list[Revocation] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.pages = [Page() for _ in range(self.num_pages)]
+        self.free = list(range(self.num_pages))  # sorted, hence already a valid heap
+
+    def free_page(self, page_id: int) -> None:
+        page = self.pages[page_id]
+        page.state, page.owner = PageState.FREE, None
+        self.quarantined.discard(page_id)
+        heapq.heappush(self.free, page_id)
+
+
+class LeaseTable:
+    """All pools of one broker incarnation; a new table is a new epoch, and nothing of an old one validates."""
+
+    def __init__(self, lock_delay_s: float = 2.0, default_writer_ttl_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic, epoch: int | None = None):
+        if lock_delay_s < 0 or default_writer_ttl_s <= 0 or (epoch is not None and not 0 < epoch < 2**64):
+            raise ValueError(f"need lock_delay_s {lock_delay_s} >= 0, default_writer_ttl_s "
+                             f"{default_writer_ttl_s} > 0 and epoch {epoch} in [1, 2**64)")
+        self.lock_delay_s = lock_delay_s
+        self.default_writer_ttl_s = default_writer_ttl_s
+        # never 0: a zero epoch would match a request that forgot to set the field
+        self.epoch = (secrets.randbits(64) or 1) if epoch is None else epoch
+        self._clock = clock
+        self._pools: dict[str, _Pool] = {}
+        self._liveness: dict[str, float] = {}  # holder id -> monotonic expiry
+
+    def register_pool(self, pool_id: str, num_pages: int) -> int:
+        if not pool_id or num_pages <= 0:
+            raise LeaseError("INVALID_ARGUMENT", "BAD_POOL", f"pool {pool_id!r} of {num_pages} pages: "
+                             "needs a name and at least 1 page")
+        pool = self._pools.get(pool_id)
+        if pool is None:
+            self._pools[pool_id] = _Pool(pool_id, num_pages)
+        elif pool.num_pages != num_pages:
+            raise LeaseError("ALREADY_EXISTS", "POOL_SIZE_MISMATCH",
+                             f"pool {pool_id} is registered with {pool.num_pages} pages; {num_pages} given")
+        return self.epoch
+
+    def grant(self, pool_id: str, owner: bytes, num_pages: int, epoch: int) -> list[Lease]:
+        _check_owner(owner)
+        if num_pages <= 0:
+            raise LeaseError("INVALID_ARGUMENT", "BAD_NUM_PAGES", f"num_pages {num_pages} must be > 0")
+        pool = self._pool(pool_id, epoch)
+        if owner in pool.owners:
+            raise LeaseError("ALREADY_EXISTS", "OWNER_HAS_LEASE",
+                             f"owner {owner.hex()} holds {len(pool.owners[owner])} pages of pool {pool_id}")
+        if len(pool.free) < num_pages:
+            raise LeaseError("RESOURCE_EXHAUSTED", "POOL_EXHAUSTED", f"pool {pool_id} has {len(pool.free)} free pages"
+                             f" of {pool.num_pages}; {num_pages} requested")
+        generation, pool.next_generation = pool.next_generation, pool.next_generation + 1
+        taken = [heapq.heappop(pool.free) for _ in range(num_pages)]  # ascending: popped from a min-heap
+        for page_id in taken:
+            page = pool.pages[page_id]
+            page.state, page.owner, page.generation = PageState.LEASED, owner, generation
+        pool.owners[owner] = taken
+        return [(page_id, generation) for page_id in taken]
+
+    def begin_write(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], writer_id: str) -> None:
+        if not writer_id:
+            raise LeaseError("INVALID_ARGUMENT", "BAD_WRITER_ID", "writer_id must not be empty")
+        leases = list(leases)
+        pool = self._pool(pool_id, epoch)
+        pages = self._checked_pages(pool, owner, leases)
+        now = self._clock()
+        # an expired record counts as none: otherwise the sweeper could end this write while it runs
+        if self._liveness.get(writer_id, now) <= now:
+            self._liveness[writer_id] = now + self.default_writer_ttl_s
+        for (page_id, generation), page in zip(leases, pages):
+            page.active_writer = (writer_id, generation)
+            pool.writing.add(page_id)
+
+    def end_write(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], writer_id: str,
+                  success: bool) -> int:
+        # acks may be late, repeated or from a past incarnation: they may only ever undo their own BeginWrite.
+        # owner is implied by (page, generation), since every grant takes a fresh generation.
+        if epoch != self.epoch:
+            return 0
+        pool = self._pool(pool_id)
+        num_unquarantined = 0
+        for page_id, generation in leases:
+            page = pool.pages[page_id] if 0 <= page_id < pool.num_pages else None
+            if page is None or page.active_writer != (writer_id, generation):
+                continue
+            page.active_writer = None
+            pool.writing.discard(page_id)
+            if page.state is PageState.QUARANTINED and page.generation == generation:
+                pool.free_page(page_id)
+                num_unquarantined += 1
+        return num_unquarantined
+
+    def validate(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease]) -> None:
+        self._checked_pages(self._pool(pool_id, epoch), owner, list(leases))
+
+    def release(self, pool_id: str, owner: bytes, epoch: int) -> tuple[int, int]:
+        if epoch != self.epoch:
+            return (0, 0)
+        return self._end_leases(self._pool(pool_id), owner)
+
+    def revoke(self, pool_id: str, owner: bytes, reason: str) -> tuple[int, int]:
+        pool = self._pool(pool_id)
+        counts = self._end_leases(pool, owner)
+        pool.revocations.append(Revocation(owner, self.epoch, reason))
+        return counts
+
+    def drain_revocations(self, pool_id: str) -> list[Revocation]:
+        pool = self._pool(pool_id)
+        events, pool.revocations = pool.revocations, []
+        return events
+
+    def keep_alive(self, holder_id: str, ttl_s: float) -> None:
+        if not holder_id or ttl_s <= 0:
+            raise LeaseError("INVALID_ARGUMENT", "BAD_KEEP_ALIVE", f"holder {holder_id!r}: ttl {ttl_s}s; must be > 0")
+        self._liveness[holder_id] = self._clock() + ttl_s
+
+    def sweep(self) -> int:
+        """Ends writes whose writer is presumed dead; returns the pages that left quarantine."""
+        now = self._clock()
+        num_freed = 0
+        for pool in self._pools.values():
+            for page_id in list(pool.writing):  # deadlines are not ordered by page or by time: look at all
+                page = pool.pages[page_id]
+                writer_id, _ = page.active_writer
+                # begin_write always leaves a record; should one be missing, wait a full ttl rather than free now
+                expiry = self._liveness.setdefault(writer_id, now + self.default_writer_ttl_s)
+                if now < expiry + self.lock_delay_s:
+                    continue
+                page.active_writer = None
+                pool.writing.discard(page_id)
+                if page.state is PageState.QUARANTINED:
+                    pool.free_page(page_id)
+                    num_freed += 1
+        # a holder this far past its expiry blocks nothing any more (its writes were just ended)
+        self._liveness = {h: t for h, t in self._liveness.items() if now < t + self.lock_delay_s}
+        return num_freed
+
+    def pool_state(self, pool_id: str) -> dict[str, int]:
+        pool = self._pool(pool_id)
+        return {"epoch": self.epoch, "num_pages": pool.num_pages, "num_free": len(pool.free),
+                "num_leased": sum(len(p) for p in pool.owners.values()),
+                "num_quarantined": len(pool.quarantined), "num_writing": len(pool.writing)}
+
+    def leases_of(self, pool_id: str, owner: bytes) -> list[Lease]:
+        pool = self._pool(pool_id)
+        return [(page_id, pool.pages[page_id].generation) for page_id in pool.owners.get(owner, [])]
+
+    def page_info(self, pool_id: str, page_id: int) -> Page:  # a copy, for tests and debugging
+        return replace(self._pool(pool_id).pages[page_id])
+
+    def pool_ids(self) -> list[str]:
+        return list(self._pools)
+
+    def _pool(self, pool_id: str, epoch: int | None = None) -> _Pool:
+        # epoch first: after a restart the pool is unknown too, and "epoch changed" is what the caller must learn
+        if epoch is not None and epoch != self.epoch:
+            raise LeaseError("FAILED_PRECONDITION", "EPOCH_MISMATCH", f"epoch {epoch} is not current {self.epoch}")
+        if (pool := self._pools.get(pool_id)) is None:
+            raise LeaseError("NOT_FOUND", "UNKNOWN_POOL", f"pool {pool_id!r} is not one of {len(self._pools)} pools")
+        return pool
+
+    def _checked_pages(self, pool: _Pool, owner: bytes, leases: list[Lease]) -> list[Page]:
+        """The pages of leases, if every one is current and has no active writer."""
+        _check_owner(owner)
+        if not leases:
+            raise LeaseError("INVALID_ARGUMENT", "NO_LEASES", "at least 1 lease is required; 0 given")
+        if len({page_id for page_id, _ in leases}) != len(leases):
+            raise LeaseError("INVALID_ARGUMENT", "DUPLICATE_PAGE", f"{len(leases)} leases name a page twice")
+        pages = []
+        for page_id, generation in leases:
+            if not 0 <= page_id < pool.num_pages:
+                raise LeaseError("INVALID_ARGUMENT", "PAGE_OUT_OF_RANGE",
+                                 f"page {page_id} is outside pool {pool.pool_id} of {pool.num_pages} pages")
+            page = pool.pages[page_id]
+            if page.state is not PageState.LEASED or page.owner != owner or page.generation != generation:
+                raise LeaseError("FAILED_PRECONDITION", "LEASE_NOT_CURRENT",
+                                 f"page {page_id} generation {generation} is not leased to {owner.hex()} "
+                                 f"(page is {page.state.name} at generation {page.generation})")
+            pages.append(page)
+        for (page_id, generation), page in zip(leases, pages):
+            if page.active_writer is not None:
+                raise LeaseError("FAILED_PRECONDITION", "WRITER_ACTIVE",
+                                 f"page {page_id} generation {generation} is being written by {page.active_writer}")
+        return pages
+
+    def _end_leases(self, pool: _Pool, owner: bytes) -> tuple[int, int]:
+        num_freed = num_quarantined = 0
+        for page_id in pool.owners.pop(owner, []):
+            page = pool.pages[page_id]
+            page.owner = None
+            if page.active_writer is None:
+                pool.free_page(page_id)
+                num_freed += 1
+            else:
+                # the writer may still land bytes here: hold the page until it acks or is presumed dead
+                page.state = PageState.QUARANTINED
+                pool.quarantined.add(page_id)
+                num_quarantined += 1
+        return (num_freed, num_quarantined)
+
+
+def _check_owner(owner: bytes) -> None:
+    if not isinstance(owner, bytes) or len(owner) != OWNER_NBYTES:
+        got = len(owner) if isinstance(owner, bytes) else type(owner).__name__
+        raise LeaseError("INVALID_ARGUMENT", "BAD_OWNER", f"owner must be {OWNER_NBYTES} bytes; got {got}")

@@ -1,0 +1,163 @@
+"""gRPC face of the lease table: translates messages and errors, publishes metrics, feeds revocation watchers."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator, Callable, TypeVar
+
+import grpc
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+
+from services.broker.lease_table import LeaseError, LeaseTable, Revocation
+from services.common.errors import PdError, abort
+from services.common.proto import broker_pb2, broker_pb2_grpc, common_pb2
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_CODES = {
+    "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT,
+    "RESOURCE_EXHAUSTED": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,
+    "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
+    "ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
+}
+# created up front so a dashboard shows 0, not "no data", before the first violation
+_VIOLATION_REASONS = ("EPOCH_MISMATCH", "LEASE_NOT_CURRENT", "WRITER_ACTIVE")
+_PAGE_STATES = ("free", "leased", "quarantined")
+
+
+def _leases(msgs) -> list[tuple[int, int]]:
+    return [(m.page, m.generation) for m in msgs]
+
+
+class BrokerServicer(broker_pb2_grpc.BrokerServicer):
+    def __init__(self, table: LeaseTable, registry: CollectorRegistry = REGISTRY):
+        self._table = table
+        self._watchers: dict[str, set[asyncio.Queue[Revocation]]] = {}
+        self._pages = Gauge("pdserve_kv_pages", "KV pages of a decode pool by broker state",
+                            ["pool", "state"], registry=registry)
+        self._violations = Counter("pdserve_lease_violations_total", "Refused lease checks",
+                                   ["service", "reason"], registry=registry)
+        self._grants = Counter("pdserve_broker_grants_total", "Successful page grants", registry=registry)
+        for reason in _VIOLATION_REASONS:
+            self._violations.labels("broker", reason)
+        for pool_id in table.pool_ids():
+            self._publish(pool_id)
+
+    async def RegisterPool(self, request: broker_pb2.RegisterPoolRequest,
+                           context: grpc.aio.ServicerContext) -> broker_pb2.RegisterPoolResponse:
+        epoch = await self._call(context, self._table.register_pool, request.pool_id, request.num_pages)
+        self._publish(request.pool_id)
+        log.info("pool %s registered with %s pages in epoch %s", request.pool_id, request.num_pages, epoch)
+        return broker_pb2.RegisterPoolResponse(epoch=epoch)
+
+    async def Grant(self, request: broker_pb2.GrantRequest,
+                    context: grpc.aio.ServicerContext) -> broker_pb2.GrantResponse:
+        leases = await self._call(context, self._table.grant, request.pool_id, request.owner,
+                                  request.num_pages, request.epoch)
+        self._grants.inc()
+        self._publish(request.pool_id)
+        return broker_pb2.GrantResponse(
+            epoch=self._table.epoch,
+            leases=[common_pb2.PageLease(page=p, generation=g) for p, g in leases])
+
+    async def BeginWrite(self, request: broker_pb2.BeginWriteRequest,
+                         context: grpc.aio.ServicerContext) -> broker_pb2.BeginWriteResponse:
+        await self._call(context, self._table.begin_write, request.pool_id, request.owner, request.epoch,
+                         _leases(request.leases), request.writer_id, is_lease_check=True)
+        return broker_pb2.BeginWriteResponse()
+
+    async def EndWrite(self, request: broker_pb2.EndWriteRequest,
+                       context: grpc.aio.ServicerContext) -> broker_pb2.EndWriteResponse:
+        num = await self._call(context, self._table.end_write, request.pool_id, request.owner, request.epoch,
+                               _leases(request.leases), request.writer_id, request.success)
+        if not request.success:
+            log.info("writer %s reported a failed write of %s pages in pool %s",
+                     request.writer_id, len(request.leases), request.pool_id)
+        self._publish(request.pool_id)
+        return broker_pb2.EndWriteResponse(num_unquarantined=num)
+
+    async def Validate(self, request: broker_pb2.ValidateRequest,
+                       context: grpc.aio.ServicerContext) -> broker_pb2.ValidateResponse:
+        await self._call(context, self._table.validate, request.pool_id, request.owner, request.epoch,
+                         _leases(request.leases), is_lease_check=True)
+        return broker_pb2.ValidateResponse()
+
+    async def Release(self, request: broker_pb2.ReleaseRequest,
+                      context: grpc.aio.ServicerContext) -> broker_pb2.ReleaseResponse:
+        freed, quarantined = await self._call(context, self._table.release, request.pool_id, request.owner,
+                                              request.epoch)
+        self._publish(request.pool_id)
+        return broker_pb2.ReleaseResponse(num_freed=freed, num_quarantined=quarantined)
+
+    async def KeepAlive(self, request: broker_pb2.KeepAliveRequest,
+                        context: grpc.aio.ServicerContext) -> broker_pb2.KeepAliveResponse:
+        await self._call(context, self._table.keep_alive, request.holder_id, request.ttl_ms / 1000.0)
+        return broker_pb2.KeepAliveResponse(epoch=self._table.epoch)
+
+    async def WatchRevocations(self, request: broker_pb2.WatchRevocationsRequest,
+                               context: grpc.aio.ServicerContext) -> AsyncIterator[broker_pb2.Revocation]:
+        await self._call(context, self._table.pool_state, request.pool_id)
+        # unbounded on purpose: dropping a revocation would let decode keep reading pages it no longer owns
+        queue: asyncio.Queue[Revocation] = asyncio.Queue()
+        watchers = self._watchers.setdefault(request.pool_id, set())
+        watchers.add(queue)
+        try:
+            while True:
+                event = await queue.get()
+                yield broker_pb2.Revocation(owner=event.owner, epoch=event.epoch, reason=event.reason)
+        finally:
+            watchers.discard(queue)
+
+    async def GetPoolState(self, request: broker_pb2.GetPoolStateRequest,
+                           context: grpc.aio.ServicerContext) -> broker_pb2.GetPoolStateResponse:
+        state = await self._call(context, self._table.pool_state, request.pool_id)
+        return broker_pb2.GetPoolStateResponse(**state)
+
+    def revoke(self, pool_id: str, owner: bytes, reason: str) -> tuple[int, int]:
+        """Ends an owner's leases on the broker's own initiative and tells the pool's watchers."""
+        counts = self._table.revoke(pool_id, owner, reason)
+        self._publish(pool_id)
+        self._fan_out(pool_id)
+        return counts
+
+    async def run_sweeper(self, interval_s: float) -> None:
+        """Frees pages of writers presumed dead, every interval_s, until cancelled."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                num_freed = self._table.sweep()
+                for pool_id in self._table.pool_ids():
+                    self._publish(pool_id)
+                    self._fan_out(pool_id)
+            except Exception:  # a dead sweeper would leak every quarantined page: log and keep going
+                log.exception("sweep failed")
+                continue
+            if num_freed:
+                log.warning("sweeper freed %s quarantined pages of writers presumed dead", num_freed)
+
+    def num_watchers(self, pool_id: str) -> int:
+        return len(self._watchers.get(pool_id, ()))
+
+    def _fan_out(self, pool_id: str) -> None:
+        for event in self._table.drain_revocations(pool_id):
+            log.info("revoked owner %s in pool %s: %s", event.owner.hex(), pool_id, event.reason)
+            for queue in self._watchers.get(pool_id, ()):
+                queue.put_nowait(event)
+
+    def _publish(self, pool_id: str) -> None:
+        state = self._table.pool_state(pool_id)
+        for name in _PAGE_STATES:
+            self._pages.labels(pool_id, name).set(state[f"num_{name}"])
+
+    async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args,
+                    is_lease_check: bool = False) -> T:
+        try:
+            return fn(*args)
+        except LeaseError as e:
+            if is_lease_check:
+                self._violations.labels("broker", e.reason).inc()
+                log.warning("lease check refused: %s %s", e.reason, e.message)
+            await abort(context, PdError(_CODES[e.kind], e.reason, e.message))
+            raise  # abort() raises; this only keeps the return type honest

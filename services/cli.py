@@ -1,0 +1,105 @@
+"""The `pdserve` command: one sub-command per service, plus up, generate, make-model and bench."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from .common import config
+
+SERVICES = ("broker", "prefill", "decode", "gateway")
+
+
+def _up(args) -> int:
+    import signal
+    import time
+
+    from . import launcher
+
+    if not os.path.exists(os.path.join(args.model, "config.json")):
+        print(f"no checkpoint at {args.model}: run `pdserve make-model --out {args.model}`", file=sys.stderr)
+        return 1
+    print(f"starting broker, {args.prefill_instances} prefill, {args.decode_instances} decode, gateway ...",
+          flush=True)
+    procs = launcher.start_stack(
+        args.model, base_ports=True, context_length=args.context_length, page_size=args.page_size,
+        prefill_pool_tokens=args.prefill_pool_tokens, decode_pool_tokens=args.decode_pool_tokens,
+        allow_small=args.allow_pool_smaller_than_context, num_prefill=args.prefill_instances,
+        num_decode=args.decode_instances, echo=True)
+    gw = procs["gateway"][0]
+    print(f"\npdserve is up: gateway gRPC {gw.target}; try `pdserve generate \"hello\"`. Ctrl-C stops.", flush=True)
+    stopping = []
+    signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
+    try:
+        while not stopping:
+            dead = [p for ps in procs.values() for p in ps if not p.alive()]
+            if dead:
+                print(f"{dead[0].name} exited with {dead[0].popen.returncode}; stopping the stack", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("stopping ...", flush=True)
+        launcher.stop_stack(procs)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    argv = sys.argv[1:] if argv is None else argv
+    for name in SERVICES:
+        sp = sub.add_parser(name, help=f"run one {name} service")
+        # only the chosen service is imported: `generate` stays light, and each process builds its own metrics
+        if argv and argv[0] == name:
+            mod = importlib.import_module(f"services.{name}.main")
+            mod.add_args(sp)
+            sp.set_defaults(fn=mod.main)
+
+    up = sub.add_parser("up", help="run the whole local stack (broker, prefill, decode, gateway)")
+    up.add_argument("--model", default=config.DEFAULT_MODEL)
+    up.add_argument("--context-length", type=int, default=0)
+    up.add_argument("--page-size", type=int, default=config.DEFAULT_PAGE_SIZE)
+    up.add_argument("--prefill-pool-tokens", type=int, default=config.DEFAULT_PREFILL_POOL_TOKENS)
+    up.add_argument("--decode-pool-tokens", type=int, default=config.DEFAULT_DECODE_POOL_TOKENS)
+    up.add_argument("--allow-pool-smaller-than-context", action="store_true")
+    up.add_argument("--prefill-instances", type=int, default=1)
+    up.add_argument("--decode-instances", type=int, default=1)
+    up.set_defaults(fn=_up)
+
+    g = sub.add_parser("generate", help="stream one completion from the gateway")
+    g.add_argument("prompt", nargs="?", default="")
+    g.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids instead of text")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--gateway", default=f"127.0.0.1:{config.GATEWAY_PORT}")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.set_defaults(fn=lambda a: __import__("services.client", fromlist=["main"]).main(a))
+
+    m = sub.add_parser("make-model", help="write a random Llama checkpoint in Hugging Face format")
+    m.add_argument("--out", default=config.DEFAULT_MODEL)
+    m.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    m.add_argument("--seed", type=int, default=0)
+
+    def _make(a):
+        from .engine.make_model import make_model
+        print(make_model(a.out, a.preset, a.seed))
+        return 0
+    m.set_defaults(fn=_make)
+
+    b = sub.add_parser("bench", help="benchmarks side by side (see bench/)")
+    b.add_argument("--quick", action="store_true")
+    b.set_defaults(fn=lambda a: __import__("bench.run", fromlist=["main"]).main(a))
+
+    args = p.parse_args(argv)
+    rc = args.fn(args)
+    return rc if isinstance(rc, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Admission rules (DESIGN §4), shared by gateway, prefill and decode: each re-checks what it is given.
+
+Every rejection is INVALID_ARGUMENT with a reason and the numbers; a rejected request is terminal.
+"""
+from __future__ import annotations
+
+import math
+
+from .config import pages_for, pages_needed
+from .errors import PdError, invalid
+from .metrics import ADMISSION_REJECTIONS
+
+
+def _reject(reason: str, message: str) -> PdError:
+    ADMISSION_REJECTIONS.labels(reason).inc()
+    return invalid(reason, message)
+
+
+def check_tokens(token_ids, vocab_size: int) -> None:
+    if len(token_ids) == 0:
+        raise _reject("EMPTY_PROMPT", "prompt is empty (0 tokens)")
+    bad = [t for t in token_ids if t < 0 or t >= vocab_size]
+    if bad:
+        raise _reject("TOKEN_OUT_OF_VOCAB", f"{len(bad)} prompt token ids outside [0, {vocab_size}), "
+                                            f"first {bad[0]}")
+
+
+def check_sampling(max_tokens: int, temperature: float, top_p: float) -> None:
+    if max_tokens <= 0:
+        raise _reject("BAD_MAX_TOKENS", f"max_tokens must be > 0, got {max_tokens}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise _reject("BAD_TEMPERATURE", f"temperature must be >= 0, got {temperature}")
+    if not math.isfinite(top_p) or not (0 < top_p <= 1):
+        raise _reject("BAD_TOP_P", f"top_p must be in (0, 1], got {top_p}")
+
+
+def check_lengths(num_prompt: int, max_tokens: int, context_length: int, page_size: int,
+                  decode_pool_pages: int | None, prefill_pool_tokens: int | None) -> None:
+    if num_prompt + max_tokens > context_length:
+        raise _reject("CONTEXT_EXCEEDED", f"prompt is {num_prompt} tokens + max_tokens {max_tokens} = "
+                                          f"{num_prompt + max_tokens}; the model's context length is {context_length}")
+    if prefill_pool_tokens is not None and num_prompt > prefill_pool_tokens:
+        raise _reject("PREFILL_POOL_EXCEEDED", f"prompt is {num_prompt} tokens; the prefill KV pool holds "
+                                               f"{prefill_pool_tokens}")
+    if decode_pool_pages is not None:
+        need = pages_needed(num_prompt, max_tokens, page_size)
+        if need > decode_pool_pages:
+            raise _reject("DECODE_POOL_EXCEEDED",
+                          f"prompt is {num_prompt} tokens + max_tokens {max_tokens} needs {need} pages of "
+                          f"{page_size}; the decode KV pool holds {decode_pool_pages} pages "
+                          f"({decode_pool_pages * page_size} tokens)")
+
+
+__all__ = ["check_tokens", "check_sampling", "check_lengths", "pages_for", "pages_needed"]

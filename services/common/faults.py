@@ -1,0 +1,92 @@
+"""Named fault points, off by default.
+
+Armed by the environment (`PDSERVE_FAULTS="prefill.short_transfer:1,prefill.skip_page:1:2"`, each
+`name[:count[:arg]]`, count 0 = every hit) or, when PDSERVE_ENABLE_FAULTS=1, over the test-only
+`pdserve.v1.Faults` gRPC service. Each point reproduces one known failure.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger(__name__)
+
+KNOWN = {
+    "prefill.short_transfer": "write only the first page (data and tag) and still report done (the incident)",
+    "prefill.skip_page": "do not write page ARG (data and tag) and still report done",
+    "prefill.bit_flip": "flip one byte of page ARG after its checksum was taken",
+    "prefill.skip_tags": "write page data but lose every tag write",
+    "prefill.delay_before_write": "sleep ARG ms after BeginWrite, before the writes",
+    "prefill.lose_end_write": "never send EndWrite",
+    "decode.corrupt_tag": "overwrite the tag of page ARG of the next request before its next step",
+}
+
+
+class FaultRegistry:
+    def __init__(self):
+        self._armed: dict[str, list] = {}
+        self._lock = threading.Lock()
+
+    def arm(self, name: str, count: int = 1, arg: str = "") -> None:
+        if name not in KNOWN:
+            raise ValueError(f"unknown fault point {name!r}; known: {sorted(KNOWN)}")
+        with self._lock:
+            self._armed[name] = [count, arg]
+        log.warning("fault point %s armed (count=%s arg=%r)", name, count, arg)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._armed.clear()
+
+    def fire(self, name: str) -> str | None:
+        """Returns the fault's argument ('' when none) if it fires on this hit, else None."""
+        with self._lock:
+            entry = self._armed.get(name)
+            if entry is None:
+                return None
+            count, arg = entry
+            if count == 1:
+                del self._armed[name]
+            elif count > 1:
+                entry[0] = count - 1
+        log.warning("fault point %s fired (arg=%r)", name, arg)
+        return arg
+
+    def load_env(self, value: str | None) -> None:
+        for item in filter(None, (value or "").split(",")):
+            name, _, rest = item.partition(":")
+            count, _, arg = rest.partition(":")
+            self.arm(name.strip(), int(count or 1), arg)
+
+
+FAULTS = FaultRegistry()
+FAULTS.load_env(os.environ.get("PDSERVE_FAULTS"))
+
+
+def faults_enabled() -> bool:
+    return os.environ.get("PDSERVE_ENABLE_FAULTS") == "1"
+
+
+def add_faults_service(server) -> None:
+    """Serves pdserve.v1.Faults on `server` when PDSERVE_ENABLE_FAULTS=1; never otherwise."""
+    if not faults_enabled():
+        return
+    import grpc
+
+    from .errors import PdError
+    from .proto import faults_pb2, faults_pb2_grpc
+
+    class FaultsServicer(faults_pb2_grpc.FaultsServicer):
+        async def Arm(self, request, context):
+            try:
+                FAULTS.arm(request.name, request.count, request.arg)
+            except ValueError as e:
+                raise PdError(grpc.StatusCode.INVALID_ARGUMENT, "UNKNOWN_FAULT", str(e)) from e
+            return faults_pb2.ArmResponse()
+
+        async def Clear(self, request, context):
+            FAULTS.clear()
+            return faults_pb2.ClearResponse()
+
+    faults_pb2_grpc.add_FaultsServicer_to_server(FaultsServicer(), server)

@@ -1,0 +1,49 @@
+"""Prometheus metrics (prefix pdserve_). Counters are touched at start-up so they exist at 0."""
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+LEASE_VIOLATIONS = Counter("pdserve_lease_violations_total", "Lease/tag/checksum violations caught",
+                           ["service", "reason"])
+ADMISSION_REJECTIONS = Counter("pdserve_admission_rejections_total", "Requests rejected at admission",
+                               ["reason"])
+TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total", "KV bytes written to decode pools (data + tags)")
+TRANSFER_SECONDS = Histogram("pdserve_kv_transfer_seconds", "Wall time of one request's KV transfer",
+                             buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures_total", "Failed KV transfers", ["stage"])
+POOL_CONTEXT_RATIO = Gauge("pdserve_kv_pool_context_ratio",
+                           "Pool tokens / context length; < 1 means admission is capped by the pool",
+                           ["pool"])
+POOL_SHORTFALL = Gauge("pdserve_kv_pool_shortfall_tokens",
+                       "Context tokens the pool cannot hold (started with --allow-pool-smaller-than-context)",
+                       ["pool"])
+TTFT = Histogram("pdserve_time_to_first_token_seconds", "Time to first token at the gateway",
+                 buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
+ITL = Histogram("pdserve_inter_token_latency_seconds", "Time between streamed tokens at the gateway",
+                buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
+REQUESTS = Counter("pdserve_requests_total", "Finished requests by status code", ["code"])
+
+VIOLATION_REASONS = ("COVERAGE_MISMATCH", "TAG_MISSING", "TAG_OWNER", "TAG_EPOCH", "TAG_GENERATION",
+                     "TAG_PAGE_INDEX", "TAG_NUM_TOKENS", "CHECKSUM", "STEP_TAG_MISMATCH",
+                     "LEASE_NOT_CURRENT", "WRITER_ACTIVE", "EPOCH_MISMATCH", "REVOKED")
+ADMISSION_REASONS = ("EMPTY_PROMPT", "PROMPT_TOO_LONG", "CONTEXT_EXCEEDED", "DECODE_POOL_EXCEEDED",
+                     "PREFILL_POOL_EXCEEDED", "BAD_MAX_TOKENS", "TOKEN_OUT_OF_VOCAB", "BAD_TEMPERATURE",
+                     "BAD_TOP_P", "OVERLOADED", "LAYOUT_MISMATCH", "BAD_DESTINATION")
+TRANSFER_STAGES = ("data", "tags", "begin_write", "end_write")
+CODES = ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DATA_LOSS", "DEADLINE_EXCEEDED",
+         "CANCELLED", "INTERNAL", "FAILED_PRECONDITION", "NOT_FOUND", "UNKNOWN")
+
+
+def init_metrics(service: str, pools: list[str] = ()) -> None:
+    """Creates every labelled series this service exports, at 0."""
+    for r in VIOLATION_REASONS:
+        LEASE_VIOLATIONS.labels(service, r)
+    for r in ADMISSION_REASONS:
+        ADMISSION_REJECTIONS.labels(r)
+    for s in TRANSFER_STAGES:
+        TRANSFER_FAILURES.labels(s)
+    for c in CODES:
+        REQUESTS.labels(c)
+    for p in pools:
+        POOL_CONTEXT_RATIO.labels(p)
+        POOL_SHORTFALL.labels(p)

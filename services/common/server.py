@@ -1,0 +1,127 @@
+"""Server helpers shared by every service: interceptors, health, reflection, metrics, shutdown."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from typing import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import Histogram, start_http_server
+
+from .errors import PdError, to_status
+from .faults import add_faults_service
+
+log = logging.getLogger(__name__)
+
+RPC_SECONDS = Histogram("pdserve_rpc_seconds", "Server-side RPC latency", ["method"])
+GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+
+
+def _wrap_unary(fn, method):
+    async def handler(request, context):
+        start = time.perf_counter()
+        try:
+            return await fn(request, context)
+        except PdError as e:
+            await context.abort_with_status(to_status(e))
+        finally:
+            RPC_SECONDS.labels(method).observe(time.perf_counter() - start)
+    return handler
+
+
+def _wrap_stream(fn, method):
+    async def handler(request, context):
+        try:
+            async for item in fn(request, context):
+                yield item
+        except PdError as e:
+            await context.abort_with_status(to_status(e))
+    return handler
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turns a PdError raised anywhere in a handler into its status + ErrorInfo reason."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method), handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method), handler.request_deserializer,
+                handler.response_serializer)
+        return handler
+
+
+class Service:
+    """One gRPC server with stock health (NOT_SERVING until ready), reflection and a /metrics port."""
+
+    def __init__(self, name: str, full_service_names: list[str], host: str, port: int, metrics_port: int):
+        self.name = name
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=GRPC_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(full_service_names + [reflection.SERVICE_NAME, health.SERVICE_NAME],
+                                            self.server)
+        add_faults_service(self.server)
+        self.full_service_names = full_service_names
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise RuntimeError(f"{name}: cannot bind gRPC port {host}:{port}")
+        self.metrics_port = metrics_port
+        self._stop = asyncio.Event()
+
+    async def start(self) -> None:
+        for svc in ["", *self.full_service_names]:
+            await self.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        httpd, _ = start_http_server(self.metrics_port)
+        self.metrics_port = httpd.server_port
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+
+    async def set_serving(self) -> None:
+        for svc in ["", *self.full_service_names]:
+            await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        # one parseable line: tests and `pdserve up` start services on port 0 and read it
+        print(f"PDSERVE_READY service={self.name} port={self.port} metrics_port={self.metrics_port}", flush=True)
+        log.info("%s serving on port %d, metrics on %d", self.name, self.port, self.metrics_port)
+
+    async def wait_for_termination(self, grace: float = 5.0,
+                                   on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        await self._stop.wait()
+        log.info("%s: shutting down", self.name)
+        await self.health.enter_graceful_shutdown()
+        if on_stop is not None:
+            await on_stop()
+        await self.server.stop(grace)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+async def wait_healthy(target: str, timeout: float = 60.0) -> None:
+    """Waits until `target` reports SERVING on gRPC health."""
+    deadline = time.monotonic() + timeout
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            try:
+                r = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{target} not SERVING after {timeout:.0f}s")
+            await asyncio.sleep(0.1)

@@ -1,0 +1,41 @@
+"""Conversions between protobuf messages and plain Python values shared by the services."""
+from __future__ import annotations
+
+import grpc
+
+from ..engine.sampler import SamplingParams
+from .errors import PdError, from_rpc_error
+from .proto import common_pb2
+
+
+def leases_to_pb(leases: list[tuple[int, int]]) -> list:
+    return [common_pb2.PageLease(page=p, generation=g) for p, g in leases]
+
+
+def leases_from_pb(msgs) -> list[tuple[int, int]]:
+    return [(m.page, m.generation) for m in msgs]
+
+
+def sampling_from_pb(m) -> SamplingParams:
+    return SamplingParams(temperature=m.temperature, top_p=m.top_p or 1.0, seed=m.seed,
+                          max_tokens=m.max_tokens, ignore_eos=m.ignore_eos)
+
+
+def sampling_to_pb(s: SamplingParams):
+    return common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=s.seed,
+                                     max_tokens=s.max_tokens, ignore_eos=s.ignore_eos)
+
+
+def layout_to_pb(layout, tag_nbytes: int):
+    return common_pb2.KvLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
+                               head_dim=layout.head_dim, page_size=layout.page_size, dtype=layout.dtype,
+                               page_nbytes=layout.page_nbytes, tag_nbytes=tag_nbytes)
+
+
+async def call(coro, what: str):
+    """Awaits an outgoing RPC, turning its failure into a PdError with the callee's code and reason."""
+    try:
+        return await coro
+    except grpc.RpcError as e:
+        err = from_rpc_error(e)
+        raise PdError(err.code, err.reason, f"{what}: {err.message}") from None

@@ -1,0 +1,76 @@
+"""`pdserve decode`: one decode instance; registers its pool with the broker before serving."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+
+import grpc
+
+from ..common import config
+from ..common.capacity import check_pool_capacity
+from ..common.metrics import init_metrics
+from ..common.proto import broker_pb2_grpc, decode_pb2, decode_pb2_grpc
+from ..common.server import GRPC_OPTIONS, Service, setup_logging
+from ..engine.runner import ModelRunner
+from ..kvtransfer.engine import TransferEngine
+from .servicer import DecodeServicer
+
+log = logging.getLogger(__name__)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=config.DECODE_PORT)
+    p.add_argument("--metrics-port", type=int, default=config.METRICS_PORTS["decode"])
+    p.add_argument("--broker", default=f"127.0.0.1:{config.BROKER_PORT}")
+    p.add_argument("--model", default=config.DEFAULT_MODEL)
+    p.add_argument("--context-length", type=int, default=0, help="default: the model's max_position_embeddings")
+    p.add_argument("--page-size", type=int, default=config.DEFAULT_PAGE_SIZE)
+    p.add_argument("--pool-tokens", type=int, default=config.DEFAULT_DECODE_POOL_TOKENS)
+    p.add_argument("--allow-pool-smaller-than-context", action="store_true")
+    p.add_argument("--max-batch", type=int, default=64)
+    p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+async def serve(args) -> None:
+    num_pages = args.pool_tokens // args.page_size
+    runner = ModelRunner(args.model, num_pages, args.page_size, args.kv_dtype, args.device)
+    context_length = args.context_length or runner.config.max_position_embeddings
+    # unique per incarnation: a restarted decode never inherits leases of its predecessor
+    pool_id = f"decode-{args.host}-{args.port}-{os.getpid()}-{secrets.token_hex(4)}"
+    init_metrics("decode", [pool_id])
+    check_pool_capacity("decode", pool_id, num_pages * args.page_size, context_length,
+                        args.allow_pool_smaller_than_context)
+    transfer = TransferEngine(args.host, args.protocol)
+    transfer.register(runner.pool.data_ptr, runner.pool.data_nbytes)
+    transfer.register(runner.pool.tag_ptr, runner.pool.tag_nbytes)
+    channel = grpc.aio.insecure_channel(args.broker, options=GRPC_OPTIONS)
+    servicer = DecodeServicer(runner, broker_pb2_grpc.BrokerStub(channel), pool_id, transfer.session,
+                              context_length, os.path.basename(os.path.normpath(args.model)), args.max_batch)
+    svc = Service("decode", [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name],
+                  args.host, args.port, args.metrics_port)
+    decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)
+    await svc.start()
+    while True:  # SERVING only once the pool is allocated, registered and checked
+        try:
+            epoch = await servicer.register()
+            break
+        except Exception as e:
+            log.warning("registering pool %s with broker %s failed (%s); retrying", pool_id, args.broker, e)
+            await asyncio.sleep(0.5)
+    log.info("pool %s registered: %d pages of %d tokens, epoch %#x", pool_id, num_pages, args.page_size, epoch)
+    tasks = [asyncio.create_task(servicer.scheduler.run()), asyncio.create_task(servicer.expire_allocations())]
+    await svc.set_serving()
+    await svc.wait_for_termination()
+    for t in tasks:
+        t.cancel()
+
+
+def main(args) -> None:
+    setup_logging()
+    asyncio.run(serve(args))

@@ -1,0 +1,150 @@
+"""Continuous batching: requests join and leave the running batch at every step.
+
+Before every step the tags of every page the batch will read are compared with the leases; a
+mismatch ends that request alone (DATA_LOSS) and nothing computed from the page is sent. A request
+leaves the batch only between steps, so its pages are never released while a step still uses them.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+import grpc
+import torch
+
+from ..common.errors import PdError
+from ..common.faults import FAULTS
+from ..common.metrics import LEASE_VIOLATIONS
+from ..engine.runner import ModelRunner
+from ..engine.sampler import SamplingParams, sample
+from ..engine.tags import MAGIC, make_tag
+from .verify import step_tag_mismatches
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Sequence:
+    owner: bytes
+    epoch: int
+    leases: list[tuple[int, int]]
+    expected: torch.Tensor          # [num_leases, 5] ownership words each page's tag must carry
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    eos_token_id: int | None
+    generated: list[int]            # generated[0] is prefill's first token
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+    done: bool = False
+
+    @property
+    def position(self) -> int:
+        """Position of the token fed in the next step (the last generated one)."""
+        return self.num_prompt_tokens + len(self.generated) - 1
+
+    @property
+    def pages(self) -> list[int]:
+        return [p for p, _ in self.leases]
+
+    def is_finished(self) -> bool:
+        last = self.generated[-1]
+        if not self.sampling.ignore_eos and self.eos_token_id is not None and last == self.eos_token_id:
+            return True
+        return len(self.generated) >= self.sampling.max_tokens
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, release: Callable[[Sequence], Awaitable[None]], max_batch: int = 64):
+        self.runner = runner
+        self.release = release
+        self.max_batch = max_batch
+        self.running: dict[bytes, Sequence] = {}
+        self._wake = asyncio.Event()
+        self.num_steps = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.running[seq.owner] = seq
+        self._wake.set()
+
+    def cancel(self, owner: bytes) -> None:
+        """Marks a request cancelled; the loop drops it (and releases its pages) between steps."""
+        seq = self.running.get(owner)
+        if seq is not None:
+            seq.cancelled = True
+            self._wake.set()
+
+    def fail_all(self, err: PdError) -> None:
+        for seq in list(self.running.values()):
+            self._end(seq, err)
+
+    def _end(self, seq: Sequence, err: PdError | None) -> None:
+        if seq.done:
+            return
+        seq.done = True
+        self.running.pop(seq.owner, None)
+        if err is not None:
+            seq.events.put_nowait(err)
+        asyncio.get_running_loop().create_task(self.release(seq))
+
+    def _stamp_own_pages(self, seq: Sequence) -> None:
+        # pages decode writes itself get tags too, so the per-step check covers them
+        ps = self.runner.page_size
+        pos = seq.position
+        i = pos // ps
+        if pos % ps == 0 and pos >= seq.num_prompt_tokens:
+            page, gen = seq.leases[i]
+            self.runner.pool.tags[page] = torch.tensor(make_tag(seq.owner, seq.epoch, gen, i, 0, 0))
+
+    def _check(self, batch: list[Sequence]) -> list[Sequence]:
+        ps = self.runner.page_size
+        lengths = [s.position // ps + 1 for s in batch]
+        pages = torch.tensor([p for s, n in zip(batch, lengths) for p in s.pages[:n]], dtype=torch.int64)
+        expected = torch.cat([s.expected[:n] for s, n in zip(batch, lengths)])
+        bad = step_tag_mismatches(self.runner.pool.tags, pages, expected, lengths)
+        for i in bad:
+            seq = batch[i]
+            LEASE_VIOLATIONS.labels("decode", "STEP_TAG_MISMATCH").inc()
+            log.error("request %s: a page's tag no longer matches its lease before step %d; failing it",
+                      seq.owner.hex(), len(seq.generated))
+            self._end(seq, PdError(grpc.StatusCode.DATA_LOSS, "STEP_TAG_MISMATCH",
+                                   "a KV page of this request was overwritten under its lease"))
+        return [s for i, s in enumerate(batch) if i not in set(bad)]
+
+    async def run(self) -> None:
+        while True:
+            for seq in [s for s in self.running.values() if s.cancelled]:
+                self._end(seq, None)
+            if not self.running:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            batch = list(self.running.values())[: self.max_batch]
+            for seq in batch:
+                self._stamp_own_pages(seq)
+            if (arg := FAULTS.fire("decode.corrupt_tag")) is not None:
+                self.runner.pool.tags[batch[0].pages[int(arg or 0)], MAGIC] ^= 1
+            batch = self._check(batch)
+            if not batch:
+                continue
+            ps = self.runner.page_size
+            try:
+                logits = await asyncio.to_thread(
+                    self.runner.decode, [s.generated[-1] for s in batch], [s.position for s in batch],
+                    [s.pages[: s.position // ps + 1] for s in batch])
+            except Exception as e:  # a failed step fails its batch, never the loop
+                log.exception("decode step failed")
+                for seq in batch:
+                    self._end(seq, PdError(grpc.StatusCode.INTERNAL, "STEP_FAILED", str(e)))
+                continue
+            self.num_steps += 1
+            tokens = sample(logits, [s.sampling for s in batch], [len(s.generated) for s in batch])
+            for seq, tok in zip(batch, tokens):
+                if seq.done or seq.cancelled:
+                    continue
+                seq.generated.append(tok)
+                finished = seq.is_finished()
+                seq.events.put_nowait((tok, finished))
+                if finished:
+                    self._end(seq, None)

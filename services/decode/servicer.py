@@ -1,0 +1,185 @@
+"""Decode gRPC servicer: leases pages through the broker, verifies prompt pages, streams tokens."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from ..common.admission import check_lengths, check_sampling
+from ..common.config import pages_needed
+from ..common.errors import PdError, invalid
+from ..common.metrics import LEASE_VIOLATIONS
+from ..common.proto import broker_pb2, common_pb2, decode_pb2, decode_pb2_grpc
+from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, sampling_from_pb
+from ..engine.runner import ModelRunner
+from ..engine.tags import TAG_NBYTES, expected_tags
+from .scheduler import Scheduler, Sequence
+from .verify import Violation, verify_prompt_pages
+
+log = logging.getLogger(__name__)
+
+FINISH = {True: common_pb2.FINISH_REASON_STOP, False: common_pb2.FINISH_REASON_LENGTH}
+
+
+@dataclass(slots=True)
+class Allocation:
+    epoch: int
+    leases: list[tuple[int, int]]
+    num_prompt_tokens: int
+    max_tokens: int
+    deadline: float
+
+
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    def __init__(self, runner: ModelRunner, broker, pool_id: str, transfer_session: str, context_length: int,
+                 model_name: str, max_batch: int = 64, rpc_timeout_s: float = 10.0, allocation_timeout_s: float = 120.0):
+        self.runner = runner
+        self.pool = runner.pool
+        self.broker = broker
+        self.pool_id = pool_id
+        self.session = transfer_session
+        self.context_length = context_length
+        self.model_name = model_name
+        self.rpc_timeout_s = rpc_timeout_s
+        self.allocation_timeout_s = allocation_timeout_s
+        self.epoch = 0
+        self.allocations: dict[bytes, Allocation] = {}
+        self.scheduler = Scheduler(runner, self._release_seq, max_batch)
+        self.layout_pb = layout_to_pb(self.pool.layout, TAG_NBYTES)
+        self.eos = runner.config.eos_token_id
+
+    async def register(self) -> int:
+        resp = await call(self.broker.RegisterPool(broker_pb2.RegisterPoolRequest(
+            pool_id=self.pool_id, num_pages=self.pool.num_pages), timeout=self.rpc_timeout_s), "broker RegisterPool")
+        self.epoch = resp.epoch
+        return self.epoch
+
+    async def GetInfo(self, request, context) -> common_pb2.EngineInfo:
+        cfg = self.runner.config
+        state = await call(self.broker.GetPoolState(broker_pb2.GetPoolStateRequest(pool_id=self.pool_id),
+                                                    timeout=self.rpc_timeout_s), "broker GetPoolState")
+        return common_pb2.EngineInfo(
+            model=self.model_name, context_length=self.context_length, vocab_size=cfg.vocab_size,
+            pool_pages=self.pool.num_pages, page_size=self.pool.page_size,
+            eos_token_id=self.eos if self.eos is not None else -1, layout=self.layout_pb,
+            free_pages=state.num_free)
+
+    async def Allocate(self, request, context) -> decode_pb2.AllocateResponse:
+        owner = request.request_id
+        if len(owner) != 16:
+            raise invalid("BAD_REQUEST_ID", f"request_id must be 16 bytes, got {len(owner)}")
+        check_sampling(request.max_tokens, 0.0, 1.0)
+        check_lengths(request.num_prompt_tokens, request.max_tokens, self.context_length, self.pool.page_size,
+                      self.pool.num_pages, None)
+        if request.num_prompt_tokens == 0:
+            raise invalid("EMPTY_PROMPT", "prompt is empty (0 tokens)")
+        need = pages_needed(request.num_prompt_tokens, request.max_tokens, self.pool.page_size)
+        resp = await call(self.broker.Grant(broker_pb2.GrantRequest(
+            pool_id=self.pool_id, owner=owner, num_pages=need, epoch=self.epoch), timeout=self.rpc_timeout_s),
+            "broker Grant")
+        leases = leases_from_pb(resp.leases)
+        self.allocations[owner] = Allocation(resp.epoch, leases, request.num_prompt_tokens, request.max_tokens,
+                                             time.monotonic() + self.allocation_timeout_s)
+        return decode_pb2.AllocateResponse(destination=common_pb2.Destination(
+            pool_id=self.pool_id, transfer_session=self.session, data_base=self.pool.data_ptr,
+            tag_base=self.pool.tag_ptr, epoch=resp.epoch, leases=leases_to_pb(leases), layout=self.layout_pb))
+
+    async def Release(self, request, context) -> decode_pb2.DecodeReleaseResponse:
+        alloc = self.allocations.pop(request.request_id, None)
+        if alloc is not None:
+            await self._release(request.request_id, alloc.epoch)
+        else:
+            self.scheduler.cancel(request.request_id)
+        return decode_pb2.DecodeReleaseResponse()
+
+    async def Decode(self, request, context):
+        owner = request.request_id
+        alloc = self.allocations.pop(owner, None)
+        if alloc is None:
+            raise PdError(grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_REQUEST",
+                          f"request {owner.hex()} has no allocation on pool {self.pool_id} (released or timed out)")
+        try:
+            self._admit_decode(request, alloc)
+            cov = request.coverage
+            verify_prompt_pages(self.pool, owner, alloc.epoch, alloc.leases, alloc.num_prompt_tokens,
+                                cov.num_tokens, list(cov.checksums))
+            n = -(-alloc.num_prompt_tokens // self.pool.page_size)
+            await call(self.broker.Validate(broker_pb2.ValidateRequest(
+                pool_id=self.pool_id, owner=owner, epoch=alloc.epoch, leases=leases_to_pb(alloc.leases[:n])),
+                timeout=self.rpc_timeout_s), "broker Validate")
+        except Violation as v:
+            await self._release(owner, alloc.epoch)
+            LEASE_VIOLATIONS.labels("decode", v.reason).inc()
+            log.error("request %s refused before its first step: %s %s", owner.hex(), v.reason, v.message)
+            raise PdError(grpc.StatusCode.DATA_LOSS, v.reason, v.message) from None
+        except PdError as e:
+            await self._release(owner, alloc.epoch)
+            if e.reason in ("LEASE_NOT_CURRENT", "WRITER_ACTIVE"):
+                LEASE_VIOLATIONS.labels("decode", e.reason).inc()
+                raise PdError(grpc.StatusCode.DATA_LOSS, e.reason, e.message) from None
+            if e.reason == "EPOCH_MISMATCH":
+                raise PdError(grpc.StatusCode.UNAVAILABLE, e.reason, e.message) from None
+            raise
+        seq = Sequence(owner, alloc.epoch, alloc.leases, expected_tags(owner, alloc.epoch, alloc.leases),
+                       alloc.num_prompt_tokens, sampling_from_pb(request.sampling), self.eos,
+                       [request.first_token])
+        finished = seq.is_finished()
+        yield decode_pb2.DecodeResponse(token_id=request.first_token, finish_reason=self._finish(seq, finished))
+        if finished:
+            await self._release(owner, alloc.epoch)
+            return
+        self.scheduler.add(seq)
+        try:
+            while True:
+                event = await seq.events.get()
+                if isinstance(event, PdError):
+                    raise event
+                tok, finished = event
+                yield decode_pb2.DecodeResponse(token_id=tok, finish_reason=self._finish(seq, finished))
+                if finished:
+                    return
+        finally:
+            if not seq.done:  # the client went away: stop before the next step
+                self.scheduler.cancel(owner)
+
+    def _admit_decode(self, request, alloc: Allocation) -> None:
+        if request.num_prompt_tokens != alloc.num_prompt_tokens:
+            raise Violation("COVERAGE_MISMATCH", f"decode asked for a {request.num_prompt_tokens}-token prompt; "
+                                                 f"allocated for {alloc.num_prompt_tokens}")
+        s = request.sampling
+        check_sampling(s.max_tokens, s.temperature, s.top_p or 1.0)
+        if s.max_tokens > alloc.max_tokens:
+            raise invalid("BAD_MAX_TOKENS", f"max_tokens {s.max_tokens} exceeds the {alloc.max_tokens} allocated")
+        if not 0 <= request.first_token < self.runner.config.vocab_size:
+            raise invalid("TOKEN_OUT_OF_VOCAB", f"first token {request.first_token} outside the vocabulary")
+
+    def _finish(self, seq: Sequence, finished: bool) -> int:
+        if not finished:
+            return common_pb2.FINISH_REASON_UNSPECIFIED
+        eos = not seq.sampling.ignore_eos and seq.generated[-1] == self.eos
+        return FINISH[eos]
+
+    async def _release_seq(self, seq: Sequence) -> None:
+        await self._release(seq.owner, seq.epoch)
+
+    async def _release(self, owner: bytes, epoch: int) -> None:
+        try:
+            await self.broker.Release(broker_pb2.ReleaseRequest(pool_id=self.pool_id, owner=owner, epoch=epoch),
+                                      timeout=self.rpc_timeout_s)
+        except grpc.RpcError as e:
+            # the broker restarting ends every lease of the old epoch anyway
+            log.warning("Release of %s failed: %s", owner.hex(), e.code())
+
+    async def expire_allocations(self, interval_s: float = 1.0) -> None:
+        """Allocations whose Decode never came (prefill failed, gateway gone) end at their deadline."""
+        while True:
+            await asyncio.sleep(interval_s)
+            now = time.monotonic()
+            for owner, alloc in list(self.allocations.items()):
+                if alloc.deadline < now:
+                    self.allocations.pop(owner, None)
+                    log.warning("allocation %s expired without a Decode call; releasing", owner.hex())
+                    await self._release(owner, alloc.epoch)

@@ -1,0 +1,78 @@
+"""Ownership checks decode runs before it reads a KV page (DESIGN §3, fail closed).
+
+Pages are never zeroed between requests, so the tag is the only proof of who wrote a page. Every
+function here raises Violation; callers end the request with DATA_LOSS and emit nothing from it.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..common.config import pages_for
+from ..engine.kv_pool import KVPool
+from ..engine.tags import (CHECKSUM, EPOCH, GENERATION, MAGIC, NUM_TOKENS, OWNER_HI, OWNER_LO, PAGE_INDEX,
+                           TAG_MAGIC, _s64, expected_tags)
+
+
+class Violation(Exception):
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def verify_prompt_pages(pool: KVPool, owner: bytes, epoch: int, leases: list[tuple[int, int]],
+                        num_prompt_tokens: int, coverage_tokens: int, coverage_checksums: list[int]) -> None:
+    """After prefill reports done: every prompt page must carry this lease's tag, token counts must add
+    up to the prompt (a short transfer leaves stale tags behind) and the bytes must match the checksum."""
+    ps = pool.page_size
+    n = pages_for(num_prompt_tokens, ps)
+    if coverage_tokens != num_prompt_tokens or len(coverage_checksums) != n:
+        raise Violation("COVERAGE_MISMATCH", f"prefill reports {coverage_tokens} tokens in "
+                                             f"{len(coverage_checksums)} pages; the prompt is {num_prompt_tokens} "
+                                             f"tokens in {n} pages")
+    if len(leases) < n:
+        raise Violation("COVERAGE_MISMATCH", f"{n} prompt pages but only {len(leases)} leases")
+    pages = [p for p, _ in leases[:n]]
+    tags = pool.tags[pages]  # [n, TAG_WORDS]
+    want = expected_tags(owner, epoch, leases[:n])
+    for i in range(n):
+        t = tags[i]
+        where = f"prompt page {i} (physical page {pages[i]})"
+        if int(t[MAGIC]) != _s64(TAG_MAGIC):
+            raise Violation("TAG_MISSING", f"{where} has no tag: nothing was written to it")
+        if int(t[OWNER_HI]) != int(want[i, 0]) or int(t[OWNER_LO]) != int(want[i, 1]):
+            raise Violation("TAG_OWNER", f"{where} is tagged for another request")
+        if int(t[EPOCH]) != int(want[i, 2]):
+            raise Violation("TAG_EPOCH", f"{where} carries epoch {int(t[EPOCH]) & (2**64 - 1):#x}, "
+                                         f"lease epoch {epoch:#x}")
+        if int(t[GENERATION]) != int(want[i, 3]):
+            raise Violation("TAG_GENERATION", f"{where} carries generation {int(t[GENERATION])}, "
+                                              f"lease generation {leases[i][1]}")
+        if int(t[PAGE_INDEX]) != i:
+            raise Violation("TAG_PAGE_INDEX", f"{where} is tagged as page {int(t[PAGE_INDEX])}")
+    counts = tags[:, NUM_TOKENS].tolist()
+    expect = [min(ps, num_prompt_tokens - i * ps) for i in range(n)]
+    if counts != expect:
+        raise Violation("TAG_NUM_TOKENS", f"page token counts add up to {sum(counts)}, the prompt is "
+                                          f"{num_prompt_tokens} tokens (pages {counts[:8]}...)")
+    for i, p in enumerate(pages):
+        actual = pool.checksum(p)
+        if actual != int(tags[i, CHECKSUM]) or actual != coverage_checksums[i]:
+            raise Violation("CHECKSUM", f"prompt page {i} (physical page {p}): bytes have CRC32 {actual:#010x}, "
+                                        f"tag says {int(tags[i, CHECKSUM]):#010x}, prefill reported "
+                                        f"{coverage_checksums[i]:#010x}")
+
+
+def step_tag_mismatches(tags: torch.Tensor, pages: torch.Tensor, expected: torch.Tensor,
+                        lengths: list[int]) -> list[int]:
+    """Per-step check, vectorised over the batch: the ownership words (owner, epoch, generation,
+    page index) of every page the step reads must equal the leases. Returns the indices of sequences
+    with a mismatch. pages: [N] concatenated page ids; expected: [N, 5]; lengths: pages per sequence."""
+    ok = (tags[pages, :5] == expected).all(dim=1)
+    if bool(ok.all()):
+        return []
+    return [i for i, seg in enumerate(torch.split(ok, lengths)) if not bool(seg.all())]
+
+
+__all__ = ["Violation", "verify_prompt_pages", "step_tag_mismatches", "OWNER_HI", "OWNER_LO", "EPOCH",
+           "GENERATION", "PAGE_INDEX"]

@@ -1,0 +1,40 @@
+"""The attention context: how page tables reach attention without the model knowing about serving.
+
+The runner sets it before a forward pass and resets it after; the model only reads it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionContext:
+    is_prefill: bool
+    # token i of the flattened batch is written to pool page slot_pages[i], offset slot_offsets[i]
+    slot_pages: torch.Tensor      # [T] int64
+    slot_offsets: torch.Tensor    # [T] int64
+    # decode only: pages each sequence reads, padded with page 0 (masked out by context_lens)
+    page_tables: torch.Tensor | None = None   # [B, P] int64
+    context_lens: torch.Tensor | None = None  # [B] int64
+    attn_mask: torch.Tensor | None = None     # [B, 1, 1, P*page_size] bool, True = attend
+
+
+_CONTEXT: AttentionContext | None = None
+
+
+def set_context(ctx: AttentionContext) -> None:
+    global _CONTEXT
+    _CONTEXT = ctx
+
+
+def get_context() -> AttentionContext:
+    if _CONTEXT is None:
+        raise RuntimeError("attention called without an AttentionContext (runner did not set one)")
+    return _CONTEXT
+
+
+def reset_context() -> None:
+    global _CONTEXT
+    _CONTEXT = None

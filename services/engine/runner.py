@@ -1,0 +1,68 @@
+"""ModelRunner: packs prefill and decode batches for the model and runs them over a KVPool."""
+from __future__ import annotations
+
+import torch
+
+from .context import AttentionContext, reset_context, set_context
+from .kv_pool import KVPool, PoolLayout
+from .loader import load_model
+
+
+def pick_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, num_pages: int, page_size: int, dtype: str = "float32",
+                 device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else pick_device()
+        self.model = load_model(model_dir, self.device, torch.float32 if dtype == "float32" else
+                                {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype])
+        self.config = self.model.config
+        self.layout = PoolLayout.for_model(self.config, page_size, dtype)
+        self.pool = KVPool(self.layout, num_pages, self.device)
+        self.model.bind_kv_pool(self.pool.kv)
+
+    @property
+    def page_size(self) -> int:
+        return self.layout.page_size
+
+    def _tensor(self, data) -> torch.Tensor:
+        return torch.tensor(data, dtype=torch.int64, device=self.device)
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: list[int], pages: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Runs one prompt from position 0, writing its KV into `pages`; returns logits [T or 1, V]."""
+        n, ps = len(token_ids), self.page_size
+        if len(pages) * ps < n:
+            raise ValueError(f"{len(pages)} pages of {ps} tokens cannot hold {n} tokens")
+        positions = torch.arange(n, device=self.device)
+        page_of = self._tensor(pages)[positions // ps]
+        set_context(AttentionContext(True, page_of, positions % ps))
+        try:
+            hidden = self.model(self._tensor(token_ids), positions)
+        finally:
+            reset_context()
+        return self.model.compute_logits(hidden if all_logits else hidden[-1:])
+
+    @torch.inference_mode()
+    def decode(self, token_ids: list[int], positions: list[int], page_tables: list[list[int]]
+               ) -> torch.Tensor:
+        """One step for B sequences: token b sits at positions[b]; returns logits [B, V]."""
+        ps = self.page_size
+        B = len(token_ids)
+        max_pages = max(len(t) for t in page_tables)
+        table = torch.zeros((B, max_pages), dtype=torch.int64)
+        for b, t in enumerate(page_tables):
+            table[b, :len(t)] = torch.tensor(t, dtype=torch.int64)
+        table = table.to(self.device)
+        pos = self._tensor(positions)
+        slot_pages = table[torch.arange(B, device=self.device), pos // ps]
+        ctx_lens = pos + 1
+        mask = torch.arange(max_pages * ps, device=self.device)[None, :] < ctx_lens[:, None]
+        set_context(AttentionContext(False, slot_pages, pos % ps, table, ctx_lens, mask[:, None, None, :]))
+        try:
+            hidden = self.model(self._tensor(token_ids), pos)
+        finally:
+            reset_context()
+        return self.model.compute_logits(hidden)

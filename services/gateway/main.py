@@ -1,0 +1,83 @@
+"""`pdserve gateway`: the public gRPC API in front of prefill and decode instances."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+import grpc
+
+from ..common import config
+from ..common.errors import PdError
+from ..common.metrics import init_metrics
+from ..common.proto import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
+from ..common.server import GRPC_OPTIONS, Service, setup_logging
+from ..engine.tokenizer import load_tokenizer
+from .router import Backend
+from .servicer import Capacity, GatewayServicer
+
+log = logging.getLogger(__name__)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=config.GATEWAY_PORT)
+    p.add_argument("--metrics-port", type=int, default=config.METRICS_PORTS["gateway"])
+    p.add_argument("--prefill", action="append", default=None, help="prefill HOST:PORT (repeatable)")
+    p.add_argument("--decode", action="append", default=None, help="decode HOST:PORT (repeatable)")
+    p.add_argument("--model", default=config.DEFAULT_MODEL, help="checkpoint directory (for the tokenizer)")
+    p.add_argument("--queue-limit", type=int, default=256)
+    p.add_argument("--queue-timeout", type=float, default=30.0)
+
+
+async def _info(target: str, stub, timeout: float = 120.0) -> common_pb2.EngineInfo:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            return await stub.GetInfo(common_pb2.GetInfoRequest(), timeout=5)
+        except grpc.RpcError as e:
+            if asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"{target} did not answer GetInfo within {timeout:.0f}s: {e.code()}") from None
+            await asyncio.sleep(0.2)
+
+
+def capacity_of(prefills: list[Backend], decodes: list[Backend]) -> Capacity:
+    infos = [b.info for b in prefills + decodes]
+    keys = {(i.model, i.vocab_size, i.page_size, i.layout.SerializeToString()) for i in infos}
+    if len(keys) != 1:
+        raise SystemExit(f"gateway: prefill and decode instances disagree on model/vocab/page layout: {keys}")
+    i0 = infos[0]
+    return Capacity(model=i0.model, context_length=min(i.context_length for i in infos), vocab_size=i0.vocab_size,
+                    page_size=i0.page_size, decode_pool_pages=min(b.info.pool_pages for b in decodes),
+                    prefill_pool_tokens=min(b.info.pool_pages * b.info.page_size for b in prefills))
+
+
+async def serve(args) -> None:
+    init_metrics("gateway")
+    prefill_targets = args.prefill or [f"127.0.0.1:{config.PREFILL_PORT}"]
+    decode_targets = args.decode or [f"127.0.0.1:{config.DECODE_PORT}"]
+    prefills = [Backend(t, prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(t, options=GRPC_OPTIONS)))
+                for t in prefill_targets]
+    decodes = [Backend(t, decode_pb2_grpc.DecodeStub(grpc.aio.insecure_channel(t, options=GRPC_OPTIONS)))
+               for t in decode_targets]
+    for b in prefills + decodes:
+        b.info = await _info(b.target, b.stub)
+    cap = capacity_of(prefills, decodes)
+    tokenizer = load_tokenizer(args.model, cap.vocab_size)
+    servicer = GatewayServicer(prefills, decodes, tokenizer, cap, args.queue_limit, args.queue_timeout)
+    svc = Service("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
+                  args.host, args.port, args.metrics_port)
+    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, svc.server)
+    await svc.start()
+    log.info("gateway: model %s, context %d, decode pool %d pages, prefill pool %d tokens", cap.model,
+             cap.context_length, cap.decode_pool_pages, cap.prefill_pool_tokens)
+    await svc.set_serving()
+    await svc.wait_for_termination()
+
+
+def main(args) -> None:
+    setup_logging()
+    try:
+        asyncio.run(serve(args))
+    except PdError as e:
+        raise SystemExit(f"gateway: {e}") from None

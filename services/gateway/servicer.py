@@ -1,0 +1,167 @@
+"""Gateway gRPC servicer: admission, request ids, routing, streaming.
+
+A client disconnect cancels only the decode stream: a prefill that has started runs to its
+EndWrite, and its decode allocation is released after it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from ..common.admission import _reject, check_lengths, check_sampling, check_tokens
+from ..common.errors import PdError, from_rpc_error
+from ..common.metrics import ITL, REQUESTS, TTFT
+from ..common.proto import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
+from ..common.wire import call
+from ..engine.tokenizer import IncrementalDecoder
+from .router import Backend, Router
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Capacity:
+    model: str
+    context_length: int
+    vocab_size: int
+    page_size: int
+    decode_pool_pages: int
+    prefill_pool_tokens: int
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, prefills: list[Backend], decodes: list[Backend], tokenizer, cap: Capacity,
+                 queue_limit: int = 256, queue_timeout_s: float = 30.0, rpc_timeout_s: float = 60.0):
+        self.prefills = Router(prefills)
+        self.decodes = Router(decodes)
+        self.tokenizer = tokenizer
+        self.cap = cap
+        self.queue_limit = queue_limit
+        self.queue_timeout_s = queue_timeout_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self._waiting = 0
+
+    async def GetModelInfo(self, request, context) -> gateway_pb2.ModelInfo:
+        c = self.cap
+        return gateway_pb2.ModelInfo(
+            model=c.model, context_length=c.context_length, vocab_size=c.vocab_size, page_size=c.page_size,
+            decode_pool_tokens=c.decode_pool_pages * c.page_size, prefill_pool_tokens=c.prefill_pool_tokens,
+            max_prompt_tokens=min(c.prefill_pool_tokens, c.context_length - 1),
+            num_prefill=len(self.prefills.backends), num_decode=len(self.decodes.backends))
+
+    def admit(self, request) -> list[int]:
+        """DESIGN §4, before any lease, allocation or transfer."""
+        tokens = list(request.prompt_token_ids) or self.tokenizer.encode(request.prompt)
+        check_tokens(tokens, self.cap.vocab_size)
+        top_p = request.top_p if request.HasField("top_p") else 1.0
+        check_sampling(request.max_tokens, request.temperature, top_p)
+        check_lengths(len(tokens), request.max_tokens, self.cap.context_length, self.cap.page_size,
+                      self.cap.decode_pool_pages, self.cap.prefill_pool_tokens)
+        return tokens
+
+    async def Generate(self, request, context):
+        start = time.perf_counter()
+        code = "OK"
+        try:
+            tokens = self.admit(request)
+            sampling = common_pb2.SamplingParams(
+                temperature=request.temperature, top_p=request.top_p if request.HasField("top_p") else 1.0,
+                seed=request.seed if request.HasField("seed") else secrets.randbits(63),
+                max_tokens=request.max_tokens, ignore_eos=request.ignore_eos)
+            request_id = secrets.token_bytes(16)
+            decode = self.decodes.pick()
+            prefill = self.prefills.pick()
+            decode.in_flight += 1
+            prefill.in_flight += 1
+            try:
+                async for msg in self._run(request_id, tokens, sampling, prefill, decode, start):
+                    yield msg
+            finally:
+                decode.in_flight -= 1
+                prefill.in_flight -= 1
+        except PdError as e:
+            code = e.code.name
+            raise
+        except asyncio.CancelledError:
+            code = "CANCELLED"
+            raise
+        finally:
+            REQUESTS.labels(code).inc()
+
+    async def _run(self, request_id: bytes, tokens: list[int], sampling, prefill: Backend, decode: Backend,
+                   start: float):
+        dest = await self._allocate(decode, request_id, len(tokens), sampling.max_tokens)
+        task = asyncio.ensure_future(call(prefill.stub.Prefill(prefill_pb2.PrefillRequest(
+            request_id=request_id, token_ids=tokens, sampling=sampling, destination=dest),
+            timeout=self.rpc_timeout_s), f"prefill {prefill.target}"))
+        try:
+            resp = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # the client left mid-prefill: the write runs to its EndWrite, then the pages go back
+            task.add_done_callback(lambda _: asyncio.ensure_future(self._release(decode, request_id)))
+            raise
+        except PdError:
+            await self._release(decode, request_id)
+            raise
+        stream = decode.stub.Decode(decode_pb2.DecodeRequest(
+            request_id=request_id, num_prompt_tokens=len(tokens), first_token=resp.first_token,
+            sampling=sampling, coverage=resp.coverage), timeout=self.rpc_timeout_s)
+        text = IncrementalDecoder(self.tokenizer)
+        last = None
+        try:
+            async for r in stream:
+                now = time.perf_counter()
+                first = last is None
+                if first:
+                    TTFT.observe(now - start)
+                else:
+                    ITL.observe(now - last)
+                last = now
+                yield gateway_pb2.GenerateResponse(
+                    request_id=request_id if first else b"", token_ids=[r.token_id],
+                    text=text.push([r.token_id]), finish_reason=r.finish_reason, prompt_tokens=len(tokens))
+        except grpc.RpcError as e:
+            err = from_rpc_error(e)
+            raise PdError(err.code, err.reason, f"decode {decode.target}: {err.message}") from None
+        finally:
+            stream.cancel()
+
+    async def _allocate(self, decode: Backend, request_id: bytes, num_prompt: int, max_tokens: int):
+        """Allocates decode pages; when the pool is full right now, waits in a bounded queue."""
+        req = decode_pb2.AllocateRequest(request_id=request_id, num_prompt_tokens=num_prompt, max_tokens=max_tokens)
+        deadline = time.monotonic() + self.queue_timeout_s
+        queued = False
+        delay = 0.005
+        try:
+            while True:
+                try:
+                    resp = await call(decode.stub.Allocate(req, timeout=self.rpc_timeout_s), f"decode {decode.target}")
+                    return resp.destination
+                except PdError as e:
+                    if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                        raise
+                    if not queued:
+                        if self._waiting >= self.queue_limit:
+                            raise _reject("OVERLOADED", f"{self._waiting} requests already wait for KV pages "
+                                                        f"(limit {self.queue_limit})") from None
+                        self._waiting += 1
+                        queued = True
+                    if time.monotonic() + delay > deadline:
+                        raise PdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_TIMEOUT",
+                                      f"no KV pages freed within {self.queue_timeout_s:.0f}s: {e.message}") from None
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 0.1)
+        finally:
+            if queued:
+                self._waiting -= 1
+
+    async def _release(self, decode: Backend, request_id: bytes) -> None:
+        try:
+            await decode.stub.Release(decode_pb2.DecodeReleaseRequest(request_id=request_id), timeout=10)
+        except grpc.RpcError as e:
+            log.warning("release of %s on %s failed: %s", request_id.hex(), decode.target, e.code())

@@ -1,0 +1,139 @@
+"""Starts services as child processes and waits until each reports ready (used by `pdserve up` and tests)."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+READY = re.compile(r"PDSERVE_READY service=(\w+) port=(\d+) metrics_port=(\d+)")
+
+
+@dataclass(eq=False)
+class Proc:
+    name: str
+    args: list[str]
+    popen: subprocess.Popen
+    port: int = 0
+    metrics_port: int = 0
+    lines: list[str] = field(default_factory=list)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+def start(name: str, args: list[str], env: dict | None = None, timeout: float = 120.0, echo: bool = False,
+          log_path: str | None = None) -> Proc:
+    """Runs `pdserve <args>` and returns once it prints its ready line; raises with its output otherwise."""
+    cmd = [sys.executable, "-u", "-m", "services.cli", *args]
+    full_env = {**os.environ, **(env or {})}
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                             start_new_session=True)
+    proc = Proc(name, args, popen)
+    ready = threading.Event()
+    sink = open(log_path, "a") if log_path else None
+
+    def pump():
+        for line in popen.stdout:
+            proc.lines.append(line)
+            del proc.lines[:-400]
+            if sink:
+                sink.write(line)
+                sink.flush()
+            if echo:
+                sys.stdout.write(f"[{name}] {line}")
+            m = READY.search(line)
+            if m and not ready.is_set():
+                proc.port, proc.metrics_port = int(m.group(2)), int(m.group(3))
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not ready.wait(0.1):
+        if time.monotonic() > deadline:
+            stop(proc)
+            raise RuntimeError(f"{name} not ready after {timeout:.0f}s:\n{''.join(proc.lines[-40:])}")
+    if not proc.port:
+        popen.wait(5)
+        raise RuntimeError(f"{name} exited with {popen.returncode} before it was ready:\n{''.join(proc.lines[-40:])}")
+    return proc
+
+
+def stop(proc: Proc, timeout: float = 10.0) -> int | None:
+    if proc.alive():
+        try:
+            os.killpg(proc.popen.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+            proc.popen.wait(5)
+    return proc.popen.returncode
+
+
+def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0, page_size: int = 16,
+                prefill_pool_tokens: int = 8192, decode_pool_tokens: int = 32768, allow_small: bool = False,
+                num_prefill: int = 1, num_decode: int = 1, env: dict | None = None, echo: bool = False,
+                log_dir: str | None = None, extra: dict | None = None) -> dict[str, list[Proc]]:
+    """Broker, prefills, decodes, gateway. base_ports=True uses the default ports (pdserve up); otherwise
+    every port is 0 (picked by the OS), as tests need."""
+    from .common import config
+
+    def ports(name: str, i: int) -> list[str]:
+        if not base_ports:
+            return ["--port", "0", "--metrics-port", "0"]
+        base = {"gateway": config.GATEWAY_PORT, "broker": config.BROKER_PORT, "prefill": config.PREFILL_PORT,
+                "decode": config.DECODE_PORT}[name]
+        return ["--port", str(base + 100 * i), "--metrics-port", str(config.METRICS_PORTS[name] + 10 * i)]
+
+    def log(name):
+        return os.path.join(log_dir, f"{name}.log") if log_dir else None
+
+    extra = extra or {}
+    common = ["--model", model, "--page-size", str(page_size)]
+    if context_length:
+        common += ["--context-length", str(context_length)]
+    if allow_small:
+        common += ["--allow-pool-smaller-than-context"]
+    procs: dict[str, list[Proc]] = {"broker": [], "prefill": [], "decode": [], "gateway": []}
+    try:
+        broker = start("broker", ["broker", *ports("broker", 0), *extra.get("broker", [])], env, echo=echo,
+                       log_path=log("broker"))
+        procs["broker"].append(broker)
+        for i in range(num_prefill):
+            procs["prefill"].append(start(f"prefill{i}", ["prefill", *ports("prefill", i), "--broker", broker.target,
+                                                          *common, "--pool-tokens", str(prefill_pool_tokens),
+                                                          *extra.get("prefill", [])], env, echo=echo,
+                                          log_path=log(f"prefill{i}")))
+        for i in range(num_decode):
+            procs["decode"].append(start(f"decode{i}", ["decode", *ports("decode", i), "--broker", broker.target,
+                                                        *common, "--pool-tokens", str(decode_pool_tokens),
+                                                        *extra.get("decode", [])], env, echo=echo,
+                                         log_path=log(f"decode{i}")))
+        gw = ["gateway", *ports("gateway", 0), "--model", model, *extra.get("gateway", [])]
+        for p in procs["prefill"]:
+            gw += ["--prefill", p.target]
+        for p in procs["decode"]:
+            gw += ["--decode", p.target]
+        procs["gateway"].append(start("gateway", gw, env, echo=echo, log_path=log("gateway")))
+    except BaseException:
+        stop_stack(procs)
+        raise
+    return procs
+
+
+def stop_stack(procs: dict[str, list[Proc]]) -> None:
+    for name in ("gateway", "decode", "prefill", "broker"):
+        for p in procs.get(name, []):
+            stop(p)

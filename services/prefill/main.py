@@ -1,0 +1,77 @@
+"""`pdserve prefill`: one prefill instance."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+
+import grpc
+
+from ..common import config
+from ..common.capacity import check_pool_capacity
+from ..common.metrics import init_metrics
+from ..common.proto import broker_pb2, broker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from ..common.server import GRPC_OPTIONS, Service, setup_logging
+from ..engine.runner import ModelRunner
+from ..kvtransfer.engine import TransferEngine
+from .servicer import PrefillServicer
+from .worker import PrefillWorker
+
+log = logging.getLogger(__name__)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=config.PREFILL_PORT)
+    p.add_argument("--metrics-port", type=int, default=config.METRICS_PORTS["prefill"])
+    p.add_argument("--broker", default=f"127.0.0.1:{config.BROKER_PORT}")
+    p.add_argument("--model", default=config.DEFAULT_MODEL)
+    p.add_argument("--context-length", type=int, default=0, help="default: the model's max_position_embeddings")
+    p.add_argument("--page-size", type=int, default=config.DEFAULT_PAGE_SIZE)
+    p.add_argument("--pool-tokens", type=int, default=config.DEFAULT_PREFILL_POOL_TOKENS)
+    p.add_argument("--allow-pool-smaller-than-context", action="store_true")
+    p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+async def keep_alive(broker, holder: str, ttl_s: float) -> None:
+    while True:
+        try:
+            await broker.KeepAlive(broker_pb2.KeepAliveRequest(holder_id=holder, ttl_ms=int(ttl_s * 1000)),
+                                   timeout=ttl_s / 3)
+        except grpc.RpcError as e:
+            log.warning("KeepAlive to broker failed: %s", e.code())
+        await asyncio.sleep(ttl_s / 4)
+
+
+async def serve(args) -> None:
+    num_pages = args.pool_tokens // args.page_size
+    runner = ModelRunner(args.model, num_pages, args.page_size, args.kv_dtype, args.device)
+    context_length = args.context_length or runner.config.max_position_embeddings
+    pool_name = f"prefill-{args.port}"
+    init_metrics("prefill", [pool_name])
+    max_prompt = check_pool_capacity("prefill", pool_name, num_pages * args.page_size, context_length,
+                                     args.allow_pool_smaller_than_context)
+    transfer = TransferEngine(args.host, args.protocol)
+    worker = PrefillWorker(runner, transfer)
+    channel = grpc.aio.insecure_channel(args.broker, options=GRPC_OPTIONS)
+    broker = broker_pb2_grpc.BrokerStub(channel)
+    writer_id = f"prefill-{args.host}-{os.getpid()}-{secrets.token_hex(4)}"
+    svc = Service("prefill", [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name],
+                  args.host, args.port, args.metrics_port)
+    prefill_pb2_grpc.add_PrefillServicer_to_server(
+        PrefillServicer(worker, broker, writer_id, context_length, max_prompt,
+                        os.path.basename(os.path.normpath(args.model))), svc.server)
+    await svc.start()
+    ka = asyncio.create_task(keep_alive(broker, writer_id, 10.0))
+    await svc.set_serving()
+    await svc.wait_for_termination()
+    ka.cancel()
+
+
+def main(args) -> None:
+    setup_logging()
+    asyncio.run(serve(args))

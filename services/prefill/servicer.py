@@ -1,0 +1,134 @@
+"""Prefill gRPC servicer: re-checks admission, BeginWrite, forward, transfer, EndWrite in every outcome."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from ..common.admission import check_sampling, check_tokens
+from ..common.config import pages_for
+from ..common.errors import PdError, invalid
+from ..common.faults import FAULTS
+from ..common.metrics import LEASE_VIOLATIONS, TRANSFER_BYTES, TRANSFER_FAILURES, TRANSFER_SECONDS
+from ..common.proto import broker_pb2, common_pb2, prefill_pb2, prefill_pb2_grpc
+from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, sampling_from_pb
+from ..engine.tags import TAG_NBYTES
+from ..kvtransfer.engine import TransferError
+from .worker import PrefillWorker, Target
+
+log = logging.getLogger(__name__)
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, worker: PrefillWorker, broker, writer_id: str, context_length: int, max_prompt: int,
+                 model_name: str, rpc_timeout_s: float = 10.0):
+        self.worker = worker
+        self.broker = broker
+        self.writer_id = writer_id
+        self.context_length = context_length
+        self.max_prompt = max_prompt  # capped by the local pool
+        self.model_name = model_name
+        self.rpc_timeout_s = rpc_timeout_s
+        self._compute = asyncio.Lock()
+        self._pages_freed = asyncio.Condition()
+        self.layout_pb = layout_to_pb(worker.pool.layout, TAG_NBYTES)
+
+    async def GetInfo(self, request, context) -> common_pb2.EngineInfo:
+        cfg = self.worker.runner.config
+        return common_pb2.EngineInfo(
+            model=self.model_name, context_length=self.context_length, vocab_size=cfg.vocab_size,
+            pool_pages=self.worker.pool.num_pages, page_size=self.worker.pool.page_size,
+            eos_token_id=cfg.eos_token_id if cfg.eos_token_id is not None else -1,
+            layout=self.layout_pb, free_pages=self.worker.alloc.num_free)
+
+    def _admit(self, request) -> Target:
+        tokens = request.token_ids
+        check_tokens(tokens, self.worker.runner.config.vocab_size)
+        check_sampling(request.sampling.max_tokens or 1, request.sampling.temperature, request.sampling.top_p or 1.0)
+        n = len(tokens)
+        if n > self.max_prompt:
+            # never a placeholder: a prompt that does not fit is refused whole (the incident)
+            raise invalid("PREFILL_POOL_EXCEEDED", f"prompt is {n} tokens; the prefill KV pool holds "
+                                                   f"{self.max_prompt}")
+        if n + max(1, request.sampling.max_tokens) > self.context_length:
+            raise invalid("CONTEXT_EXCEEDED", f"prompt is {n} tokens + max_tokens {request.sampling.max_tokens}; "
+                                              f"the context length is {self.context_length}")
+        dest = request.destination
+        if dest.layout != self.layout_pb:
+            raise invalid("LAYOUT_MISMATCH", f"destination layout {dest.layout} differs from prefill's {self.layout_pb}")
+        if len(request.request_id) != 16:
+            raise invalid("BAD_DESTINATION", f"request_id must be 16 bytes, got {len(request.request_id)}")
+        need = pages_for(n, self.worker.pool.page_size)
+        if len(dest.leases) < need:
+            raise invalid("BAD_DESTINATION", f"prompt is {n} tokens ({need} pages); destination leases "
+                                              f"{len(dest.leases)} pages")
+        return Target(dest.transfer_session, dest.data_base, dest.tag_base, dest.epoch,
+                      leases_from_pb(dest.leases[:need]))
+
+    async def Prefill(self, request, context) -> prefill_pb2.PrefillResponse:
+        target = self._admit(request)
+        # shielded: a cancelled caller must not stop a write half-way, nor skip its EndWrite
+        return await asyncio.shield(self._prefill(request, target))
+
+    async def _prefill(self, request, target: Target) -> prefill_pb2.PrefillResponse:
+        owner = request.request_id
+        pool_id = request.destination.pool_id
+        leases_pb = leases_to_pb(target.leases)
+        try:
+            await call(self.broker.BeginWrite(broker_pb2.BeginWriteRequest(
+                pool_id=pool_id, owner=owner, epoch=target.epoch, leases=leases_pb, writer_id=self.writer_id),
+                timeout=self.rpc_timeout_s), "broker BeginWrite")
+        except PdError as e:
+            TRANSFER_FAILURES.labels("begin_write").inc()
+            if e.reason in ("LEASE_NOT_CURRENT", "WRITER_ACTIVE"):
+                LEASE_VIOLATIONS.labels("prefill", e.reason).inc()
+                raise PdError(grpc.StatusCode.DATA_LOSS, e.reason, e.message) from None
+            raise
+        ok = False
+        local: list[int] = []
+        try:
+            if (arg := FAULTS.fire("prefill.delay_before_write")) is not None:
+                await asyncio.sleep(int(arg or 1000) / 1000)
+            n = len(request.token_ids)
+            need = pages_for(n, self.worker.pool.page_size)
+            local = await self._allocate_local(need)
+            sampling = sampling_from_pb(request.sampling)
+            async with self._compute:
+                first = await asyncio.to_thread(self.worker.forward, list(request.token_ids), local, sampling)
+            try:
+                written = await asyncio.to_thread(self.worker.write, owner, local, n, target)
+            except TransferError as e:
+                TRANSFER_FAILURES.labels(e.stage).inc()
+                raise PdError(grpc.StatusCode.UNAVAILABLE, "TRANSFER_FAILED", str(e)) from None
+            TRANSFER_BYTES.inc(written.nbytes)
+            TRANSFER_SECONDS.observe(written.seconds)
+            ok = True
+            return prefill_pb2.PrefillResponse(first_token=first, coverage=common_pb2.Coverage(
+                num_tokens=written.num_tokens, num_pages=written.num_pages, checksums=written.checksums))
+        finally:
+            if local:
+                self.worker.alloc.deallocate(local)
+                async with self._pages_freed:
+                    self._pages_freed.notify_all()
+            await self._end_write(pool_id, owner, target.epoch, leases_pb, ok)
+
+    async def _allocate_local(self, need: int) -> list[int]:
+        async with self._pages_freed:
+            await asyncio.wait_for(self._pages_freed.wait_for(lambda: self.worker.alloc.can_allocate(need)),
+                                   timeout=self.rpc_timeout_s * 3)
+            return self.worker.alloc.allocate(need)
+
+    async def _end_write(self, pool_id, owner, epoch, leases_pb, ok: bool) -> None:
+        if FAULTS.fire("prefill.lose_end_write") is not None:
+            return
+        req = broker_pb2.EndWriteRequest(pool_id=pool_id, owner=owner, epoch=epoch, leases=leases_pb,
+                                         writer_id=self.writer_id, success=ok)
+        for attempt in range(3):  # the acknowledgement matters: the pages stay quarantined without it
+            try:
+                await self.broker.EndWrite(req, timeout=self.rpc_timeout_s)
+                return
+            except grpc.RpcError as e:
+                log.warning("EndWrite attempt %d for %s failed: %s", attempt + 1, owner.hex(), e)
+                await asyncio.sleep(0.2 * (attempt + 1))
+        TRANSFER_FAILURES.labels("end_write").inc()

@@ -1,0 +1,84 @@
+"""Prefill worker: prompt forward pass into the local pool, then one-sided writes into a decode pool.
+
+Data first, tags second: a tag is the writer's claim that the bytes before it are complete, so it
+must never land before them. No gRPC here.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..common.config import pages_for
+from ..common.faults import FAULTS
+from ..engine.page_allocator import PageAllocator
+from ..engine.runner import ModelRunner
+from ..engine.sampler import SamplingParams, sample_one
+from ..engine.tags import TAG_NBYTES, make_tag
+from ..kvtransfer.engine import TransferEngine, coalesce
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Target:
+    """Where one request's KV goes (decoded from a Destination)."""
+    session: str
+    data_base: int
+    tag_base: int
+    epoch: int
+    leases: list[tuple[int, int]]  # (page, generation) in request order
+
+
+@dataclass(slots=True)
+class Written:
+    num_tokens: int
+    num_pages: int
+    checksums: list[int]
+    nbytes: int
+    seconds: float
+
+
+class PrefillWorker:
+    def __init__(self, runner: ModelRunner, transfer: TransferEngine):
+        self.runner = runner
+        self.pool = runner.pool
+        self.transfer = transfer
+        self.alloc = PageAllocator(self.pool.num_pages)
+        transfer.register(self.pool.data_ptr, self.pool.data_nbytes)
+        transfer.register(self.pool.tag_ptr, self.pool.tag_nbytes)
+
+    def forward(self, token_ids: list[int], local_pages: list[int], sampling: SamplingParams) -> int:
+        logits = self.runner.prefill(token_ids, local_pages)
+        return sample_one(logits[0], sampling, step=0)
+
+    def write(self, owner: bytes, local_pages: list[int], num_tokens: int, target: Target) -> Written:
+        ps = self.pool.page_size
+        n = pages_for(num_tokens, ps)
+        if n > len(target.leases):
+            raise ValueError(f"{num_tokens} tokens need {n} pages; the destination leases {len(target.leases)}")
+        start = time.perf_counter()
+        self.pool.zero_tail(local_pages[n - 1], num_tokens - (n - 1) * ps)
+        checksums = [self.pool.checksum(p) for p in local_pages[:n]]
+        for i, p in enumerate(local_pages[:n]):
+            tokens = min(ps, num_tokens - i * ps)
+            self.pool.tags[p] = torch.tensor(
+                make_tag(owner, target.epoch, target.leases[i][1], i, tokens, checksums[i]), dtype=torch.int64)
+        idx = list(range(n))
+        if FAULTS.fire("prefill.short_transfer") is not None:
+            idx = idx[:1]
+        if (arg := FAULTS.fire("prefill.skip_page")) is not None:
+            idx = [i for i in idx if i != int(arg or 0)]
+        if (arg := FAULTS.fire("prefill.bit_flip")) is not None:
+            k = min(int(arg or 0), n - 1)
+            self.pool.kv[local_pages[k]].view(torch.uint8).view(-1)[123] ^= 0x10
+        src = [local_pages[i] for i in idx]
+        dst = [target.leases[i][0] for i in idx]
+        moved = self.transfer.write(target.session, coalesce(src, dst, self.pool.data_ptr, target.data_base,
+                                                             self.pool.page_nbytes), stage="data")
+        if FAULTS.fire("prefill.skip_tags") is None:
+            moved += self.transfer.write(target.session, coalesce(src, dst, self.pool.tag_ptr, target.tag_base,
+                                                                  TAG_NBYTES), stage="tags")
+        return Written(num_tokens, n, checksums, moved, time.perf_counter() - start)
