@@ -1,11 +1,18 @@
 """ModelRunner: packs prefill and decode batches for the model and runs them over a KVPool."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .context import AttentionContext, reset_context, set_context
 from .kv_pool import KVPool, PoolLayout
 from .loader import load_model
+
+
+def set_threads(n: int = 0) -> None:
+    """Intra-op CPU threads; by default half the cores, since prefill and decode usually share a host."""
+    torch.set_num_threads(n or max(1, (os.cpu_count() or 2) // 2))
 
 
 def pick_device() -> torch.device:

@@ -14,7 +14,7 @@ from ..common.capacity import check_pool_capacity
 from ..common.metrics import init_metrics
 from ..common.proto import broker_pb2, broker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
-from ..engine.runner import ModelRunner
+from ..engine.runner import ModelRunner, set_threads
 from ..kvtransfer.engine import TransferEngine
 from .servicer import PrefillServicer
 from .worker import PrefillWorker
@@ -34,6 +34,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-pool-smaller-than-context", action="store_true")
     p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for the model (default: half the cores, prefill and decode share a host)")
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
@@ -49,6 +51,7 @@ async def keep_alive(broker, holder: str, ttl_s: float) -> None:
 
 async def serve(args) -> None:
     num_pages = args.pool_tokens // args.page_size
+    set_threads(args.threads)
     runner = ModelRunner(args.model, num_pages, args.page_size, args.kv_dtype, args.device)
     context_length = args.context_length or runner.config.max_position_embeddings
     pool_name = f"prefill-{args.port}"

@@ -1,0 +1,79 @@
+"""A real local stack (broker, prefill, decode, gateway processes on OS-picked ports) for tests."""
+from __future__ import annotations
+
+import re
+import tempfile
+import urllib.request
+
+import grpc
+
+from services import launcher
+from services.client import build_request, generate
+from services.common.proto import (broker_pb2, broker_pb2_grpc, decode_pb2_grpc, faults_pb2, faults_pb2_grpc,
+                                   gateway_pb2_grpc, prefill_pb2_grpc)
+
+
+class Stack:
+    def __init__(self, model_dir: str, **kw):
+        self.log_dir = tempfile.mkdtemp(prefix="pdserve-stack-")
+        env = {"PDSERVE_ENABLE_FAULTS": "1", **kw.pop("env", {})}
+        self.procs = launcher.start_stack(model_dir, env=env, log_dir=self.log_dir, **kw)
+        self._channels = []
+        self.gateway = gateway_pb2_grpc.GatewayStub(self._ch(self.procs["gateway"][0].target))
+        self.broker = broker_pb2_grpc.BrokerStub(self._ch(self.procs["broker"][0].target))
+        self.prefills = [prefill_pb2_grpc.PrefillStub(self._ch(p.target)) for p in self.procs["prefill"]]
+        self.decodes = [decode_pb2_grpc.DecodeStub(self._ch(p.target)) for p in self.procs["decode"]]
+
+    def _ch(self, target: str):
+        ch = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)])
+        self._channels.append(ch)
+        return ch
+
+    def generate(self, **kw) -> dict:
+        return generate(self.gateway, build_request(**kw))
+
+    def arm(self, service: str, name: str, count: int = 1, arg: str = "", index: int = 0) -> None:
+        target = self.procs[service][index].target
+        faults_pb2_grpc.FaultsStub(self._ch(target)).Arm(faults_pb2.ArmRequest(name=name, count=count, arg=arg))
+
+    def clear_faults(self) -> None:
+        for name in ("prefill", "decode"):
+            for p in self.procs[name]:
+                faults_pb2_grpc.FaultsStub(self._ch(p.target)).Clear(faults_pb2.ClearRequest())
+
+    def metrics(self, service: str, index: int = 0) -> str:
+        port = self.procs[service][index].metrics_port
+        return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+    def metric(self, service: str, name: str, labels: dict | None = None, index: int = 0) -> float:
+        """Value of one series; raises if absent (a counter must exist from start-up)."""
+        want = ",".join(f'{k}="{v}"' for k, v in sorted((labels or {}).items()))
+        total = None
+        for line in self.metrics(service, index).splitlines():
+            m = re.match(r"^(\w+)(?:\{(.*)\})? (\S+)$", line)
+            if not m or m.group(1) != name:
+                continue
+            got = ",".join(sorted((m.group(2) or "").split(","))) if m.group(2) else ""
+            if all(f'{k}="{v}"' in got for k, v in (labels or {}).items()):
+                total = (total or 0.0) + float(m.group(3))
+        if total is None:
+            raise KeyError(f"{name}{{{want}}} not exported by {service}")
+        return total
+
+    def pool_states(self) -> list:
+        out = []
+        for p in self.procs["decode"]:
+            for line in p.lines:
+                m = re.search(r"pool (decode-\S+) registered", line)
+                if m:
+                    out.append(self.broker.GetPoolState(broker_pb2.GetPoolStateRequest(pool_id=m.group(1)), timeout=5))
+                    break
+        return out
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {n} ---\n" + "".join(p.lines[-60:]) for n, ps in self.procs.items() for p in ps)
+
+    def close(self) -> None:
+        for ch in self._channels:
+            ch.close()
+        launcher.stop_stack(self.procs)

@@ -1,0 +1,273 @@
+"""Lease table rules one by one, then a Hypothesis state machine against a small independent model."""
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from services.broker.lease_table import LeaseError, LeaseTable, PageState
+
+A, B = b"a" * 16, b"b" * 16
+
+
+class FakeClock:
+    now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(num_pages: int = 8) -> tuple[LeaseTable, FakeClock]:
+    clock = FakeClock()
+    table = LeaseTable(lock_delay_s=2.0, default_writer_ttl_s=10.0, clock=clock, epoch=7)
+    table.register_pool("p", num_pages)
+    return table, clock
+
+
+def refused(kind: str, reason: str, fn, *args) -> LeaseError:
+    with pytest.raises(LeaseError) as info:
+        fn(*args)
+    assert (info.value.kind, info.value.reason) == (kind, reason), info.value.message
+    return info.value
+
+
+def test_register_pool_is_idempotent_per_size_and_epochs_are_random_nonzero():
+    table, _ = make()
+    assert table.register_pool("p", 8) == 7
+    refused("ALREADY_EXISTS", "POOL_SIZE_MISMATCH", table.register_pool, "p", 9)
+    refused("INVALID_ARGUMENT", "BAD_POOL", table.register_pool, "q", 0)
+    epochs = {LeaseTable().epoch for _ in range(4)}
+    assert len(epochs) == 4 and 0 not in epochs
+
+
+def test_grant_takes_lowest_free_pages_with_a_new_shared_generation():
+    table, _ = make()
+    assert table.grant("p", A, 3, 7) == [(0, 1), (1, 1), (2, 1)]
+    assert table.grant("p", B, 2, 7) == [(3, 2), (4, 2)]
+    assert table.release("p", A, 7) == (3, 0)
+    # the freed low pages come back first, in ascending order, at a generation never seen before
+    assert table.grant("p", A, 4, 7) == [(0, 3), (1, 3), (2, 3), (5, 3)]
+    assert table.leases_of("p", A) == [(0, 3), (1, 3), (2, 3), (5, 3)]
+
+
+def test_grant_refusals_leave_state_unchanged():
+    table, _ = make()
+    table.grant("p", A, 6, 7)
+    before = table.pool_state("p")
+    err = refused("RESOURCE_EXHAUSTED", "POOL_EXHAUSTED", table.grant, "p", B, 3, 7)
+    assert "2 free pages of 8; 3 requested" in err.message
+    refused("FAILED_PRECONDITION", "EPOCH_MISMATCH", table.grant, "p", B, 1, 8)
+    refused("NOT_FOUND", "UNKNOWN_POOL", table.grant, "q", B, 1, 7)
+    refused("ALREADY_EXISTS", "OWNER_HAS_LEASE", table.grant, "p", A, 1, 7)
+    refused("INVALID_ARGUMENT", "BAD_NUM_PAGES", table.grant, "p", B, 0, 7)
+    refused("INVALID_ARGUMENT", "BAD_OWNER", table.grant, "p", b"short", 1, 7)
+    assert table.pool_state("p") == before and table.leases_of("p", B) == []
+    assert table.grant("p", B, 2, 7) == [(6, 2), (7, 2)]  # the refused grants burnt no generation
+
+
+def test_begin_write_needs_current_leases_and_is_atomic():
+    table, _ = make()
+    leases = table.grant("p", A, 2, 7)
+    refused("FAILED_PRECONDITION", "LEASE_NOT_CURRENT", table.begin_write, "p", A, 7, [(0, 1), (1, 9)], "w")
+    refused("FAILED_PRECONDITION", "LEASE_NOT_CURRENT", table.begin_write, "p", B, 7, leases, "w")
+    refused("FAILED_PRECONDITION", "EPOCH_MISMATCH", table.begin_write, "p", A, 8, leases, "w")
+    assert table.pool_state("p")["num_writing"] == 0  # page 0 was not marked by the refused call
+    table.begin_write("p", A, 7, leases[:1], "w")
+    assert table.page_info("p", 0).active_writer == ("w", 1)
+    refused("FAILED_PRECONDITION", "WRITER_ACTIVE", table.begin_write, "p", A, 7, leases, "w2")
+    assert table.page_info("p", 1).active_writer is None
+
+
+def test_validate_refuses_while_writing_and_after_release():
+    table, _ = make()
+    leases = table.grant("p", A, 2, 7)
+    table.validate("p", A, 7, leases)
+    table.begin_write("p", A, 7, leases, "w")
+    refused("FAILED_PRECONDITION", "WRITER_ACTIVE", table.validate, "p", A, 7, leases)
+    assert table.end_write("p", A, 7, leases, "w", True) == 0
+    table.validate("p", A, 7, leases)
+    refused("FAILED_PRECONDITION", "EPOCH_MISMATCH", table.validate, "p", A, 8, leases)
+    table.release("p", A, 7)
+    refused("FAILED_PRECONDITION", "LEASE_NOT_CURRENT", table.validate, "p", A, 7, leases)
+
+
+def test_release_quarantines_written_pages_until_their_end_write_and_revoke_records_an_event():
+    table, _ = make(num_pages=3)
+    leases = table.grant("p", A, 3, 7)
+    table.begin_write("p", A, 7, leases[1:], "w")
+    assert table.release("p", A, 8) == (0, 0)  # wrong epoch: a no-op
+    assert table.release("p", A, 7) == (1, 2)
+    assert table.release("p", A, 7) == (0, 0)
+    assert table.page_info("p", 2).state is PageState.QUARANTINED
+    refused("RESOURCE_EXHAUSTED", "POOL_EXHAUSTED", table.grant, "p", B, 2, 7)
+    assert table.end_write("p", A, 8, leases[1:], "w", False) == 0  # wrong epoch changes nothing
+    assert table.end_write("p", A, 7, leases[1:], "other-writer", False) == 0
+    assert table.pool_state("p")["num_quarantined"] == 2
+    assert table.end_write("p", A, 7, leases[1:], "w", False) == 2
+    assert table.end_write("p", A, 7, leases[1:], "w", False) == 0  # duplicate ack
+    assert table.grant("p", B, 3, 7) == [(0, 2), (1, 2), (2, 2)]
+    refused("NOT_FOUND", "UNKNOWN_POOL", table.end_write, "q", A, 7, leases, "w", True)
+    assert table.revoke("p", B, "DRAIN") == (3, 0)
+    assert table.drain_revocations("p") == [(B, 7, "DRAIN")] and table.drain_revocations("p") == []
+
+
+def test_stale_ack_of_an_old_generation_never_frees_a_newer_one():
+    table, _ = make(num_pages=1)
+    old = table.grant("p", A, 1, 7)
+    table.begin_write("p", A, 7, old, "w")
+    table.release("p", A, 7)
+    assert table.end_write("p", A, 7, old, "w", True) == 1
+    assert (new := table.grant("p", B, 1, 7)) == [(0, 2)]
+    table.begin_write("p", B, 7, new, "w")
+    table.release("p", B, 7)
+    assert table.end_write("p", A, 7, old, "w", True) == 0  # the late duplicate of the gen-1 ack
+    assert table.page_info("p", 0).state is PageState.QUARANTINED
+    assert table.end_write("p", B, 7, new, "w", True) == 1
+
+
+def test_sweep_frees_quarantine_only_after_liveness_expiry_plus_lock_delay():
+    table, clock = make(num_pages=2)
+    table.grant("p", A, 1, 7)
+    table.grant("p", B, 1, 7)
+    table.keep_alive("slow", 30.0)
+    table.begin_write("p", A, 7, [(0, 1)], "slow")
+    table.begin_write("p", B, 7, [(1, 2)], "fast")  # no record yet: expires at now + 10
+    table.release("p", A, 7)
+    table.release("p", B, 7)
+    clock.now += 11.9
+    assert table.sweep() == 0
+    table.keep_alive("fast", 1.0)  # renewed: now expires at 112.9, freed at 114.9
+    clock.now += 2.9
+    assert table.sweep() == 0
+    clock.now += 0.2
+    assert table.sweep() == 1  # the later write's page goes first: deadlines are not ordered
+    assert table.page_info("p", 1).state is PageState.FREE and table.page_info("p", 0).active_writer
+    clock.now = 100.0 + 30.0 + 2.0
+    assert table.sweep() == 1
+    assert table.pool_state("p")["num_free"] == 2
+
+
+def test_sweep_clears_a_dead_writer_of_a_live_lease_and_begin_write_revives_an_expired_one():
+    table, clock = make()
+    leases = table.grant("p", A, 1, 7)
+    table.begin_write("p", A, 7, leases, "w")
+    clock.now += 12.0
+    assert table.sweep() == 0
+    table.validate("p", A, 7, leases)
+    assert table.pool_state("p")["num_writing"] == 0
+    refused("INVALID_ARGUMENT", "BAD_KEEP_ALIVE", table.keep_alive, "w2", 0)
+    table.keep_alive("w2", 1.0)
+    clock.now += 1.5  # expired, but within lock_delay: the record is still there
+    table.begin_write("p", A, 7, leases, "w2")  # must count as a fresh writer: alive until now + 10
+    clock.now += 3.0
+    table.sweep()
+    refused("FAILED_PRECONDITION", "WRITER_ACTIVE", table.validate, "p", A, 7, leases)
+
+
+OWNERS, WRITERS = [bytes([i]) * 16 for i in range(3)], ["w0", "w1"]
+NUM_PAGES, LOCK_DELAY, TTL = 6, 1.0, 1.0
+
+
+class LeaseMachine(RuleBasedStateMachine):
+    """Model: who holds what, which (page, gen) is being written by whom, and each writer's expiry."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock()
+        self.table = LeaseTable(LOCK_DELAY, TTL, self.clock, epoch=1)
+        self.table.register_pool("p", NUM_PAGES)
+        self.held: dict[bytes, list[tuple[int, int]]] = {}
+        self.writes: dict[int, tuple[str, int]] = {}  # page -> (writer, gen), LEASED or QUARANTINED
+        self.expiry: dict[str, float] = {}
+        self.max_gen = [0] * NUM_PAGES
+        self.history: list[tuple[int, int]] = []  # every lease ever granted, for stale requests
+
+    def held_pages(self) -> set[int]:
+        return {p for leases in self.held.values() for p, _ in leases}
+
+    @rule(owner=st.sampled_from(OWNERS), n=st.integers(1, 3))
+    def grant(self, owner, n):
+        num_free = NUM_PAGES - len(self.held_pages() | self.writes.keys())
+        try:
+            leases = self.table.grant("p", owner, n, 1)
+        except LeaseError as e:
+            assert e.reason == ("OWNER_HAS_LEASE" if owner in self.held else "POOL_EXHAUSTED")
+            assert owner in self.held or n > num_free
+            return
+        assert owner not in self.held and n <= num_free
+        assert [p for p, _ in leases] == sorted(p for p, _ in leases) and len({g for _, g in leases}) == 1
+        for page, gen in leases:
+            assert page not in self.writes, f"page {page} granted while {self.writes[page]} may still write it"
+            assert gen > self.max_gen[page]
+        self.held[owner] = leases
+        self.history += leases
+
+    @precondition(lambda self: self.held)
+    @rule(writer=st.sampled_from(WRITERS), stale=st.booleans(), data=st.data())
+    def begin_write(self, writer, stale, data):
+        owner = data.draw(st.sampled_from(sorted(self.held)))
+        choices = st.sampled_from(self.history if stale else self.held[owner])
+        leases = data.draw(st.lists(choices, min_size=1, max_size=3, unique_by=lambda lease: lease[0]))
+        ok = all(lease in self.held[owner] and lease[0] not in self.writes for lease in leases)
+        try:
+            self.table.begin_write("p", owner, 1, leases, writer)
+        except LeaseError:
+            assert not ok
+            return
+        assert ok
+        self.writes.update({page: (writer, gen) for page, gen in leases})
+        if self.expiry.get(writer, self.clock.now) <= self.clock.now:
+            self.expiry[writer] = self.clock.now + TTL
+
+    @precondition(lambda self: self.history)
+    @rule(writer=st.sampled_from(WRITERS), epoch=st.sampled_from([1, 1, 2]), data=st.data())
+    def end_write(self, writer, epoch, data):
+        # the right acks, and stale, duplicate or foreign ones that must change nothing
+        right = [(p, g) for p, (w, g) in self.writes.items() if w == writer]
+        leases = data.draw(st.lists(st.sampled_from(right * 3 + self.history), max_size=4))
+        held, expected = self.held_pages(), 0
+        for page, gen in leases if epoch == 1 else []:
+            if self.writes.get(page) == (writer, gen):
+                del self.writes[page]
+                expected += page not in held
+        assert self.table.end_write("p", OWNERS[0], epoch, leases, writer, True) == expected
+
+    @rule(owner=st.sampled_from(OWNERS), revoke=st.booleans())
+    def release(self, owner, revoke):
+        leases = self.held.pop(owner, [])
+        num_written = sum(1 for page, _ in leases if page in self.writes)
+        got = self.table.revoke("p", owner, "TEST") if revoke else self.table.release("p", owner, 1)
+        assert got == (len(leases) - num_written, num_written)
+
+    @rule(writer=st.sampled_from(WRITERS), ttl=st.sampled_from([0.5, 1.0, 3.0]))
+    def keep_alive(self, writer, ttl):
+        self.table.keep_alive(writer, ttl)
+        self.expiry[writer] = self.clock.now + ttl
+
+    @rule(dt=st.sampled_from([0.25, 0.5, 1.0, 2.5]))
+    def advance_clock(self, dt):
+        self.clock.now += dt
+
+    @rule()
+    def sweep(self):
+        dead = {p for p, (w, _) in self.writes.items() if self.clock.now >= self.expiry[w] + LOCK_DELAY}
+        assert self.table.sweep() == len(dead - self.held_pages())
+        self.writes = {p: w for p, w in self.writes.items() if p not in dead}
+
+    @invariant()
+    def pages_agree_with_model(self):
+        state = self.table.pool_state("p")
+        assert state["num_free"] + state["num_leased"] + state["num_quarantined"] == NUM_PAGES
+        quarantined = self.writes.keys() - self.held_pages()
+        assert (state["num_quarantined"], state["num_writing"]) == (len(quarantined), len(self.writes))
+        owned = [p for owner in OWNERS for p, _ in self.table.leases_of("p", owner)]
+        assert len(owned) == len(set(owned)) == state["num_leased"]  # a page is in at most one lease
+        assert all(self.table.leases_of("p", owner) == self.held.get(owner, []) for owner in OWNERS)
+        for page in range(NUM_PAGES):
+            info = self.table.page_info("p", page)
+            assert info.generation >= self.max_gen[page]
+            self.max_gen[page] = info.generation
+            assert info.active_writer == self.writes.get(page)
+            assert (info.state is PageState.QUARANTINED) == (page in quarantined)
+
+
+TestLeaseMachine = LeaseMachine.TestCase
+TestLeaseMachine.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
