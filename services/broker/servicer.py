@@ -108,7 +108,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 event = await queue.get()
                 yield broker_pb2.Revocation(owner=event.owner, epoch=event.epoch, reason=event.reason)
         finally:
-            pass
+            watchers.discard(queue)
 
     async def GetPoolState(self, request: broker_pb2.GetPoolStateRequest,
                            context: grpc.aio.ServicerContext) -> broker_pb2.GetPoolStateResponse:

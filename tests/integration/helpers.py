@@ -1,0 +1,59 @@
+"""Driving prefill and decode directly, the way the gateway does, for tests that need to see leases."""
+from __future__ import annotations
+
+import random
+import secrets
+import time
+
+import grpc
+
+from services.common.errors import from_rpc_error
+from services.common.proto import common_pb2, decode_pb2, prefill_pb2
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(2, 512) for _ in range(n)]
+
+
+def sampling(max_tokens: int) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=0.0, top_p=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def allocate(stack, n_prompt: int, max_tokens: int, d: int = 0):
+    rid = secrets.token_bytes(16)
+    dest = stack.decodes[d].Allocate(decode_pb2.AllocateRequest(
+        request_id=rid, num_prompt_tokens=n_prompt, max_tokens=max_tokens), timeout=30).destination
+    return rid, dest
+
+
+def prefill(stack, rid, tokens, dest, max_tokens: int, p: int = 0):
+    return stack.prefills[p].Prefill(prefill_pb2.PrefillRequest(
+        request_id=rid, token_ids=tokens, sampling=sampling(max_tokens), destination=dest), timeout=60)
+
+
+def decode_stream(stack, rid, tokens, resp, max_tokens: int, d: int = 0):
+    return stack.decodes[d].Decode(decode_pb2.DecodeRequest(
+        request_id=rid, num_prompt_tokens=len(tokens), first_token=resp.first_token, sampling=sampling(max_tokens),
+        coverage=resp.coverage), timeout=60)
+
+
+def collect(stream) -> tuple[list[int], object]:
+    """All tokens of a decode stream and its error (None when it finished)."""
+    toks = []
+    try:
+        for r in stream:
+            toks.append(r.token_id)
+    except grpc.RpcError as e:
+        return toks, from_rpc_error(e)
+    return toks, None
+
+
+def wait_no_leases(stack, timeout: float = 10.0):
+    """Releases are asynchronous: poll until no page is leased; returns the pool states."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = stack.pool_states()
+        if all(s.num_leased == 0 for s in states) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.1)
