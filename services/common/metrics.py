@@ -21,6 +21,11 @@ TTFT = Histogram("pdserve_time_to_first_token_seconds", "Time to first token at 
                  buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
 ITL = Histogram("pdserve_inter_token_latency_seconds", "Time between streamed tokens at the gateway",
                 buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
+GUARD_SECONDS = Histogram("pdserve_guard_seconds",
+                          "Time spent in lease RPCs, tag checks and checksums, by kind",
+                          ["kind"], buckets=(.00005, .0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1))
+GUARD_KINDS = ("grant_rpc", "begin_write_rpc", "end_write_rpc", "validate_rpc", "release_rpc", "checksum",
+               "prompt_verify", "step_tag_check")
 REQUESTS = Counter("pdserve_requests_total", "Finished requests by status code", ["code"])
 
 VIOLATION_REASONS = ("COVERAGE_MISMATCH", "TAG_MISSING", "TAG_OWNER", "TAG_EPOCH", "TAG_GENERATION",
@@ -44,6 +49,8 @@ def init_metrics(service: str, pools: list[str] = ()) -> None:
         TRANSFER_FAILURES.labels(s)
     for c in CODES:
         REQUESTS.labels(c)
+    for k in GUARD_KINDS:
+        GUARD_SECONDS.labels(k)
     for p in pools:
         POOL_CONTEXT_RATIO.labels(p)
         POOL_SHORTFALL.labels(p)

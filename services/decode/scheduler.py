@@ -16,7 +16,7 @@ import torch
 
 from ..common.errors import PdError
 from ..common.faults import FAULTS
-from ..common.metrics import LEASE_VIOLATIONS
+from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS
 from ..engine.runner import ModelRunner
 from ..engine.sampler import SamplingParams, sample
 from ..engine.tags import MAGIC, make_tag
@@ -102,7 +102,8 @@ class Scheduler:
         lengths = [s.position // ps + 1 for s in batch]
         pages = torch.tensor([p for s, n in zip(batch, lengths) for p in s.pages[:n]], dtype=torch.int64)
         expected = torch.cat([s.expected[:n] for s, n in zip(batch, lengths)])
-        bad = step_tag_mismatches(self.runner.pool.tags, pages, expected, lengths)
+        with GUARD_SECONDS.labels("step_tag_check").time():
+            bad = step_tag_mismatches(self.runner.pool.tags, pages, expected, lengths)
         for i in bad:
             seq = batch[i]
             LEASE_VIOLATIONS.labels("decode", "STEP_TAG_MISMATCH").inc()

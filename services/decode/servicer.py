@@ -11,7 +11,7 @@ import grpc
 from ..common.admission import check_lengths, check_sampling
 from ..common.config import pages_needed
 from ..common.errors import PdError, invalid
-from ..common.metrics import LEASE_VIOLATIONS
+from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS
 from ..common.proto import broker_pb2, common_pb2, decode_pb2, decode_pb2_grpc
 from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, sampling_from_pb
 from ..engine.runner import ModelRunner
@@ -35,7 +35,9 @@ class Allocation:
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, runner: ModelRunner, broker, pool_id: str, transfer_session: str, context_length: int,
-                 model_name: str, max_batch: int = 64, rpc_timeout_s: float = 10.0, allocation_timeout_s: float = 120.0):
+                 model_name: str, max_batch: int = 64, rpc_timeout_s: float = 10.0, allocation_timeout_s: float = 120.0,
+                 check_checksums: bool = True):
+        self.check_checksums = check_checksums
         self.runner = runner
         self.pool = runner.pool
         self.broker = broker
@@ -77,9 +79,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if request.num_prompt_tokens == 0:
             raise invalid("EMPTY_PROMPT", "prompt is empty (0 tokens)")
         need = pages_needed(request.num_prompt_tokens, request.max_tokens, self.pool.page_size)
-        resp = await call(self.broker.Grant(broker_pb2.GrantRequest(
-            pool_id=self.pool_id, owner=owner, num_pages=need, epoch=self.epoch), timeout=self.rpc_timeout_s),
-            "broker Grant")
+        with GUARD_SECONDS.labels("grant_rpc").time():
+            resp = await call(self.broker.Grant(broker_pb2.GrantRequest(
+                pool_id=self.pool_id, owner=owner, num_pages=need, epoch=self.epoch), timeout=self.rpc_timeout_s),
+                "broker Grant")
         leases = leases_from_pb(resp.leases)
         self.allocations[owner] = Allocation(resp.epoch, leases, request.num_prompt_tokens, request.max_tokens,
                                              time.monotonic() + self.allocation_timeout_s)
@@ -104,12 +107,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             self._admit_decode(request, alloc)
             cov = request.coverage
-            verify_prompt_pages(self.pool, owner, alloc.epoch, alloc.leases, alloc.num_prompt_tokens,
-                                cov.num_tokens, list(cov.checksums))
+            with GUARD_SECONDS.labels("prompt_verify").time():
+                verify_prompt_pages(self.pool, owner, alloc.epoch, alloc.leases, alloc.num_prompt_tokens,
+                                    cov.num_tokens, list(cov.checksums), self.check_checksums)
             n = -(-alloc.num_prompt_tokens // self.pool.page_size)
-            await call(self.broker.Validate(broker_pb2.ValidateRequest(
-                pool_id=self.pool_id, owner=owner, epoch=alloc.epoch, leases=leases_to_pb(alloc.leases[:n])),
-                timeout=self.rpc_timeout_s), "broker Validate")
+            with GUARD_SECONDS.labels("validate_rpc").time():
+                await call(self.broker.Validate(broker_pb2.ValidateRequest(
+                    pool_id=self.pool_id, owner=owner, epoch=alloc.epoch, leases=leases_to_pb(alloc.leases[:n])),
+                    timeout=self.rpc_timeout_s), "broker Validate")
         except Violation as v:
             await self._release(owner, alloc.epoch)
             LEASE_VIOLATIONS.labels("decode", v.reason).inc()
@@ -167,8 +172,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def _release(self, owner: bytes, epoch: int) -> None:
         try:
-            await self.broker.Release(broker_pb2.ReleaseRequest(pool_id=self.pool_id, owner=owner, epoch=epoch),
-                                      timeout=self.rpc_timeout_s)
+            with GUARD_SECONDS.labels("release_rpc").time():
+                await self.broker.Release(broker_pb2.ReleaseRequest(pool_id=self.pool_id, owner=owner, epoch=epoch),
+                                          timeout=self.rpc_timeout_s)
         except grpc.RpcError as e:
             # the broker restarting ends every lease of the old epoch anyway
             log.warning("Release of %s failed: %s", owner.hex(), e.code())

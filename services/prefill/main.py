@@ -36,6 +36,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for the model (default: half the cores, prefill and decode share a host)")
+    p.add_argument("--no-transfer-checksum", action="store_true",
+                   help="skip the CRC32 of transferred pages (tags are still checked); prefill and decode must agree")
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
@@ -59,7 +61,7 @@ async def serve(args) -> None:
     max_prompt = check_pool_capacity("prefill", pool_name, num_pages * args.page_size, context_length,
                                      args.allow_pool_smaller_than_context)
     transfer = TransferEngine(args.host, args.protocol)
-    worker = PrefillWorker(runner, transfer)
+    worker = PrefillWorker(runner, transfer, checksums=not args.no_transfer_checksum)
     channel = grpc.aio.insecure_channel(args.broker, options=GRPC_OPTIONS)
     broker = broker_pb2_grpc.BrokerStub(channel)
     writer_id = f"prefill-{args.host}-{os.getpid()}-{secrets.token_hex(4)}"

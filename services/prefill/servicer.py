@@ -10,7 +10,7 @@ from ..common.admission import check_sampling, check_tokens
 from ..common.config import pages_for
 from ..common.errors import PdError, invalid
 from ..common.faults import FAULTS
-from ..common.metrics import LEASE_VIOLATIONS, TRANSFER_BYTES, TRANSFER_FAILURES, TRANSFER_SECONDS
+from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS, TRANSFER_BYTES, TRANSFER_FAILURES, TRANSFER_SECONDS
 from ..common.proto import broker_pb2, common_pb2, prefill_pb2, prefill_pb2_grpc
 from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, sampling_from_pb
 from ..engine.tags import TAG_NBYTES
@@ -76,9 +76,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         pool_id = request.destination.pool_id
         leases_pb = leases_to_pb(target.leases)
         try:
-            await call(self.broker.BeginWrite(broker_pb2.BeginWriteRequest(
-                pool_id=pool_id, owner=owner, epoch=target.epoch, leases=leases_pb, writer_id=self.writer_id),
-                timeout=self.rpc_timeout_s), "broker BeginWrite")
+            with GUARD_SECONDS.labels("begin_write_rpc").time():
+                await call(self.broker.BeginWrite(broker_pb2.BeginWriteRequest(
+                    pool_id=pool_id, owner=owner, epoch=target.epoch, leases=leases_pb, writer_id=self.writer_id),
+                    timeout=self.rpc_timeout_s), "broker BeginWrite")
         except PdError as e:
             TRANSFER_FAILURES.labels("begin_write").inc()
             if e.reason in ("LEASE_NOT_CURRENT", "WRITER_ACTIVE"):
@@ -126,7 +127,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                          writer_id=self.writer_id, success=ok)
         for attempt in range(3):  # the acknowledgement matters: the pages stay quarantined without it
             try:
-                await self.broker.EndWrite(req, timeout=self.rpc_timeout_s)
+                with GUARD_SECONDS.labels("end_write_rpc").time():
+                    await self.broker.EndWrite(req, timeout=self.rpc_timeout_s)
                 return
             except grpc.RpcError as e:
                 log.warning("EndWrite attempt %d for %s failed: %s", attempt + 1, owner.hex(), e)

@@ -13,6 +13,7 @@ import torch
 
 from ..common.config import pages_for
 from ..common.faults import FAULTS
+from ..common.metrics import GUARD_SECONDS
 from ..engine.page_allocator import PageAllocator
 from ..engine.runner import ModelRunner
 from ..engine.sampler import SamplingParams, sample_one
@@ -42,8 +43,10 @@ class Written:
 
 
 class PrefillWorker:
-    def __init__(self, runner: ModelRunner, transfer: TransferEngine):
+    def __init__(self, runner: ModelRunner, transfer: TransferEngine, checksums: bool = True):
         self.runner = runner
+        # the transfer checksum is the one guard an operator may switch off (--no-transfer-checksum)
+        self.checksums = checksums
         self.pool = runner.pool
         self.transfer = transfer
         self.alloc = PageAllocator(self.pool.num_pages)
@@ -61,7 +64,8 @@ class PrefillWorker:
             raise ValueError(f"{num_tokens} tokens need {n} pages; the destination leases {len(target.leases)}")
         start = time.perf_counter()
         self.pool.zero_tail(local_pages[n - 1], num_tokens - (n - 1) * ps)
-        checksums = [self.pool.checksum(p) for p in local_pages[:n]]
+        with GUARD_SECONDS.labels("checksum").time():
+            checksums = [self.pool.checksum(p) if self.checksums else 0 for p in local_pages[:n]]
         for i, p in enumerate(local_pages[:n]):
             tokens = min(ps, num_tokens - i * ps)
             self.pool.tags[p] = torch.tensor(
