@@ -71,13 +71,29 @@ class LeaseTable:
         self._pools: dict[str, _Pool] = {}
         self._liveness: dict[str, float] = {}  # holder id -> monotonic expiry
 
-    def register_pool(self, pool_id: str, num_pages: int) -> int:
+    def register_pool(self, pool_id: str, num_pages: int, quarantined: Iterable[int] = ()) -> int:
+        """`quarantined`: pages a decode held under an earlier epoch (the broker restarted). Writes of that
+        epoch may still be in flight, so those pages start QUARANTINED and leave only after lock_delay."""
         if not pool_id or num_pages <= 0:
             raise LeaseError("INVALID_ARGUMENT", "BAD_POOL", f"pool {pool_id!r} of {num_pages} pages: "
                              "needs a name and at least 1 page")
+        held = sorted(set(quarantined))
+        if held and not 0 <= held[0] <= held[-1] < num_pages:
+            raise LeaseError("INVALID_ARGUMENT", "PAGE_OUT_OF_RANGE",
+                             f"quarantined pages must be in [0, {num_pages}), got {held[0]}..{held[-1]}")
         pool = self._pools.get(pool_id)
         if pool is None:
-            self._pools[pool_id] = _Pool(pool_id, num_pages)
+            pool = self._pools[pool_id] = _Pool(pool_id, num_pages)
+            if held:
+                writer = f"earlier-epoch/{pool_id}"
+                self._liveness[writer] = self._clock()  # already expired: only lock_delay remains
+                for page_id in held:
+                    page = pool.pages[page_id]
+                    page.state, page.active_writer = PageState.QUARANTINED, (writer, 0)
+                    pool.quarantined.add(page_id)
+                    pool.writing.add(page_id)
+                pool.free = [i for i in pool.free if i not in pool.quarantined]
+                heapq.heapify(pool.free)
         elif pool.num_pages != num_pages:
             raise LeaseError("ALREADY_EXISTS", "POOL_SIZE_MISMATCH",
                              f"pool {pool_id} is registered with {pool.num_pages} pages; {num_pages} given")
@@ -144,7 +160,17 @@ class LeaseTable:
         return self._end_leases(self._pool(pool_id), owner)
 
     def revoke(self, pool_id: str, owner: bytes, reason: str) -> tuple[int, int]:
+        """Unlike release, the holder has not let go: decode may still be mid-step, writing its own KV into
+        these pages, until the revocation reaches it. So every page goes through quarantine for lock_delay."""
         pool = self._pool(pool_id)
+        holder = f"revoked/{pool_id}/{owner.hex()}"
+        for page_id in pool.owners.get(owner, []):
+            page = pool.pages[page_id]
+            if page.active_writer is None:
+                page.active_writer = (holder, page.generation)
+                pool.writing.add(page_id)
+        if pool.owners.get(owner):
+            self._liveness[holder] = self._clock()  # already expired: only lock_delay remains
         counts = self._end_leases(pool, owner)
         pool.revocations.append(Revocation(owner, self.epoch, reason))
         return counts

@@ -47,7 +47,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
 
     async def RegisterPool(self, request: broker_pb2.RegisterPoolRequest,
                            context: grpc.aio.ServicerContext) -> broker_pb2.RegisterPoolResponse:
-        epoch = await self._call(context, self._table.register_pool, request.pool_id, request.num_pages)
+        epoch = await self._call(context, self._table.register_pool, request.pool_id, request.num_pages,
+                                 list(request.quarantined_pages))
         self._publish(request.pool_id)
         log.info("pool %s registered with %s pages in epoch %s", request.pool_id, request.num_pages, epoch)
         return broker_pb2.RegisterPoolResponse(epoch=epoch)
@@ -109,6 +110,12 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 yield broker_pb2.Revocation(owner=event.owner, epoch=event.epoch, reason=event.reason)
         finally:
             watchers.discard(queue)
+
+    async def Revoke(self, request: broker_pb2.RevokeRequest,
+                     context: grpc.aio.ServicerContext) -> broker_pb2.ReleaseResponse:
+        freed, quarantined = await self._call(context, self.revoke, request.pool_id, request.owner,
+                                              request.reason or "OPERATOR")
+        return broker_pb2.ReleaseResponse(num_freed=freed, num_quarantined=quarantined)
 
     async def GetPoolState(self, request: broker_pb2.GetPoolStateRequest,
                            context: grpc.aio.ServicerContext) -> broker_pb2.GetPoolStateResponse:

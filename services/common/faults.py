@@ -19,6 +19,8 @@ KNOWN = {
     "prefill.skip_tags": "write page data but lose every tag write",
     "prefill.delay_before_write": "sleep ARG ms after BeginWrite, before the writes",
     "prefill.lose_end_write": "never send EndWrite",
+    "prefill.slow_transfer": "sleep ARG ms between the data writes and the tag writes (a stuck transfer)",
+    "prefill.crash_mid_transfer": "exit the process (as SIGKILL would) after the data writes, before the tags",
     "decode.corrupt_tag": "overwrite the tag of page ARG of the next request before its next step",
 }
 

@@ -26,6 +26,8 @@ GUARD_SECONDS = Histogram("pdserve_guard_seconds",
                           ["kind"], buckets=(.00005, .0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1))
 GUARD_KINDS = ("grant_rpc", "begin_write_rpc", "end_write_rpc", "validate_rpc", "release_rpc", "checksum",
                "prompt_verify", "step_tag_check")
+TIMEOUTS = Counter("pdserve_timeouts_total", "Requests ended by the bound on a non-terminal state", ["stage"])
+TIMEOUT_STAGES = ("queue", "prefill", "transfer", "validate", "allocation", "decode")
 REQUESTS = Counter("pdserve_requests_total", "Finished requests by status code", ["code"])
 
 VIOLATION_REASONS = ("COVERAGE_MISMATCH", "TAG_MISSING", "TAG_OWNER", "TAG_EPOCH", "TAG_GENERATION",
@@ -34,7 +36,7 @@ VIOLATION_REASONS = ("COVERAGE_MISMATCH", "TAG_MISSING", "TAG_OWNER", "TAG_EPOCH
 ADMISSION_REASONS = ("EMPTY_PROMPT", "PROMPT_TOO_LONG", "CONTEXT_EXCEEDED", "DECODE_POOL_EXCEEDED",
                      "PREFILL_POOL_EXCEEDED", "BAD_MAX_TOKENS", "TOKEN_OUT_OF_VOCAB", "BAD_TEMPERATURE",
                      "BAD_TOP_P", "OVERLOADED", "LAYOUT_MISMATCH", "BAD_DESTINATION")
-TRANSFER_STAGES = ("data", "tags", "begin_write", "end_write")
+TRANSFER_STAGES = ("data", "tags", "begin_write", "end_write", "liveness", "timeout")
 CODES = ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DATA_LOSS", "DEADLINE_EXCEEDED",
          "CANCELLED", "INTERNAL", "FAILED_PRECONDITION", "NOT_FOUND", "UNKNOWN")
 
@@ -49,6 +51,8 @@ def init_metrics(service: str, pools: list[str] = ()) -> None:
         TRANSFER_FAILURES.labels(s)
     for c in CODES:
         REQUESTS.labels(c)
+    for t in TIMEOUT_STAGES:
+        TIMEOUTS.labels(t)
     for k in GUARD_KINDS:
         GUARD_SECONDS.labels(k)
     for p in pools:

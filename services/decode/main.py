@@ -70,7 +70,8 @@ async def serve(args) -> None:
             log.warning("registering pool %s with broker %s failed (%s); retrying", pool_id, args.broker, e)
             await asyncio.sleep(0.5)
     log.info("pool %s registered: %d pages of %d tokens, epoch %#x", pool_id, num_pages, args.page_size, epoch)
-    tasks = [asyncio.create_task(servicer.scheduler.run()), asyncio.create_task(servicer.expire_allocations())]
+    tasks = [asyncio.create_task(servicer.scheduler.run()), asyncio.create_task(servicer.expire_allocations()),
+             asyncio.create_task(servicer.watch_epoch()), asyncio.create_task(servicer.watch_revocations())]
     await svc.set_serving()
     await svc.wait_for_termination()
     for t in tasks:

@@ -75,6 +75,12 @@ class Scheduler:
             seq.cancelled = True
             self._wake.set()
 
+    def revoke(self, owner: bytes, err: PdError) -> None:
+        seq = self.running.get(owner)
+        if seq is not None:
+            LEASE_VIOLATIONS.labels("decode", "REVOKED").inc()
+            self._end(seq, err)
+
     def fail_all(self, err: PdError) -> None:
         for seq in list(self.running.values()):
             self._end(seq, err)

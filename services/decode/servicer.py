@@ -11,7 +11,7 @@ import grpc
 from ..common.admission import check_lengths, check_sampling
 from ..common.config import pages_needed
 from ..common.errors import PdError, invalid
-from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS
+from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS, TIMEOUTS
 from ..common.proto import broker_pb2, common_pb2, decode_pb2, decode_pb2_grpc
 from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, sampling_from_pb
 from ..engine.runner import ModelRunner
@@ -53,11 +53,55 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.layout_pb = layout_to_pb(self.pool.layout, TAG_NBYTES)
         self.eos = runner.config.eos_token_id
 
-    async def register(self) -> int:
+    async def register(self, quarantined: list[int] = ()) -> int:
         resp = await call(self.broker.RegisterPool(broker_pb2.RegisterPoolRequest(
-            pool_id=self.pool_id, num_pages=self.pool.num_pages), timeout=self.rpc_timeout_s), "broker RegisterPool")
+            pool_id=self.pool_id, num_pages=self.pool.num_pages, quarantined_pages=quarantined),
+            timeout=self.rpc_timeout_s), "broker RegisterPool")
         self.epoch = resp.epoch
         return self.epoch
+
+    def pages_in_use(self) -> list[int]:
+        pages = {p for a in self.allocations.values() for p, _ in a.leases}
+        pages.update(p for s in self.scheduler.running.values() for p in s.pages)
+        return sorted(pages)
+
+    async def watch_epoch(self, interval_s: float = 0.5, ttl_s: float = 5.0) -> None:
+        """Keeps decode's liveness with the broker and notices a broker restart (a new epoch): in-flight
+        requests fail UNAVAILABLE (retryable) and the pages they held return through quarantine."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                resp = await self.broker.KeepAlive(broker_pb2.KeepAliveRequest(
+                    holder_id=self.pool_id, ttl_ms=int(ttl_s * 1000)), timeout=self.rpc_timeout_s)
+            except grpc.RpcError as e:
+                log.warning("broker unreachable (%s); running requests continue, new ones wait", e.code())
+                continue
+            if resp.epoch == self.epoch:
+                continue
+            old, held = self.epoch, self.pages_in_use()
+            log.error("broker restarted (epoch %#x -> %#x): failing %d running requests, %d pages to quarantine",
+                      old, resp.epoch, len(self.scheduler.running), len(held))
+            self.scheduler.fail_all(PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED",
+                                            f"the broker restarted (epoch {old:#x} -> {resp.epoch:#x})"))
+            try:
+                await self.register(held)
+            except PdError as e:
+                log.error("re-registering pool %s failed: %s", self.pool_id, e)
+
+    async def watch_revocations(self) -> None:
+        """A revoked request stops before its next step."""
+        while True:
+            try:
+                async for rev in self.broker.WatchRevocations(
+                        broker_pb2.WatchRevocationsRequest(pool_id=self.pool_id)):
+                    alloc = self.allocations.pop(rev.owner, None)
+                    if alloc is not None:
+                        log.warning("allocation %s revoked before its Decode: %s", rev.owner.hex(), rev.reason)
+                    self.scheduler.revoke(rev.owner, PdError(grpc.StatusCode.DATA_LOSS, "REVOKED",
+                                                             f"the broker revoked this request's leases: {rev.reason}"))
+            except grpc.RpcError as e:
+                log.warning("revocation stream ended (%s); resubscribing", e.code())
+            await asyncio.sleep(0.5)
 
     async def GetInfo(self, request, context) -> common_pb2.EngineInfo:
         cfg = self.runner.config
@@ -103,7 +147,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         alloc = self.allocations.pop(owner, None)
         if alloc is None:
             raise PdError(grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_REQUEST",
-                          f"request {owner.hex()} has no allocation on pool {self.pool_id} (released or timed out)")
+                          f"request {owner.hex()} has no allocation on pool {self.pool_id} (released, revoked "
+                          f"or timed out)")
+        if alloc.epoch != self.epoch:
+            await self._release(owner, alloc.epoch)
+            raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED",
+                          f"leases of epoch {alloc.epoch:#x} ended with the broker; now {self.epoch:#x}")
         try:
             self._admit_decode(request, alloc)
             cov = request.coverage
@@ -187,5 +236,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             for owner, alloc in list(self.allocations.items()):
                 if alloc.deadline < now:
                     self.allocations.pop(owner, None)
+                    TIMEOUTS.labels("allocation").inc()
                     log.warning("allocation %s expired without a Decode call; releasing", owner.hex())
                     await self._release(owner, alloc.epoch)

@@ -15,7 +15,7 @@ import grpc
 
 from ..common.admission import _reject, check_lengths, check_sampling, check_tokens
 from ..common.errors import PdError, from_rpc_error
-from ..common.metrics import ITL, REQUESTS, TTFT
+from ..common.metrics import ITL, REQUESTS, TIMEOUTS, TTFT
 from ..common.proto import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 from ..common.wire import call
 from ..engine.tokenizer import IncrementalDecoder
@@ -36,7 +36,9 @@ class Capacity:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, prefills: list[Backend], decodes: list[Backend], tokenizer, cap: Capacity,
-                 queue_limit: int = 256, queue_timeout_s: float = 30.0, rpc_timeout_s: float = 60.0):
+                 queue_limit: int = 256, queue_timeout_s: float = 30.0, rpc_timeout_s: float = 60.0,
+                 token_timeout_s: float = 60.0):
+        self.token_timeout_s = token_timeout_s
         self.prefills = Router(prefills)
         self.decodes = Router(decodes)
         self.tokenizer = tokenizer
@@ -73,17 +75,29 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 temperature=request.temperature, top_p=request.top_p if request.HasField("top_p") else 1.0,
                 seed=request.seed if request.HasField("seed") else secrets.randbits(63),
                 max_tokens=request.max_tokens, ignore_eos=request.ignore_eos)
-            request_id = secrets.token_bytes(16)
-            decode = self.decodes.pick()
-            prefill = self.prefills.pick()
-            decode.in_flight += 1
-            prefill.in_flight += 1
-            try:
-                async for msg in self._run(request_id, tokens, sampling, prefill, decode, start):
-                    yield msg
-            finally:
-                decode.in_flight -= 1
-                prefill.in_flight -= 1
+            tried: set[str] = set()
+            for attempt in range(2):
+                # a retryable failure before the first token is retried once, on another pair, as a new request
+                request_id = secrets.token_bytes(16)
+                decode = self.decodes.pick(exclude=tried)
+                prefill = self.prefills.pick(exclude=tried)
+                decode.in_flight += 1
+                prefill.in_flight += 1
+                sent = 0
+                try:
+                    async for msg in self._run(request_id, tokens, sampling, prefill, decode, start):
+                        sent += 1
+                        yield msg
+                    break
+                except PdError as e:
+                    if sent or attempt or e.code != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    log.warning("request %s failed before its first token (%s); retrying on another pair",
+                                request_id.hex(), e)
+                    tried.update((decode.target, prefill.target))
+                finally:
+                    decode.in_flight -= 1
+                    prefill.in_flight -= 1
         except PdError as e:
             code = e.code.name
             raise
@@ -105,16 +119,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             # the client left mid-prefill: the write runs to its EndWrite, then the pages go back
             task.add_done_callback(lambda _: asyncio.ensure_future(self._release(decode, request_id)))
             raise
-        except PdError:
+        except PdError as e:
+            if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                TIMEOUTS.labels("prefill").inc()
             await self._release(decode, request_id)
             raise
         stream = decode.stub.Decode(decode_pb2.DecodeRequest(
             request_id=request_id, num_prompt_tokens=len(tokens), first_token=resp.first_token,
-            sampling=sampling, coverage=resp.coverage), timeout=self.rpc_timeout_s)
+            sampling=sampling, coverage=resp.coverage))
         text = IncrementalDecoder(self.tokenizer)
         last = None
         try:
-            async for r in stream:
+            while True:
+                # no deadline on the whole stream (generations can be long), but a bound on each gap
+                try:
+                    r = await asyncio.wait_for(stream.read(), self.token_timeout_s)
+                except asyncio.TimeoutError:
+                    TIMEOUTS.labels("decode").inc()
+                    raise PdError(grpc.StatusCode.DEADLINE_EXCEEDED, "DECODE_STALLED",
+                                  f"decode {decode.target} sent no token for {self.token_timeout_s:.0f}s") from None
+                if r is grpc.aio.EOF:
+                    break
                 now = time.perf_counter()
                 first = last is None
                 if first:
@@ -140,7 +165,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             while True:
                 try:
-                    resp = await call(decode.stub.Allocate(req, timeout=self.rpc_timeout_s), f"decode {decode.target}")
+                    resp = await call(decode.stub.Allocate(req, timeout=10.0), f"decode {decode.target}")
                     return resp.destination
                 except PdError as e:
                     if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -152,6 +177,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         self._waiting += 1
                         queued = True
                     if time.monotonic() + delay > deadline:
+                        TIMEOUTS.labels("queue").inc()
                         raise PdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_TIMEOUT",
                                       f"no KV pages freed within {self.queue_timeout_s:.0f}s: {e.message}") from None
                     await asyncio.sleep(delay)

@@ -12,7 +12,7 @@ import grpc
 from ..common import config
 from ..common.capacity import check_pool_capacity
 from ..common.metrics import init_metrics
-from ..common.proto import broker_pb2, broker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from ..common.proto import broker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
 from ..engine.runner import ModelRunner, set_threads
 from ..kvtransfer.engine import TransferEngine
@@ -36,19 +36,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for the model (default: half the cores, prefill and decode share a host)")
+    p.add_argument("--writer-ttl", type=float, default=5.0, help="liveness lease of one write, seconds")
+    p.add_argument("--transfer-timeout", type=float, default=30.0, help="bound on one request's KV transfer")
     p.add_argument("--no-transfer-checksum", action="store_true",
                    help="skip the CRC32 of transferred pages (tags are still checked); prefill and decode must agree")
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-
-
-async def keep_alive(broker, holder: str, ttl_s: float) -> None:
-    while True:
-        try:
-            await broker.KeepAlive(broker_pb2.KeepAliveRequest(holder_id=holder, ttl_ms=int(ttl_s * 1000)),
-                                   timeout=ttl_s / 3)
-        except grpc.RpcError as e:
-            log.warning("KeepAlive to broker failed: %s", e.code())
-        await asyncio.sleep(ttl_s / 4)
 
 
 async def serve(args) -> None:
@@ -69,12 +61,11 @@ async def serve(args) -> None:
                   args.host, args.port, args.metrics_port)
     prefill_pb2_grpc.add_PrefillServicer_to_server(
         PrefillServicer(worker, broker, writer_id, context_length, max_prompt,
-                        os.path.basename(os.path.normpath(args.model))), svc.server)
+                        os.path.basename(os.path.normpath(args.model)), writer_ttl_s=args.writer_ttl,
+                        transfer_timeout_s=args.transfer_timeout), svc.server)
     await svc.start()
-    ka = asyncio.create_task(keep_alive(broker, writer_id, 10.0))
     await svc.set_serving()
     await svc.wait_for_termination()
-    ka.cancel()
 
 
 def main(args) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -10,7 +11,8 @@ from ..common.admission import check_sampling, check_tokens
 from ..common.config import pages_for
 from ..common.errors import PdError, invalid
 from ..common.faults import FAULTS
-from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS, TRANSFER_BYTES, TRANSFER_FAILURES, TRANSFER_SECONDS
+from ..common.metrics import (GUARD_SECONDS, LEASE_VIOLATIONS, TIMEOUTS, TRANSFER_BYTES, TRANSFER_FAILURES,
+                              TRANSFER_SECONDS)
 from ..common.proto import broker_pb2, common_pb2, prefill_pb2, prefill_pb2_grpc
 from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, sampling_from_pb
 from ..engine.tags import TAG_NBYTES
@@ -22,7 +24,13 @@ log = logging.getLogger(__name__)
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, worker: PrefillWorker, broker, writer_id: str, context_length: int, max_prompt: int,
-                 model_name: str, rpc_timeout_s: float = 10.0):
+                 model_name: str, rpc_timeout_s: float = 10.0, writer_ttl_s: float = 5.0,
+                 transfer_timeout_s: float = 30.0, liveness_margin_s: float = 1.0):
+        if liveness_margin_s >= writer_ttl_s:
+            raise ValueError(f"liveness margin {liveness_margin_s}s must be under the writer ttl {writer_ttl_s}s")
+        self.writer_ttl_s = writer_ttl_s
+        self.transfer_timeout_s = transfer_timeout_s
+        self.liveness_margin_s = liveness_margin_s
         self.worker = worker
         self.broker = broker
         self.writer_id = writer_id
@@ -71,34 +79,61 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         # shielded: a cancelled caller must not stop a write half-way, nor skip its EndWrite
         return await asyncio.shield(self._prefill(request, target))
 
+    async def _keep_alive(self, writer_id: str) -> float:
+        """Renews this write's liveness lease; returns the monotonic time it now expires (sent time + ttl)."""
+        sent = time.monotonic()
+        await call(self.broker.KeepAlive(broker_pb2.KeepAliveRequest(
+            holder_id=writer_id, ttl_ms=int(self.writer_ttl_s * 1000)), timeout=self.rpc_timeout_s), "broker KeepAlive")
+        return sent + self.writer_ttl_s
+
     async def _prefill(self, request, target: Target) -> prefill_pb2.PrefillResponse:
         owner = request.request_id
         pool_id = request.destination.pool_id
         leases_pb = leases_to_pb(target.leases)
+        # one liveness lease per write: a stuck write stops being renewed at its timeout, so the broker can
+        # presume it dead and drain its pages, while the rest of this process keeps serving
+        writer_id = f"{self.writer_id}/{owner.hex()}"
+        expires = [await self._keep_alive(writer_id)]
         try:
             with GUARD_SECONDS.labels("begin_write_rpc").time():
                 await call(self.broker.BeginWrite(broker_pb2.BeginWriteRequest(
-                    pool_id=pool_id, owner=owner, epoch=target.epoch, leases=leases_pb, writer_id=self.writer_id),
+                    pool_id=pool_id, owner=owner, epoch=target.epoch, leases=leases_pb, writer_id=writer_id),
                     timeout=self.rpc_timeout_s), "broker BeginWrite")
         except PdError as e:
             TRANSFER_FAILURES.labels("begin_write").inc()
             if e.reason in ("LEASE_NOT_CURRENT", "WRITER_ACTIVE"):
                 LEASE_VIOLATIONS.labels("prefill", e.reason).inc()
                 raise PdError(grpc.StatusCode.DATA_LOSS, e.reason, e.message) from None
+            if e.reason == "EPOCH_MISMATCH":
+                raise PdError(grpc.StatusCode.UNAVAILABLE, e.reason, e.message) from None
             raise
+        renew = asyncio.create_task(self._renew(writer_id, expires))
         ok = False
         local: list[int] = []
+        write = None
         try:
             if (arg := FAULTS.fire("prefill.delay_before_write")) is not None:
                 await asyncio.sleep(int(arg or 1000) / 1000)
             n = len(request.token_ids)
-            need = pages_for(n, self.worker.pool.page_size)
-            local = await self._allocate_local(need)
+            local = await self._allocate_local(pages_for(n, self.worker.pool.page_size))
             sampling = sampling_from_pb(request.sampling)
             async with self._compute:
                 first = await asyncio.to_thread(self.worker.forward, list(request.token_ids), local, sampling)
+
+            def check_alive(stage: str) -> None:
+                left = expires[0] - time.monotonic()
+                if left < self.liveness_margin_s:
+                    raise TransferError("liveness", f"writer {writer_id}: liveness lease has {left:.2f}s left, "
+                                                    f"under the {self.liveness_margin_s}s margin; not posting {stage}")
+
+            write = asyncio.ensure_future(asyncio.to_thread(self.worker.write, owner, local, n, target, check_alive))
             try:
-                written = await asyncio.to_thread(self.worker.write, owner, local, n, target)
+                written = await asyncio.wait_for(asyncio.shield(write), self.transfer_timeout_s)
+            except asyncio.TimeoutError:
+                TRANSFER_FAILURES.labels("timeout").inc()
+                TIMEOUTS.labels("transfer").inc()
+                raise PdError(grpc.StatusCode.DEADLINE_EXCEEDED, "TRANSFER_TIMEOUT",
+                              f"KV transfer to {target.session} took over {self.transfer_timeout_s:.1f}s") from None
             except TransferError as e:
                 TRANSFER_FAILURES.labels(e.stage).inc()
                 raise PdError(grpc.StatusCode.UNAVAILABLE, "TRANSFER_FAILED", str(e)) from None
@@ -108,11 +143,28 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             return prefill_pb2.PrefillResponse(first_token=first, coverage=common_pb2.Coverage(
                 num_tokens=written.num_tokens, num_pages=written.num_pages, checksums=written.checksums))
         finally:
-            if local:
-                self.worker.alloc.deallocate(local)
-                async with self._pages_freed:
-                    self._pages_freed.notify_all()
-            await self._end_write(pool_id, owner, target.epoch, leases_pb, ok)
+            renew.cancel()
+            if write is not None and not write.done():
+                # the writer thread still holds the local pages and may still post: ack only once it returns
+                write.add_done_callback(lambda _: asyncio.ensure_future(
+                    self._finish(local, pool_id, owner, target.epoch, leases_pb, writer_id, False)))
+            else:
+                await self._finish(local, pool_id, owner, target.epoch, leases_pb, writer_id, ok)
+
+    async def _renew(self, writer_id: str, expires: list[float]) -> None:
+        while True:
+            await asyncio.sleep(self.writer_ttl_s / 3)
+            try:
+                expires[0] = await self._keep_alive(writer_id)
+            except PdError as e:
+                log.warning("KeepAlive of %s failed: %s", writer_id, e)
+
+    async def _finish(self, local: list[int], pool_id, owner, epoch, leases_pb, writer_id: str, ok: bool) -> None:
+        if local:
+            self.worker.alloc.deallocate(local)
+            async with self._pages_freed:
+                self._pages_freed.notify_all()
+        await self._end_write(pool_id, owner, epoch, leases_pb, writer_id, ok)
 
     async def _allocate_local(self, need: int) -> list[int]:
         async with self._pages_freed:
@@ -120,11 +172,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                                    timeout=self.rpc_timeout_s * 3)
             return self.worker.alloc.allocate(need)
 
-    async def _end_write(self, pool_id, owner, epoch, leases_pb, ok: bool) -> None:
+    async def _end_write(self, pool_id, owner, epoch, leases_pb, writer_id: str, ok: bool) -> None:
         if FAULTS.fire("prefill.lose_end_write") is not None:
             return
         req = broker_pb2.EndWriteRequest(pool_id=pool_id, owner=owner, epoch=epoch, leases=leases_pb,
-                                         writer_id=self.writer_id, success=ok)
+                                         writer_id=writer_id, success=ok)
         for attempt in range(3):  # the acknowledgement matters: the pages stay quarantined without it
             try:
                 with GUARD_SECONDS.labels("end_write_rpc").time():

@@ -6,7 +6,9 @@ must never land before them. No gRPC here.
 from __future__ import annotations
 
 import logging
+import os
 import time
+from typing import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +59,10 @@ class PrefillWorker:
         logits = self.runner.prefill(token_ids, local_pages)
         return sample_one(logits[0], sampling, step=0)
 
-    def write(self, owner: bytes, local_pages: list[int], num_tokens: int, target: Target) -> Written:
+    def write(self, owner: bytes, local_pages: list[int], num_tokens: int, target: Target,
+              check_alive: Callable[[str], None] = lambda stage: None) -> Written:
+        """check_alive(stage) raises unless this writer's liveness lease still holds with a margin: a write
+        posted after the broker presumed us dead could land on a page it has re-granted."""
         ps = self.pool.page_size
         n = pages_for(num_tokens, ps)
         if n > len(target.leases):
@@ -80,9 +85,16 @@ class PrefillWorker:
             self.pool.kv[local_pages[k]].view(torch.uint8).view(-1)[123] ^= 0x10
         src = [local_pages[i] for i in idx]
         dst = [target.leases[i][0] for i in idx]
+        check_alive("data")
         moved = self.transfer.write(target.session, coalesce(src, dst, self.pool.data_ptr, target.data_base,
                                                              self.pool.page_nbytes), stage="data")
+        if (arg := FAULTS.fire("prefill.slow_transfer")) is not None:
+            time.sleep(int(arg or 5000) / 1000)
+        if FAULTS.fire("prefill.crash_mid_transfer") is not None:
+            log.error("fault prefill.crash_mid_transfer: exiting between data and tag writes")
+            os._exit(137)
         if FAULTS.fire("prefill.skip_tags") is None:
+            check_alive("tags")
             moved += self.transfer.write(target.session, coalesce(src, dst, self.pool.tag_ptr, target.tag_base,
                                                                   TAG_NBYTES), stage="tags")
         return Written(num_tokens, n, checksums, moved, time.perf_counter() - start)

@@ -144,11 +144,11 @@ def test_revocations_stream_to_every_watcher_of_the_pool():
             async def all_watching() -> bool:
                 return (servicer.num_watchers("d0"), servicer.num_watchers("d1")) == (2, 1)
             await eventually(all_watching)
-            assert servicer.revoke("d0", OWNER, "DECODE_DRAINING") == (2, 0)
+            assert servicer.revoke("d0", OWNER, "DECODE_DRAINING") == (0, 2)
             for call in watchers:
                 event = await asyncio.wait_for(call.read(), 5)
                 assert (event.owner, event.epoch, event.reason) == (OWNER, 5, "DECODE_DRAINING")
-            assert pages(registry, "d0") == {"free": 4, "leased": 0, "quarantined": 0}
+            assert pages(registry, "d0") == {"free": 2, "leased": 0, "quarantined": 2}
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(other.read()), 0.2)
             for call in [*watchers, other]:
