@@ -46,9 +46,12 @@ def test_text_prompt_streams_and_passes_oracle(stack, oracle):
 def test_eos_stops_generation(stack, oracle):
     """A prompt whose reference continuation is the end-of-sequence token stops there (finish 'stop'),
     and the same prompt with ignore_eos keeps going. The prompt is found with the reference engine."""
+    import torch
     base = _prompt(29, 4242)
-    candidates = [base + [t] for t in range(2, 512)]
-    eos_prompts = [c for c in candidates if int(oracle.engine_logits(c)[-1].argmax()) == 1]
+    candidates = torch.tensor([base + [t] for t in range(2, 512)])
+    with torch.inference_mode():
+        last = oracle.hf(candidates).logits[:, -1]  # one batched forward over all 510 candidates
+    eos_prompts = [candidates[i].tolist() for i in torch.nonzero(last.argmax(-1) == 1).flatten().tolist()]
     assert eos_prompts, "no single-token continuation of the base prompt leads to EOS"
     prompt = eos_prompts[0]
     out = stack.generate(prompt_token_ids=prompt, max_tokens=20)

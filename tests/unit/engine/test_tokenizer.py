@@ -1,0 +1,98 @@
+"""Tokenizers (byte and tokenizer.json) and the streaming decoder."""
+import pytest
+
+from services.engine.make_model import VOCAB_SIZE, make_model
+from services.engine.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder, load_tokenizer
+
+TEXT = "Grüße, 世界! € 12 — naïve 🙂"
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return make_model(str(tmp_path_factory.mktemp("tok") / "tiny"), "tiny", 0)
+
+
+def test_byte_round_trip_non_ascii():
+    tok = ByteTokenizer(512)
+    ids = tok.encode(TEXT)
+    assert ids == list(TEXT.encode("utf-8"))
+    assert all(0 <= i < 256 for i in ids)
+    assert len(ids) > len(TEXT)  # multi-byte characters take several ids
+    assert tok.decode(ids) == TEXT
+
+
+def test_byte_special_ids_decode_to_nothing():
+    tok = ByteTokenizer(512)
+    ids = tok.encode("ab")
+    assert tok.decode([256] + ids[:1] + [300, 511] + ids[1:] + [1000]) == "ab"
+    assert tok.decode([256, 257]) == ""
+
+
+def test_byte_needs_256_ids():
+    with pytest.raises(ValueError, match="255"):
+        ByteTokenizer(255)
+
+
+def test_hf_round_trip_ascii(hf_dir):
+    tok = HFTokenizer(f"{hf_dir}/tokenizer.json")
+    assert tok.vocab_size == VOCAB_SIZE
+    text = "The quick brown fox jumps over the lazy dog, hello world."
+    ids = tok.encode(text)
+    assert 0 < len(ids) < len(text)  # BPE merges: fewer ids than bytes
+    assert all(0 <= i < VOCAB_SIZE for i in ids)
+    assert tok.decode(ids) == text
+
+
+def test_hf_skips_special_tokens(hf_dir):
+    tok = HFTokenizer(f"{hf_dir}/tokenizer.json")
+    ids = tok.encode("hello there")
+    assert tok.decode([0] + ids + [1]) == "hello there"  # <s>=0, </s>=1 in make_model
+
+
+def test_load_tokenizer_picks_by_file(hf_dir, tmp_path):
+    assert isinstance(load_tokenizer(hf_dir, VOCAB_SIZE), HFTokenizer)
+    fallback = load_tokenizer(str(tmp_path), 300)
+    assert isinstance(fallback, ByteTokenizer) and fallback.vocab_size == 300
+
+
+def _stream(tok, ids, chunk=1):
+    dec = IncrementalDecoder(tok)
+    return [dec.push(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_incremental_byte_concat_equals_full(chunk):
+    tok = ByteTokenizer(512)
+    ids = tok.encode(TEXT)
+    pieces = _stream(tok, ids, chunk)
+    assert "".join(pieces) == TEXT
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_incremental_hf_concat_equals_full(hf_dir):
+    tok = HFTokenizer(f"{hf_dir}/tokenizer.json")
+    text = "Once upon a time there was a small model. Grüße € 世界"
+    ids = tok.encode(text)
+    pieces = _stream(tok, ids)
+    assert "".join(pieces) == tok.decode(ids) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_incremental_never_splits_a_character():
+    tok = ByteTokenizer(512)
+    dec = IncrementalDecoder(tok)
+    assert dec.push([ord("a")]) == "a"
+    e1, e2, e3 = "€".encode("utf-8")
+    assert dec.push([e1]) == ""
+    assert dec.push([e2]) == ""
+    assert dec.push([e3]) == "€"
+    assert dec.push([ord("b")]) == "b"
+    assert dec.push([300]) == ""  # a special id adds no text
+
+
+def test_incremental_four_byte_character_in_one_push_after_partial():
+    tok = ByteTokenizer(512)
+    dec = IncrementalDecoder(tok)
+    b = "🙂x".encode("utf-8")
+    assert dec.push(list(b[:2])) == ""
+    assert dec.push(list(b[2:])) == "🙂x"
