@@ -19,7 +19,7 @@ from ..common.faults import FAULTS
 from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS
 from ..engine.runner import ModelRunner
 from ..engine.sampler import SamplingParams, sample
-from ..engine.tags import MAGIC, make_tag
+from ..engine.tags import OWNER_LO, make_tag
 from .verify import step_tag_mismatches
 
 log = logging.getLogger(__name__)
@@ -131,7 +131,7 @@ class Scheduler:
             for seq in batch:
                 self._stamp_own_pages(seq)
             if (arg := FAULTS.fire("decode.corrupt_tag")) is not None:
-                self.runner.pool.tags[batch[0].pages[int(arg or 0)], MAGIC] ^= 1
+                self.runner.pool.tags[batch[0].pages[int(arg or 0)], OWNER_LO] ^= 1
             batch = self._check(batch)
             if not batch:
                 continue

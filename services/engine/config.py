@@ -45,8 +45,9 @@ class ModelConfig:
         if raw.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in arch:
             raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not a Llama checkpoint")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ValueError(f"{path}: rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", None):
+            raise ValueError(f"{path}: rope_type {rope_type!r} is not supported (only default RoPE)")
         theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
         eos = raw.get("eos_token_id")
         if isinstance(eos, list):

@@ -25,8 +25,10 @@ class PageAllocator:
         return pages
 
     def deallocate(self, pages: list[int]) -> None:
+        bad = [p for p in pages if p not in self._used]
+        if bad or len(set(pages)) != len(pages):
+            # checked before any change, so a refused call leaves the allocator as it was
+            raise ValueError(f"pages {bad or pages} freed twice or never allocated")
         for p in pages:
-            if p not in self._used:
-                raise ValueError(f"page {p} freed twice or never allocated")
             self._used.remove(p)
             heapq.heappush(self._free, p)

@@ -146,8 +146,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             renew.cancel()
             if write is not None and not write.done():
                 # the writer thread still holds the local pages and may still post: ack only once it returns
-                write.add_done_callback(lambda _: asyncio.ensure_future(
-                    self._finish(local, pool_id, owner, target.epoch, leases_pb, writer_id, False)))
+                write.add_done_callback(lambda fut: asyncio.ensure_future(self._late_finish(
+                    fut, local, pool_id, owner, target.epoch, leases_pb, writer_id)))
             else:
                 await self._finish(local, pool_id, owner, target.epoch, leases_pb, writer_id, ok)
 
@@ -158,6 +158,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 expires[0] = await self._keep_alive(writer_id)
             except PdError as e:
                 log.warning("KeepAlive of %s failed: %s", writer_id, e)
+
+    async def _late_finish(self, write: asyncio.Future, *args) -> None:
+        """A write that outlived its timeout has returned: count how it ended, then acknowledge it."""
+        err = write.exception()
+        if isinstance(err, TransferError):
+            TRANSFER_FAILURES.labels(err.stage).inc()
+        log.warning("late write of %s ended after its timeout: %s", args[2].hex(), err or "completed")
+        await self._finish(*args, False)
 
     async def _finish(self, local: list[int], pool_id, owner, epoch, leases_pb, writer_id: str, ok: bool) -> None:
         if local:

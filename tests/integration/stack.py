@@ -16,7 +16,8 @@ from services.common.proto import (broker_pb2, broker_pb2_grpc, decode_pb2_grpc,
 class Stack:
     def __init__(self, model_dir: str, **kw):
         self.log_dir = tempfile.mkdtemp(prefix="pdserve-stack-")
-        env = {"PDSERVE_ENABLE_FAULTS": "1", **kw.pop("env", {})}
+        self.env = kw.pop("env", {})
+        env = {"PDSERVE_ENABLE_FAULTS": "1", **self.env}
         self.procs = launcher.start_stack(model_dir, env=env, log_dir=self.log_dir, **kw)
         self._channels = []
         self.gateway = gateway_pb2_grpc.GatewayStub(self._ch(self.procs["gateway"][0].target))
@@ -69,6 +70,21 @@ class Stack:
                     out.append(self.broker.GetPoolState(broker_pb2.GetPoolStateRequest(pool_id=m.group(1)), timeout=5))
                     break
         return out
+
+    def restart(self, service: str, index: int = 0, sig: int = 9) -> None:
+        """Kills a service (SIGKILL by default) and starts it again on the same ports."""
+        import os
+        old = self.procs[service][index]
+        try:
+            os.killpg(old.popen.pid, sig)
+        except ProcessLookupError:
+            pass
+        old.popen.wait(10)
+        args = list(old.args)
+        args[args.index("--port") + 1] = str(old.port)
+        args[args.index("--metrics-port") + 1] = str(old.metrics_port)
+        self.procs[service][index] = launcher.start(old.name, args, {"PDSERVE_ENABLE_FAULTS": "1", **self.env},
+                                                    log_path=f"{self.log_dir}/{old.name}.log")
 
     def logs(self) -> str:
         return "\n".join(f"--- {n} ---\n" + "".join(p.lines[-60:]) for n, ps in self.procs.items() for p in ps)

@@ -200,6 +200,34 @@ def test_unused_decode_lease_is_not_checked(setup):
     _verify(pool, checksums)
 
 
+def test_without_byte_check_zero_checksums_pass_and_flips_go_unseen():
+    """--no-transfer-checksum: prefill reports 0 per page; decode still checks every tag word but the bytes."""
+    pool = _pool()
+    _write(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT)
+    for page, _ in LEASES[:3]:
+        pool.tags[page, CHECKSUM] = 0
+    zeros = [0, 0, 0]
+    with pytest.raises(Violation) as e:
+        verify_prompt_pages(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT, NUM_PROMPT, zeros)
+    assert e.value.reason == "CHECKSUM"
+    pool.kv[LEASES[0][0]].view(torch.uint8).view(-1)[5] ^= 1
+    verify_prompt_pages(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT, NUM_PROMPT, zeros, check_bytes=False)
+
+
+@pytest.mark.parametrize("word,reason", [(MAGIC, "TAG_MISSING"), (OWNER_LO, "TAG_OWNER"), (EPOCH, "TAG_EPOCH"),
+                                         (GENERATION, "TAG_GENERATION"), (PAGE_INDEX, "TAG_PAGE_INDEX"),
+                                         (NUM_TOKENS, "TAG_NUM_TOKENS")])
+def test_without_byte_check_tags_are_still_checked(setup, word, reason):
+    pool, checksums = setup
+    pool.tags[LEASES[1][0], word] += 1
+    with pytest.raises(Violation) as e:
+        verify_prompt_pages(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT, NUM_PROMPT, checksums, check_bytes=False)
+    assert e.value.reason == reason
+    with pytest.raises(Violation) as e:
+        verify_prompt_pages(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT, NUM_PROMPT - 1, checksums, check_bytes=False)
+    assert e.value.reason == "COVERAGE_MISMATCH"
+
+
 def _batch():
     pool = _pool()
     seqs = [

@@ -1,0 +1,17 @@
+import pytest
+
+from tests.integration.stack import Stack
+
+# short bounds so failures drain in seconds: writer ttl 2 s, lock delay 1 s, transfer timeout 2 s
+CHAOS_EXTRA = {
+    "broker": ["--lock-delay", "1.0", "--sweep-interval", "0.2"],
+    "prefill": ["--writer-ttl", "2.0", "--transfer-timeout", "2.0"],
+}
+
+
+@pytest.fixture(scope="package")
+def chaos(model_dir):
+    s = Stack(model_dir, num_prefill=2, prefill_pool_tokens=2048, decode_pool_tokens=2048, allow_small=True,
+              extra=CHAOS_EXTRA)
+    yield s
+    s.close()
