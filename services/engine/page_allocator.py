@@ -28,7 +28,8 @@ class PageAllocator:
         bad = [p for p in pages if p not in self._used]
         if bad or len(set(pages)) != len(pages):
             # checked before any change, so a refused call leaves the allocator as it was
-            raise ValueError(f"pages {bad or pages} freed twice or never allocated")
+            which = ", ".join(f"page {p}" for p in (bad or pages))
+            raise ValueError(f"{which}: freed twice or never allocated")
         for p in pages:
             self._used.remove(p)
             heapq.heappush(self._free, p)
