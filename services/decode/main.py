@@ -36,6 +36,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for the model (default: half the cores, prefill and decode share a host)")
+    p.add_argument("--allocation-timeout", type=float, default=120.0,
+                   help="seconds an allocation waits for its Decode call (prefill failed, gateway gone) before release")
+    p.add_argument("--canary", action="store_true",
+                   help="tests: fill released pages with a marker and refuse a verified page that carries it")
     p.add_argument("--no-transfer-checksum", action="store_true",
                    help="skip the CRC32 of transferred pages (tags are still checked); prefill and decode must agree")
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
@@ -57,7 +61,8 @@ async def serve(args) -> None:
     channel = grpc.aio.insecure_channel(args.broker, options=GRPC_OPTIONS)
     servicer = DecodeServicer(runner, broker_pb2_grpc.BrokerStub(channel), pool_id, transfer.session,
                               context_length, os.path.basename(os.path.normpath(args.model)), args.max_batch,
-                              check_checksums=not args.no_transfer_checksum)
+                              check_checksums=not args.no_transfer_checksum, canary=args.canary,
+                              allocation_timeout_s=args.allocation_timeout)
     svc = Service("decode", [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name],
                   args.host, args.port, args.metrics_port)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)

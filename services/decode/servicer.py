@@ -17,7 +17,7 @@ from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, samp
 from ..engine.runner import ModelRunner
 from ..engine.tags import TAG_NBYTES, expected_tags
 from .scheduler import Scheduler, Sequence
-from .verify import Violation, verify_prompt_pages
+from .verify import CANARY_BYTE, Violation, check_canaries, verify_prompt_pages
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,9 @@ class Allocation:
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, runner: ModelRunner, broker, pool_id: str, transfer_session: str, context_length: int,
                  model_name: str, max_batch: int = 64, rpc_timeout_s: float = 10.0, allocation_timeout_s: float = 120.0,
-                 check_checksums: bool = True):
+                 check_checksums: bool = True, canary: bool = False):
         self.check_checksums = check_checksums
+        self.canary = canary
         self.runner = runner
         self.pool = runner.pool
         self.broker = broker
@@ -137,7 +138,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Release(self, request, context) -> decode_pb2.DecodeReleaseResponse:
         alloc = self.allocations.pop(request.request_id, None)
         if alloc is not None:
-            await self._release(request.request_id, alloc.epoch)
+            await self._release(request.request_id, alloc.epoch, alloc.leases)
         else:
             self.scheduler.cancel(request.request_id)
         return decode_pb2.DecodeReleaseResponse()
@@ -149,44 +150,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise PdError(grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_REQUEST",
                           f"request {owner.hex()} has no allocation on pool {self.pool_id} (released, revoked "
                           f"or timed out)")
-        if alloc.epoch != self.epoch:
-            await self._release(owner, alloc.epoch)
-            raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED",
-                          f"leases of epoch {alloc.epoch:#x} ended with the broker; now {self.epoch:#x}")
+        # from here the request's pages are released exactly once: by the scheduler once it holds the
+        # sequence, else by the finally below, whatever ends this call (error, finish, or cancellation)
+        seq = None
         try:
-            self._admit_decode(request, alloc)
-            cov = request.coverage
-            with GUARD_SECONDS.labels("prompt_verify").time():
-                verify_prompt_pages(self.pool, owner, alloc.epoch, alloc.leases, alloc.num_prompt_tokens,
-                                    cov.num_tokens, list(cov.checksums), self.check_checksums)
-            n = -(-alloc.num_prompt_tokens // self.pool.page_size)
-            with GUARD_SECONDS.labels("validate_rpc").time():
-                await call(self.broker.Validate(broker_pb2.ValidateRequest(
-                    pool_id=self.pool_id, owner=owner, epoch=alloc.epoch, leases=leases_to_pb(alloc.leases[:n])),
-                    timeout=self.rpc_timeout_s), "broker Validate")
-        except Violation as v:
-            await self._release(owner, alloc.epoch)
-            LEASE_VIOLATIONS.labels("decode", v.reason).inc()
-            log.error("request %s refused before its first step: %s %s", owner.hex(), v.reason, v.message)
-            raise PdError(grpc.StatusCode.DATA_LOSS, v.reason, v.message) from None
-        except PdError as e:
-            await self._release(owner, alloc.epoch)
-            if e.reason in ("LEASE_NOT_CURRENT", "WRITER_ACTIVE"):
-                LEASE_VIOLATIONS.labels("decode", e.reason).inc()
-                raise PdError(grpc.StatusCode.DATA_LOSS, e.reason, e.message) from None
-            if e.reason == "EPOCH_MISMATCH":
-                raise PdError(grpc.StatusCode.UNAVAILABLE, e.reason, e.message) from None
-            raise
-        seq = Sequence(owner, alloc.epoch, alloc.leases, expected_tags(owner, alloc.epoch, alloc.leases),
-                       alloc.num_prompt_tokens, sampling_from_pb(request.sampling), self.eos,
-                       [request.first_token])
-        finished = seq.is_finished()
-        yield decode_pb2.DecodeResponse(token_id=request.first_token, finish_reason=self._finish(seq, finished))
-        if finished:
-            await self._release(owner, alloc.epoch)
-            return
-        self.scheduler.add(seq)
-        try:
+            await self._verify(request, owner, alloc)
+            seq = Sequence(owner, alloc.epoch, alloc.leases, expected_tags(owner, alloc.epoch, alloc.leases),
+                           alloc.num_prompt_tokens, sampling_from_pb(request.sampling), self.eos,
+                           [request.first_token])
+            finished = seq.is_finished()
+            yield decode_pb2.DecodeResponse(token_id=request.first_token, finish_reason=self._finish(seq, finished))
+            if finished:
+                return
+            self.scheduler.add(seq)
             while True:
                 event = await seq.events.get()
                 if isinstance(event, PdError):
@@ -196,8 +172,41 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 if finished:
                     return
         finally:
-            if not seq.done:  # the client went away: stop before the next step
-                self.scheduler.cancel(owner)
+            if seq is None or seq.owner not in self.scheduler.running and not seq.done:
+                # never reached the scheduler: a task, so a cancelled call still gives the pages back
+                asyncio.ensure_future(self._release(owner, alloc.epoch, alloc.leases))
+            elif not seq.done:
+                self.scheduler.cancel(owner)  # the client went away: stop before the next step
+
+    async def _verify(self, request, owner: bytes, alloc: Allocation) -> None:
+        """Prompt pages (tags, token counts, checksums), then the broker: fail closed with DATA_LOSS."""
+        if alloc.epoch != self.epoch:
+            raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED",
+                          f"leases of epoch {alloc.epoch:#x} ended with the broker; now {self.epoch:#x}")
+        try:
+            self._admit_decode(request, alloc)
+            cov = request.coverage
+            with GUARD_SECONDS.labels("prompt_verify").time():
+                verify_prompt_pages(self.pool, owner, alloc.epoch, alloc.leases, alloc.num_prompt_tokens,
+                                    cov.num_tokens, list(cov.checksums), self.check_checksums)
+                if self.canary:
+                    check_canaries(self.pool, alloc.leases, alloc.num_prompt_tokens)
+            n = -(-alloc.num_prompt_tokens // self.pool.page_size)
+            with GUARD_SECONDS.labels("validate_rpc").time():
+                await call(self.broker.Validate(broker_pb2.ValidateRequest(
+                    pool_id=self.pool_id, owner=owner, epoch=alloc.epoch, leases=leases_to_pb(alloc.leases[:n])),
+                    timeout=self.rpc_timeout_s), "broker Validate")
+        except Violation as v:
+            LEASE_VIOLATIONS.labels("decode", v.reason).inc()
+            log.error("request %s refused before its first step: %s %s", owner.hex(), v.reason, v.message)
+            raise PdError(grpc.StatusCode.DATA_LOSS, v.reason, v.message) from None
+        except PdError as e:
+            if e.reason in ("LEASE_NOT_CURRENT", "WRITER_ACTIVE"):
+                LEASE_VIOLATIONS.labels("decode", e.reason).inc()
+                raise PdError(grpc.StatusCode.DATA_LOSS, e.reason, e.message) from None
+            if e.reason == "EPOCH_MISMATCH":
+                raise PdError(grpc.StatusCode.UNAVAILABLE, e.reason, e.message) from None
+            raise
 
     def _admit_decode(self, request, alloc: Allocation) -> None:
         if request.num_prompt_tokens != alloc.num_prompt_tokens:
@@ -217,9 +226,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return FINISH[eos]
 
     async def _release_seq(self, seq: Sequence) -> None:
-        await self._release(seq.owner, seq.epoch)
+        await self._release(seq.owner, seq.epoch, seq.leases)
 
-    async def _release(self, owner: bytes, epoch: int) -> None:
+    async def _release(self, owner: bytes, epoch: int, leases: list[tuple[int, int]]) -> None:
+        if self.canary:
+            # before the broker can re-grant them: a page nobody rewrites keeps the marker, and a verified
+            # page that still carries it would prove stale bytes got through
+            self.pool.fill([p for p, _ in leases], CANARY_BYTE)
         try:
             with GUARD_SECONDS.labels("release_rpc").time():
                 await self.broker.Release(broker_pb2.ReleaseRequest(pool_id=self.pool_id, owner=owner, epoch=epoch),
@@ -238,4 +251,4 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     self.allocations.pop(owner, None)
                     TIMEOUTS.labels("allocation").inc()
                     log.warning("allocation %s expired without a Decode call; releasing", owner.hex())
-                    await self._release(owner, alloc.epoch)
+                    await self._release(owner, alloc.epoch, alloc.leases)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from ..common.config import pages_for
+from ..common.metrics import CANARY_HITS
 from ..engine.kv_pool import KVPool
 from ..engine.tags import (CHECKSUM, EPOCH, GENERATION, MAGIC, NUM_TOKENS, OWNER_HI, OWNER_LO, PAGE_INDEX,
                            TAG_MAGIC, _s64, expected_tags)
@@ -64,6 +65,19 @@ def verify_prompt_pages(pool: KVPool, owner: bytes, epoch: int, leases: list[tup
             raise Violation("CHECKSUM", f"prompt page {i} (physical page {p}): bytes have CRC32 {actual:#010x}, "
                                         f"tag says {int(tags[i, CHECKSUM]):#010x}, prefill reported "
                                         f"{coverage_checksums[i]:#010x}")
+
+
+CANARY_BYTE = 0x7F  # 0x7F7F7F7F as float32 is 3.4e38: attention over it would wreck the logits
+
+
+def check_canaries(pool: KVPool, leases: list[tuple[int, int]], num_prompt_tokens: int) -> None:
+    """Canary mode (tests): released pages were filled with CANARY_BYTE; a verified prompt page must
+    hold none of it, or stale bytes passed every check."""
+    marker = int.from_bytes(bytes([CANARY_BYTE]) * 4, "little")
+    for i, (p, _) in enumerate(leases[: pages_for(num_prompt_tokens, pool.page_size)]):
+        if bool((pool.kv[p].view(torch.int32) == marker).any()):
+            CANARY_HITS.inc()
+            raise Violation("CANARY", f"verified prompt page {i} (physical page {p}) carries a freed page's marker")
 
 
 def step_tag_mismatches(tags: torch.Tensor, pages: torch.Tensor, expected: torch.Tensor,

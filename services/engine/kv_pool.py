@@ -92,6 +92,5 @@ class KVPool:
 
     def fill(self, pages: list[int], byte: int) -> None:
         """Fills pages with a marker byte (canary tests)."""
-        self.kv[pages].view(torch.uint8)  # shape check only
         for p in pages:
             self.kv[p].view(torch.uint8).fill_(byte)

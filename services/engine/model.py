@@ -85,6 +85,11 @@ class LlamaAttention(nn.Module):
             pages = cache[ctx.page_tables]  # [B, P, 2, page_size, kv_heads, D]
             ks = pages[:, :, 0].reshape(B, -1, self.num_kv_heads, self.head_dim).transpose(1, 2).to(q.dtype)
             vs = pages[:, :, 1].reshape(B, -1, self.num_kv_heads, self.head_dim).transpose(1, 2).to(q.dtype)
+            # masked slots still hold whatever the page held before (pages are never zeroed, and padding
+            # points at page 0): an inf there turns the masked score into inf + -inf = NaN, so zero them
+            hidden_slots = ~ctx.attn_mask[:, :, 0, :, None]  # [B, 1, S, 1]
+            ks = ks.masked_fill(hidden_slots, 0)
+            vs = vs.masked_fill(hidden_slots, 0)
             o = F.scaled_dot_product_attention(
                 q[:, :, None, :], ks, vs, attn_mask=ctx.attn_mask, enable_gqa=True)[:, :, 0, :]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))

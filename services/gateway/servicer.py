@@ -109,7 +109,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _run(self, request_id: bytes, tokens: list[int], sampling, prefill: Backend, decode: Backend,
                    start: float):
-        dest = await self._allocate(decode, request_id, len(tokens), sampling.max_tokens)
+        alloc = asyncio.ensure_future(self._allocate(decode, request_id, len(tokens), sampling.max_tokens))
+        try:
+            dest = await asyncio.shield(alloc)
+        except asyncio.CancelledError:
+            # the client left while decode was granting: once the grant lands, give it back
+            alloc.add_done_callback(lambda t: None if t.cancelled() or t.exception() is not None
+                                    else asyncio.ensure_future(self._release(decode, request_id)))
+            raise
         task = asyncio.ensure_future(call(prefill.stub.Prefill(prefill_pb2.PrefillRequest(
             request_id=request_id, token_ids=tokens, sampling=sampling, destination=dest),
             timeout=self.rpc_timeout_s), f"prefill {prefill.target}"))
@@ -129,6 +136,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             sampling=sampling, coverage=resp.coverage))
         text = IncrementalDecoder(self.tokenizer)
         last = None
+        ended_by_decode = False
         try:
             while True:
                 # no deadline on the whole stream (generations can be long), but a bound on each gap
@@ -139,6 +147,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     raise PdError(grpc.StatusCode.DEADLINE_EXCEEDED, "DECODE_STALLED",
                                   f"decode {decode.target} sent no token for {self.token_timeout_s:.0f}s") from None
                 if r is grpc.aio.EOF:
+                    ended_by_decode = True
                     break
                 now = time.perf_counter()
                 first = last is None
@@ -151,10 +160,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     request_id=request_id if first else b"", token_ids=[r.token_id],
                     text=text.push([r.token_id]), finish_reason=r.finish_reason, prompt_tokens=len(tokens))
         except grpc.RpcError as e:
+            ended_by_decode = True
             err = from_rpc_error(e)
             raise PdError(err.code, err.reason, f"decode {decode.target}: {err.message}") from None
         finally:
             stream.cancel()
+            if not ended_by_decode:
+                # the client left (or decode stalled): the Decode call may not even have reached decode,
+                # so its allocation would wait for its timeout; Release is idempotent
+                asyncio.ensure_future(self._release(decode, request_id))
 
     async def _allocate(self, decode: Backend, request_id: bytes, num_prompt: int, max_tokens: int):
         """Allocates decode pages; when the pool is full right now, waits in a bounded queue."""

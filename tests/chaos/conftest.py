@@ -6,6 +6,7 @@ from tests.integration.stack import Stack
 CHAOS_EXTRA = {
     "broker": ["--lock-delay", "1.0", "--sweep-interval", "0.2"],
     "prefill": ["--writer-ttl", "2.0", "--transfer-timeout", "2.0"],
+    "decode": ["--canary"],
 }
 
 

@@ -62,3 +62,22 @@ def test_batched_decode_equals_single(runner):
     for b, (s, t) in enumerate(zip(seqs, tables)):
         alone = runner.prefill(s, t, all_logits=False)[0]
         assert (batch[b] - alone).abs().max().item() < 1e-4
+
+
+@torch.inference_mode()
+def test_garbage_in_masked_slots_does_not_change_decode(runner):
+    """Slots past a sequence's length (stale bytes, or page 0 used as padding) must not leak into its
+    logits, even when they hold values that overflow (a freed page's canary, or a stale inf)."""
+    seq = _prompt(21, 5)
+    pages = [30, 31]
+    runner.prefill(seq[:-1], pages)
+    clean = runner.decode([seq[-1]], [20], [pages])[0].clone()
+    runner.prefill(seq[:-1], pages)
+    runner.pool.kv[31, :, :, 5:] = float("inf")  # beyond position 20, never attended
+    runner.pool.kv[0] = float("nan")              # the padding page of the shorter sequence below
+    other = _prompt(40, 6)
+    runner.prefill(other[:-1], [40, 41, 42])
+    batch = runner.decode([seq[-1], other[-1]], [20, 39], [pages, [40, 41, 42]])
+    assert torch.isfinite(batch).all()
+    assert (batch[0] - clean).abs().max().item() < 1e-4
+    runner.pool.kv[0] = 0
