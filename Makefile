@@ -55,6 +55,9 @@ integration: setup
 formal: .deps-apt
 	@if [ -f formal/check.sh ]; then bash formal/check.sh; else echo "formal: no model yet"; fi
 
+soak: setup
+	$(PY) -m tests.chaos.soak --minutes $${SOAK_MINUTES:-10}
+
 bench: setup
 	$(VENV)/bin/pdserve bench
 

@@ -54,6 +54,26 @@ class Oracle:
         with self._lock:
             return self.hf(torch.tensor([ids])).logits[0].float()
 
+    @torch.inference_mode()
+    def check_many(self, pairs: list[tuple[list[int], list[int]]], batch: int = 16) -> None:
+        """Teacher forcing for many responses at once: right-padded batches through transformers (padding
+        after a sequence cannot change the causal logits before it)."""
+        for i in range(0, len(pairs), batch):
+            chunk = pairs[i:i + batch]
+            seqs = [list(p) + list(r) for p, r in chunk]
+            width = max(len(x) for x in seqs)
+            ids = torch.zeros((len(seqs), width), dtype=torch.int64)
+            mask = torch.zeros((len(seqs), width), dtype=torch.int64)
+            for j, x in enumerate(seqs):
+                ids[j, :len(x)] = torch.tensor(x)
+                mask[j, :len(x)] = 1
+            with self._lock:
+                logits = self.hf(ids, attention_mask=mask).logits.float()
+            for j, (p, r) in enumerate(chunk):
+                if not r:
+                    raise OracleMismatch("empty response")
+                check_teacher_forced(logits[j], p, r, "transformers reference (batched)")
+
     def check(self, prompt: list[int], response: list[int], use_hf: bool = True) -> None:
         if not response:
             raise OracleMismatch("empty response")
