@@ -35,11 +35,14 @@ def _wrap_unary(fn, method):
 
 def _wrap_stream(fn, method):
     async def handler(request, context):
+        start = time.perf_counter()
         try:
             async for item in fn(request, context):
                 yield item
         except PdError as e:
             await context.abort_with_status(to_status(e))
+        finally:
+            RPC_SECONDS.labels(method).observe(time.perf_counter() - start)
     return handler
 
 
