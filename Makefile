@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 MODEL ?= models/pdserve-tiny
-APT_PKGS := libibverbs1 librdmacm1 libnuma1 spin
+APT_PKGS := libibverbs1 librdmacm1 libnuma1 spin prometheus
 STUBS := services/common/gen/pdserve/v1/.stamp
 PROTOS := $(wildcard protos/pdserve/v1/*.proto)
 
