@@ -11,6 +11,7 @@ import grpc
 
 from ..common import config
 from ..common.capacity import check_pool_capacity
+from ..common.cli_args import add_engine_args
 from ..common.metrics import init_metrics
 from ..common.proto import broker_pb2_grpc, decode_pb2, decode_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
@@ -22,27 +23,12 @@ log = logging.getLogger(__name__)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=config.DECODE_PORT)
-    p.add_argument("--metrics-port", type=int, default=config.METRICS_PORTS["decode"])
-    p.add_argument("--broker", default=f"127.0.0.1:{config.BROKER_PORT}")
-    p.add_argument("--model", default=config.DEFAULT_MODEL)
-    p.add_argument("--context-length", type=int, default=0, help="default: the model's max_position_embeddings")
-    p.add_argument("--page-size", type=int, default=config.DEFAULT_PAGE_SIZE)
-    p.add_argument("--pool-tokens", type=int, default=config.DEFAULT_DECODE_POOL_TOKENS)
-    p.add_argument("--allow-pool-smaller-than-context", action="store_true")
+    add_engine_args(p, "decode", config.DECODE_PORT, config.DEFAULT_DECODE_POOL_TOKENS)
     p.add_argument("--max-batch", type=int, default=64)
-    p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads for the model (default: half the cores, prefill and decode share a host)")
     p.add_argument("--allocation-timeout", type=float, default=120.0,
                    help="seconds an allocation waits for its Decode call (prefill failed, gateway gone) before release")
     p.add_argument("--canary", action="store_true",
                    help="tests: fill released pages with a marker and refuse a verified page that carries it")
-    p.add_argument("--no-transfer-checksum", action="store_true",
-                   help="skip the CRC32 of transferred pages (tags are still checked); prefill and decode must agree")
-    p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
 async def serve(args) -> None:

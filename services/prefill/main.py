@@ -11,6 +11,7 @@ import grpc
 
 from ..common import config
 from ..common.capacity import check_pool_capacity
+from ..common.cli_args import add_engine_args
 from ..common.metrics import init_metrics
 from ..common.proto import broker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
@@ -23,24 +24,9 @@ log = logging.getLogger(__name__)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=config.PREFILL_PORT)
-    p.add_argument("--metrics-port", type=int, default=config.METRICS_PORTS["prefill"])
-    p.add_argument("--broker", default=f"127.0.0.1:{config.BROKER_PORT}")
-    p.add_argument("--model", default=config.DEFAULT_MODEL)
-    p.add_argument("--context-length", type=int, default=0, help="default: the model's max_position_embeddings")
-    p.add_argument("--page-size", type=int, default=config.DEFAULT_PAGE_SIZE)
-    p.add_argument("--pool-tokens", type=int, default=config.DEFAULT_PREFILL_POOL_TOKENS)
-    p.add_argument("--allow-pool-smaller-than-context", action="store_true")
-    p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
-    p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads for the model (default: half the cores, prefill and decode share a host)")
+    add_engine_args(p, "prefill", config.PREFILL_PORT, config.DEFAULT_PREFILL_POOL_TOKENS)
     p.add_argument("--writer-ttl", type=float, default=5.0, help="liveness lease of one write, seconds")
     p.add_argument("--transfer-timeout", type=float, default=30.0, help="bound on one request's KV transfer")
-    p.add_argument("--no-transfer-checksum", action="store_true",
-                   help="skip the CRC32 of transferred pages (tags are still checked); prefill and decode must agree")
-    p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
 
 
 async def serve(args) -> None:

@@ -1,0 +1,26 @@
+"""Command-line flags shared by the two engine services (prefill and decode)."""
+from __future__ import annotations
+
+import argparse
+
+from . import config
+
+
+def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_tokens: int) -> None:
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=port)
+    p.add_argument("--metrics-port", type=int, default=config.METRICS_PORTS[service])
+    p.add_argument("--broker", default=f"127.0.0.1:{config.BROKER_PORT}")
+    p.add_argument("--model", default=config.DEFAULT_MODEL)
+    p.add_argument("--context-length", type=int, default=0, help="default: the model's max_position_embeddings")
+    p.add_argument("--page-size", type=int, default=config.DEFAULT_PAGE_SIZE)
+    p.add_argument("--pool-tokens", type=int, default=pool_tokens)
+    p.add_argument("--allow-pool-smaller-than-context", action="store_true",
+                   help="serve with admission capped at the pool (the shortfall is exported for an alert)")
+    p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for the model (default: half the cores, prefill and decode share a host)")
+    p.add_argument("--no-transfer-checksum", action="store_true",
+                   help="skip the CRC32 of transferred pages (tags are still checked); prefill and decode must agree")
+    p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
