@@ -28,7 +28,8 @@ def _up(args) -> int:
         allow_small=args.allow_pool_smaller_than_context, num_prefill=args.prefill_instances,
         num_decode=args.decode_instances, echo=True)
     gw = procs["gateway"][0]
-    print(f"\npdserve is up: gateway gRPC {gw.target}; try `pdserve generate \"hello\"`. Ctrl-C stops.", flush=True)
+    print(f"\npdserve is up: gateway gRPC {gw.target}, OpenAI HTTP 127.0.0.1:{gw.http_port}; try "
+          f"`pdserve generate \"hello\"`. Ctrl-C stops.", flush=True)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     try:

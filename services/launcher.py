@@ -10,6 +10,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+HTTP_READY = re.compile(r"PDSERVE_HTTP port=(\d+)")
 READY = re.compile(r"PDSERVE_READY service=(\w+) port=(\d+) metrics_port=(\d+)")
 
 
@@ -20,6 +21,7 @@ class Proc:
     popen: subprocess.Popen
     port: int = 0
     metrics_port: int = 0
+    http_port: int = 0
     lines: list[str] = field(default_factory=list)
 
     @property
@@ -50,6 +52,9 @@ def start(name: str, args: list[str], env: dict | None = None, timeout: float = 
                 sink.flush()
             if echo:
                 sys.stdout.write(f"[{name}] {line}")
+            h = HTTP_READY.search(line)
+            if h:
+                proc.http_port = int(h.group(1))
             m = READY.search(line)
             if m and not ready.is_set():
                 proc.port, proc.metrics_port = int(m.group(2)), int(m.group(3))
@@ -92,7 +97,7 @@ def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0
 
     def ports(name: str, i: int) -> list[str]:
         if not base_ports:
-            return ["--port", "0", "--metrics-port", "0"]
+            return ["--port", "0", "--metrics-port", "0"] + (["--http-port", "0"] if name == "gateway" else [])
         base = {"gateway": config.GATEWAY_PORT, "broker": config.BROKER_PORT, "prefill": config.PREFILL_PORT,
                 "decode": config.DECODE_PORT}[name]
         return ["--port", str(base + 100 * i), "--metrics-port", str(config.METRICS_PORTS[name] + 10 * i)]

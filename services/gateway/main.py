@@ -14,6 +14,7 @@ from ..common.proto import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
 from ..engine.tokenizer import load_tokenizer
 from .router import Backend
+from .http import start_http
 from .servicer import Capacity, GatewayServicer
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,8 @@ log = logging.getLogger(__name__)
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=config.GATEWAY_PORT)
+    p.add_argument("--http-port", type=int, default=config.GATEWAY_HTTP_PORT,
+                   help="OpenAI-compatible HTTP API (POST /v1/completions); -1 disables it")
     p.add_argument("--metrics-port", type=int, default=config.METRICS_PORTS["gateway"])
     p.add_argument("--prefill", action="append", default=None, help="prefill HOST:PORT (repeatable)")
     p.add_argument("--decode", action="append", default=None, help="decode HOST:PORT (repeatable)")
@@ -69,6 +72,10 @@ async def serve(args) -> None:
                   args.host, args.port, args.metrics_port)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, svc.server)
     await svc.start()
+    if args.http_port >= 0:
+        http = await start_http(servicer, cap.model, args.host, args.http_port)
+        args.http_port = http.sockets[0].getsockname()[1]
+        print(f"PDSERVE_HTTP port={args.http_port}", flush=True)
     log.info("gateway: model %s, context %d, decode pool %d pages, prefill pool %d tokens", cap.model,
              cap.context_length, cap.decode_pool_pages, cap.prefill_pool_tokens)
     await svc.set_serving()
