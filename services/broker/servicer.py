@@ -154,6 +154,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 queue.put_nowait(event)
 
     def _publish(self, pool_id: str) -> None:
+        if pool_id not in self._table.pool_ids():
+            return  # a stale call naming a pool of an earlier incarnation: nothing here to publish
         state = self._table.pool_state(pool_id)
         for name in _PAGE_STATES:
             self._pages.labels(pool_id, name).set(state[f"num_{name}"])

@@ -40,7 +40,9 @@ class Stack:
     def clear_faults(self) -> None:
         for name in ("prefill", "decode"):
             for p in self.procs[name]:
-                faults_pb2_grpc.FaultsStub(self._ch(p.target)).Clear(faults_pb2.ClearRequest())
+                # wait_for_ready: a service that was just restarted may still be binding its port
+                faults_pb2_grpc.FaultsStub(self._ch(p.target)).Clear(faults_pb2.ClearRequest(), timeout=30,
+                                                                     wait_for_ready=True)
 
     def metrics(self, service: str, index: int = 0) -> str:
         port = self.procs[service][index].metrics_port
