@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 from services.broker.lease_table import LeaseTable
 from services.broker.servicer import BrokerServicer
 from services.common.errors import from_rpc_error
-from services.common.proto import broker_pb2 as pb, broker_pb2_grpc
+from services.common.proto import broker_pb2 as pb, broker_pb2_grpc, common_pb2
 
 OWNER = bytes(range(16))
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
@@ -183,4 +183,18 @@ def test_sweeper_frees_quarantine_after_liveness_expiry_plus_lock_delay():
                 assert pages(registry, "d0") == {"free": 2, "leased": 0, "quarantined": 0}
             finally:
                 sweeper.cancel()
+    asyncio.run(main())
+
+
+def test_stale_acks_and_releases_from_an_earlier_incarnation_are_harmless_no_ops():
+    """After a broker restart, writers and readers of the old epoch still send EndWrite and Release for
+    pools this incarnation has never seen: both must succeed as no-ops, not fail."""
+    async def main():
+        async with serving(LeaseTable(epoch=9)) as (_, stub, _registry):
+            lease = [common_pb2.PageLease(page=0, generation=1)]
+            r = await stub.EndWrite(pb.EndWriteRequest(pool_id="gone", owner=OWNER, epoch=4, leases=lease,
+                                                       writer_id="w", success=False))
+            assert r.num_unquarantined == 0
+            r = await stub.Release(pb.ReleaseRequest(pool_id="gone", owner=OWNER, epoch=4))
+            assert (r.num_freed, r.num_quarantined) == (0, 0)
     asyncio.run(main())
