@@ -27,7 +27,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	@# the CUDA build of Mooncake needs libcudart; hosts without CUDA take the non-cuda build
 	$(PIP) install -q torch==2.13.0
-	@if command -v nvidia-smi >/dev/null 2>&1; then extra=test; $(PIP) install -q mooncake-transfer-engine; else extra="cpu,test"; fi; \
+	@if command -v nvidia-smi >/dev/null 2>&1; then extra="test,bench"; $(PIP) install -q mooncake-transfer-engine; else extra="cpu,test,bench"; fi; \
 	$(PIP) install -q -e ".[$$extra]"
 	@touch $@
 

@@ -19,6 +19,8 @@ def _reject(reason: str, message: str) -> PdError:
 def check_tokens(token_ids, vocab_size: int) -> None:
     if len(token_ids) == 0:
         raise _reject("EMPTY_PROMPT", "prompt is empty (0 tokens)")
+    if 0 <= min(token_ids) and max(token_ids) < vocab_size:
+        return
     bad = [t for t in token_ids if t < 0 or t >= vocab_size]
     if bad:
         raise _reject("TOKEN_OUT_OF_VOCAB", f"{len(bad)} prompt token ids outside [0, {vocab_size}), "

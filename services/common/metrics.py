@@ -9,7 +9,7 @@ ADMISSION_REJECTIONS = Counter("pdserve_admission_rejections_total", "Requests r
                                ["reason"])
 TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total", "KV bytes written to decode pools (data + tags)")
 TRANSFER_SECONDS = Histogram("pdserve_kv_transfer_seconds", "Wall time of one request's KV transfer",
-                             buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+                             buckets=(.00025, .0005, .001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
 TRANSFER_FAILURES = Counter("pdserve_kv_transfer_failures_total", "Failed KV transfers", ["stage"])
 POOL_CONTEXT_RATIO = Gauge("pdserve_kv_pool_context_ratio",
                            "Pool tokens / context length; < 1 means admission is capped by the pool",

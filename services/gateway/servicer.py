@@ -59,11 +59,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def admit(self, request) -> list[int]:
         """DESIGN §4, before any lease, allocation or transfer."""
         tokens = list(request.prompt_token_ids) or self.tokenizer.encode(request.prompt)
-        check_tokens(tokens, self.cap.vocab_size)
         top_p = request.top_p if request.HasField("top_p") else 1.0
         check_sampling(request.max_tokens, request.temperature, top_p)
-        check_lengths(len(tokens), request.max_tokens, self.cap.context_length, self.cap.page_size,
-                      self.cap.decode_pool_pages, self.cap.prefill_pool_tokens)
+        if tokens:  # the O(1) length checks first: an over-long flood never pays for a vocabulary scan
+            check_lengths(len(tokens), request.max_tokens, self.cap.context_length, self.cap.page_size,
+                          self.cap.decode_pool_pages, self.cap.prefill_pool_tokens)
+        check_tokens(tokens, self.cap.vocab_size)
         return tokens
 
     async def Generate(self, request, context):

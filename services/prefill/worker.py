@@ -71,10 +71,9 @@ class PrefillWorker:
         self.pool.zero_tail(local_pages[n - 1], num_tokens - (n - 1) * ps)
         with GUARD_SECONDS.labels("checksum").time():
             checksums = [self.pool.checksum(p) if self.checksums else 0 for p in local_pages[:n]]
-        for i, p in enumerate(local_pages[:n]):
-            tokens = min(ps, num_tokens - i * ps)
-            self.pool.tags[p] = torch.tensor(
-                make_tag(owner, target.epoch, target.leases[i][1], i, tokens, checksums[i]), dtype=torch.int64)
+        self.pool.tags[local_pages[:n]] = torch.tensor(
+            [make_tag(owner, target.epoch, target.leases[i][1], i, min(ps, num_tokens - i * ps), checksums[i])
+             for i in range(n)], dtype=torch.int64)
         idx = list(range(n))
         if FAULTS.fire("prefill.short_transfer") is not None:
             idx = idx[:1]

@@ -1,0 +1,134 @@
+"""A pdserve stack for the benchmark (real services on port 0) and what each run cost it.
+
+Per run: the client's view (Records), plus deltas of every service's /metrics (guard seconds,
+transfer bytes and seconds, server-side RPC seconds, gateway-side TTFT) and of each process's CPU
+seconds, so a slow number can be traced to the process and the step that spent the time.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+
+from services import launcher
+
+from .pdclient import delta, run_load, scrape
+from .workload import MAX_TOKENS, Record, Summary, summarize
+
+GUARD_KINDS = ("grant_rpc", "begin_write_rpc", "end_write_rpc", "validate_rpc", "release_rpc", "checksum",
+               "prompt_verify", "step_tag_check")
+# guards every request waits for between admission and its first token (release runs after the last token,
+# step_tag_check once per decode step for the whole batch)
+TTFT_KINDS = ("grant_rpc", "begin_write_rpc", "checksum", "end_write_rpc", "prompt_verify", "validate_rpc")
+SERVICES = ("gateway", "broker", "prefill", "decode")
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu_seconds() -> float:
+    """CPU seconds every core of the machine has spent busy since boot (/proc/stat)."""
+    try:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return (sum(v[:8]) - v[3] - v[4]) / _TICK  # all but idle and iowait
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+class OtherLoad:
+    """Cores kept busy by everything but this process while the block runs: `with OtherLoad() as o: ...; o.cores`."""
+
+    def __enter__(self):
+        self._m, self._p, self._t = machine_cpu_seconds(), time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        dt = time.perf_counter() - self._t
+        mine = time.process_time() - self._p
+        self.cores = max(0.0, machine_cpu_seconds() - self._m - mine) / dt if dt else float("nan")
+        return False
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of one process so far (from /proc; 0 where it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class BenchStack:
+    def __init__(self, model_dir: str, checksums: bool = True):
+        self.checksums = checksums
+        self.log_dir = tempfile.mkdtemp(prefix="pdserve-bench-")
+        flag = [] if checksums else ["--no-transfer-checksum"]
+        self.procs = launcher.start_stack(model_dir, log_dir=self.log_dir, env={"GLOG_minloglevel": "2"},
+                                          extra={"prefill": flag, "decode": flag})
+        self.gateway = self.procs["gateway"][0].target
+
+    def pids(self) -> dict[str, int]:
+        return {name: ps[0].popen.pid for name, ps in self.procs.items()}
+
+    def _sample(self) -> tuple[dict[str, dict], dict[str, float]]:
+        metrics = {s: scrape(self.procs[s][0].metrics_port) for s in SERVICES}
+        cpu = {s: cpu_seconds(pid) for s, pid in self.pids().items()}
+        cpu["client"] = time.process_time()
+        cpu["machine"] = machine_cpu_seconds()
+        cpu["wall"] = time.perf_counter()
+        return metrics, cpu
+
+    def run(self, system: str, preset: str, prompts: list[list[int]], concurrency: int,
+            max_tokens: int = MAX_TOKENS) -> tuple[Summary, list[Record]]:
+        m0, c0 = self._sample()
+        records, wall = run_load(self.gateway, prompts, concurrency, max_tokens)
+        m1, c1 = self._sample()
+        d = {s: delta(m1[s], m0[s]) for s in m1}
+        guard = {k: sum(d[s].get(("pdserve_guard_seconds_sum", f'kind="{k}"'), 0.0) for s in ("prefill", "decode"))
+                 for k in GUARD_KINDS}
+        rpc = {}
+        for s in SERVICES:
+            for (name, labels), v in d[s].items():
+                if name == "pdserve_rpc_seconds_sum" and v:
+                    method = labels.split('"')[1]
+                    rpc[f"{s}.{method}"] = (v, d[s].get(("pdserve_rpc_seconds_count", labels), 0.0))
+        g = d["gateway"]
+        rpc["gateway.ttft"] = (g.get(("pdserve_time_to_first_token_seconds_sum", ""), 0.0),
+                               g.get(("pdserve_time_to_first_token_seconds_count", ""), 0.0))
+        p = d["prefill"]
+        cpu = {k: c1[k] - c0[k] for k in c1}
+        machine, elapsed = cpu.pop("machine"), cpu.pop("wall")
+        extra = {"guard": guard, "rpc": rpc, "cpu": cpu,
+                 # cores kept busy by everything else on the machine (other users' work): the noise floor
+                 "other_cores": max(0.0, machine - sum(cpu.values())) / elapsed if elapsed else float("nan"),
+                 "transfer_buckets": {labels.split('"')[1]: v for (name, labels), v in p.items()
+                                      if name == "pdserve_kv_transfer_seconds_bucket"},
+                 "transfer_bytes": p.get(("pdserve_kv_transfer_bytes_total", ""), 0.0),
+                 "transfer_sum": p.get(("pdserve_kv_transfer_seconds_sum", ""), 0.0),
+                 "transfer_count": p.get(("pdserve_kv_transfer_seconds_count", ""), 0.0),
+                 "prefill_checksum_sum": p.get(("pdserve_guard_seconds_sum", 'kind="checksum"'), 0.0),
+                 "checksums": self.checksums}
+        errors = [r.error for r in records if r.error]
+        if errors:
+            extra["first_error"] = errors[0]
+            self.settle()
+        return summarize(system, preset, len(prompts[0]), concurrency, records, wall, extra), records
+
+    def settle(self, quiet_s: float = 2.0, timeout_s: float = 180.0) -> None:
+        """Waits until prefill has no backlog: a request the client gave up on still runs its prefill and
+        transfer (by design), and that work must not land in the next measurement."""
+        port = self.procs["prefill"][0].metrics_port
+        key = ("pdserve_rpc_seconds_count", 'method="Prefill"')
+        last, since, deadline = None, time.monotonic(), time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            now = scrape(port).get(key, 0.0)
+            if now != last:
+                last, since = now, time.monotonic()
+            elif time.monotonic() - since >= quiet_s:
+                return
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        launcher.stop_stack(self.procs)
+        shutil.rmtree(self.log_dir, ignore_errors=True)  # a start-up failure already carries the log tail
