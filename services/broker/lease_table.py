@@ -86,7 +86,8 @@ class LeaseTable:
             pool = self._pools[pool_id] = _Pool(pool_id, num_pages)
             if held:
                 writer = f"earlier-epoch/{pool_id}"
-                self._liveness[writer] = self._clock()  # already expired: only lock_delay remains
+                # an old-epoch writer renews at most one ttl before it learns the epoch changed and stops
+                self._liveness[writer] = self._clock() + self.default_writer_ttl_s
                 for page_id in held:
                     page = pool.pages[page_id]
                     page.state, page.active_writer = PageState.QUARANTINED, (writer, 0)

@@ -21,7 +21,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lock-delay", type=float, default=2.0,
                    help="seconds a dead writer's pages stay quarantined after its liveness lease expires; "
                         "must exceed the transport's longest retry/timeout")
-    p.add_argument("--writer-ttl", type=float, default=30.0, help="liveness lease of a writer seen only in BeginWrite")
+    p.add_argument("--writer-ttl", type=float, default=5.0,
+                   help="liveness lease of a writer seen only in BeginWrite, and how long an old-epoch writer may still "
+                        "post after a restart (match prefill's --writer-ttl)")
     p.add_argument("--sweep-interval", type=float, default=0.5)
 
 

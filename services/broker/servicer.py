@@ -104,6 +104,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         queue: asyncio.Queue[Revocation] = asyncio.Queue()
         watchers = self._watchers.setdefault(request.pool_id, set())
         watchers.add(queue)
+        self._fan_out(request.pool_id)  # what was revoked while nobody watched
         try:
             while True:
                 event = await queue.get()
@@ -148,6 +149,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         return len(self._watchers.get(pool_id, ()))
 
     def _fan_out(self, pool_id: str) -> None:
+        if not self._watchers.get(pool_id):
+            return  # kept in the table until decode (re)subscribes: a dropped revocation is unsafe
         for event in self._table.drain_revocations(pool_id):
             log.info("revoked owner %s in pool %s: %s", event.owner.hex(), pool_id, event.reason)
             for queue in self._watchers.get(pool_id, ()):

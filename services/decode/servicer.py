@@ -49,6 +49,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.rpc_timeout_s = rpc_timeout_s
         self.allocation_timeout_s = allocation_timeout_s
         self.epoch = 0
+        self._epoch_changed = asyncio.Event()
         self.allocations: dict[bytes, Allocation] = {}
         self.scheduler = Scheduler(runner, self._release_seq, max_batch)
         self.layout_pb = layout_to_pb(self.pool.layout, TAG_NBYTES)
@@ -70,7 +71,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         """Keeps decode's liveness with the broker and notices a broker restart (a new epoch): in-flight
         requests fail UNAVAILABLE (retryable) and the pages they held return through quarantine."""
         while True:
-            await asyncio.sleep(interval_s)
+            try:
+                await asyncio.wait_for(self._epoch_changed.wait(), interval_s)
+            except asyncio.TimeoutError:
+                pass
+            self._epoch_changed.clear()
             try:
                 resp = await self.broker.KeepAlive(broker_pb2.KeepAliveRequest(
                     holder_id=self.pool_id, ttl_ms=int(ttl_s * 1000)), timeout=self.rpc_timeout_s)
@@ -79,7 +84,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 continue
             if resp.epoch == self.epoch:
                 continue
-            old, held = self.epoch, self.pages_in_use()
+            # every page, not only those in use: one released just before the restart may still have an
+            # old-epoch write in flight that no table remembers (found by the formal model)
+            old, held = self.epoch, list(range(self.pool.num_pages))
             log.error("broker restarted (epoch %#x -> %#x): failing %d running requests, %d pages to quarantine",
                       old, resp.epoch, len(self.scheduler.running), len(held))
             self.scheduler.fail_all(PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED",
@@ -124,10 +131,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if request.num_prompt_tokens == 0:
             raise invalid("EMPTY_PROMPT", "prompt is empty (0 tokens)")
         need = pages_needed(request.num_prompt_tokens, request.max_tokens, self.pool.page_size)
-        with GUARD_SECONDS.labels("grant_rpc").time():
-            resp = await call(self.broker.Grant(broker_pb2.GrantRequest(
-                pool_id=self.pool_id, owner=owner, num_pages=need, epoch=self.epoch), timeout=self.rpc_timeout_s),
-                "broker Grant")
+        try:
+            with GUARD_SECONDS.labels("grant_rpc").time():
+                resp = await call(self.broker.Grant(broker_pb2.GrantRequest(
+                    pool_id=self.pool_id, owner=owner, num_pages=need, epoch=self.epoch),
+                    timeout=self.rpc_timeout_s), "broker Grant")
+        except PdError as e:
+            if e.reason not in ("EPOCH_MISMATCH", "UNKNOWN_POOL"):
+                raise
+            self._epoch_changed.set()  # re-register now rather than at the next liveness tick
+            raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED", e.message) from None
         leases = leases_from_pb(resp.leases)
         self.allocations[owner] = Allocation(resp.epoch, leases, request.num_prompt_tokens, request.max_tokens,
                                              time.monotonic() + self.allocation_timeout_s)

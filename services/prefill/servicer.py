@@ -79,11 +79,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         # shielded: a cancelled caller must not stop a write half-way, nor skip its EndWrite
         return await asyncio.shield(self._prefill(request, target))
 
-    async def _keep_alive(self, writer_id: str) -> float:
-        """Renews this write's liveness lease; returns the monotonic time it now expires (sent time + ttl)."""
+    async def _keep_alive(self, writer_id: str, epoch: int) -> float:
+        """Renews this write's liveness lease; returns the monotonic time it now expires (sent time + ttl).
+        Under a new broker epoch the write is dead: its pages are quarantined only for lock_delay there,
+        so it must not post again (found by the formal model)."""
         sent = time.monotonic()
-        await call(self.broker.KeepAlive(broker_pb2.KeepAliveRequest(
+        resp = await call(self.broker.KeepAlive(broker_pb2.KeepAliveRequest(
             holder_id=writer_id, ttl_ms=int(self.writer_ttl_s * 1000)), timeout=self.rpc_timeout_s), "broker KeepAlive")
+        if resp.epoch != epoch:
+            raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED",
+                          f"broker epoch is {resp.epoch:#x}, the write's leases are of {epoch:#x}")
         return sent + self.writer_ttl_s
 
     async def _prefill(self, request, target: Target) -> prefill_pb2.PrefillResponse:
@@ -93,7 +98,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         # one liveness lease per write: a stuck write stops being renewed at its timeout, so the broker can
         # presume it dead and drain its pages, while the rest of this process keeps serving
         writer_id = f"{self.writer_id}/{owner.hex()}"
-        expires = [await self._keep_alive(writer_id)]
+        expires = [await self._keep_alive(writer_id, target.epoch)]
         try:
             with GUARD_SECONDS.labels("begin_write_rpc").time():
                 await call(self.broker.BeginWrite(broker_pb2.BeginWriteRequest(
@@ -107,7 +112,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             if e.reason == "EPOCH_MISMATCH":
                 raise PdError(grpc.StatusCode.UNAVAILABLE, e.reason, e.message) from None
             raise
-        renew = asyncio.create_task(self._renew(writer_id, expires))
+        renew = asyncio.create_task(self._renew(writer_id, target.epoch, expires))
         ok = False
         local: list[int] = []
         write = None
@@ -151,13 +156,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             else:
                 await self._finish(local, pool_id, owner, target.epoch, leases_pb, writer_id, ok)
 
-    async def _renew(self, writer_id: str, expires: list[float]) -> None:
+    async def _renew(self, writer_id: str, epoch: int, expires: list[float]) -> None:
         while True:
             await asyncio.sleep(self.writer_ttl_s / 3)
             try:
-                expires[0] = await self._keep_alive(writer_id)
+                expires[0] = await self._keep_alive(writer_id, epoch)
             except PdError as e:
                 log.warning("KeepAlive of %s failed: %s", writer_id, e)
+                if e.reason == "BROKER_RESTARTED":
+                    expires[0] = 0.0  # check_alive now refuses every further post
+                    return
 
     async def _late_finish(self, write: asyncio.Future, *args) -> None:
         """A write that outlived its timeout has returned: count how it ended, then acknowledge it."""

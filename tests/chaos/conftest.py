@@ -4,7 +4,7 @@ from tests.integration.stack import Stack
 
 # short bounds so failures drain in seconds: writer ttl 2 s, lock delay 1 s, transfer timeout 2 s
 CHAOS_EXTRA = {
-    "broker": ["--lock-delay", "1.0", "--sweep-interval", "0.2"],
+    "broker": ["--lock-delay", "1.0", "--sweep-interval", "0.2", "--writer-ttl", "2.0"],
     "prefill": ["--writer-ttl", "2.0", "--transfer-timeout", "2.0"],
     "decode": ["--canary"],
 }

@@ -1,0 +1,653 @@
+/*
+ * pdserve: the KV-page lease and transfer protocol (DESIGN.md §3) as a SPIN model.
+ * formal/README.md says what is modelled, what is abstracted and why that is sound, and maps
+ * every element to services/. formal/check.sh runs it; mutants/*.pml each #define one MUT_*
+ * flag (one guard removed) and #include this file; redundant/*.pml remove a guard that the
+ * others cover.
+ *
+ *   Broker   LeaseTable: epoch, per-pool generation counter, page states FREE / LEASED /
+ *            QUARANTINED, active writer (writer id, generation), writer liveness and
+ *            lock_delay, sweep, revoke, restart (new epoch, decode re-registers).
+ *   Writer   prefill, one per request: BeginWrite, liveness check, one-sided writes of the
+ *            data and of the tag, wait for completion, EndWrite always, re-sent until answered.
+ *   Reader   decode, one per request: Grant, dispatch, verify_prompt_pages, Validate, the
+ *            check before every step, Release; cancellable at every stage.
+ *   Net      delivers one-sided writes late and in any order (data and tag of one write too),
+ *            fails them (reported) or, as a fault, loses them silently; loses, duplicates and
+ *            delays EndWrite; delivers revocation notices late.
+ *
+ * Properties (every reachable state, exhaustively):
+ *   P1 no foreign bytes   a reader consumes a page only if every token cell it reads was
+ *                         written under its own lease (owner, epoch, generation)
+ *   P2 one live lease     no two requests are live readers of one page; a grant takes a
+ *                         FREE page only
+ *   P3 no page lost       the FREE + LEASED + QUARANTINED gauges add up to NP and match
+ *                         the page states
+ *   P4 writer drained     no page is FREE (grantable) while a writer can still land a write
+ *                         on it: the writer's acknowledgement, or its liveness expiry plus
+ *                         lock_delay, came first (ground truth, not the broker's view)
+ *   P5 quarantine drains  faults stop (a budget): no terminal state keeps a page leased or
+ *                         quarantined (process Drained), and LTL `drains`:
+ *                         [](QUARANTINED(p) -> <> FREE(p)) for every page
+ */
+
+#ifndef NP
+#define NP 2            /* pages in the decode pool */
+#endif
+#ifndef NR
+#define NR 2            /* requests (each one prompt page of two token cells) */
+#endif
+#ifndef NW
+#define NW 1            /* prefill processes; request r is prefilled by process r % NW */
+#endif
+#ifndef NSTEPS
+#define NSTEPS 1        /* decode steps per request (one, taken at any time, covers all) */
+#endif
+#ifndef FAULTS
+#define FAULTS 1        /* fault budget shared by every kind of fault: faults stop */
+#endif
+
+#define NONE   255
+mtype = { free, leased, quarantined, done, failed }  /* names for the trace only */
+#define PSTATE(x) (5 - (x))                          /* page state -> its mtype name */
+#define PRESULT(x) (3 - (x))                         /* prefill result -> its mtype name */
+#define FREE   0        /* page states */
+#define LEASED 1
+#define QUAR   2
+#define PROC(r) ((r) % NW)
+/* writer ids (BeginWrite's writer_id, the liveness lease's holder): by default one per
+ * prefill process, as DESIGN §3 describes; -DWRITER_PER_WRITE gives every write its own id
+ * and liveness lease, as services/prefill/servicer.py does ("<worker>/<owner>"), whose
+ * renewals stop when the write ends */
+#ifdef WRITER_PER_WRITE
+#define NWID NR
+#define WID(r) (r)
+#define WPROC(x) PROC(x)
+#else
+#define NWID NW
+#define WID(r) PROC(r)
+#define WPROC(x) (x)
+#endif
+#define OLDW   (NWID+1) /* active-writer mark of pages quarantined by a broker restart */
+#define REVW   (NWID+2) /* active-writer mark of a revoked reader's pages (revoke())   */
+#define DONE   1        /* prefill results */
+#define FAILED 2
+
+/* the identity of a lease, also the "bytes" a write under that lease stores */
+#define STAMP(r,e,g)   (((r)+1)*32 + (e)*16 + (g))
+/* for the trace: a stamp printed as owner/epoch/generation ("r-1" = a previous tenant) */
+#define SHOW(st)       ((st)/32) - 1, ((st)/16) % 2, (st) % 16
+
+/* ---------------- broker (services/broker/lease_table.py) ---------------- */
+byte epoch;                      /* 0, then 1 after the one restart */
+byte genctr;                     /* _Pool.next_generation - 1 */
+byte pst[NP];                    /* Page.state */
+byte powner[NP];                 /* Page.owner (request index) */
+byte pgen[NP];                   /* Page.generation */
+byte paw[NP];                    /* Page.active_writer: 0 none, writer id + 1, OLDW or REVW */
+byte pawgen[NP];                 /*   ... and its generation */
+byte npst[3];                    /* pool_state / pdserve_kv_pages{state} gauges */
+bit restarted, olddrained;       /* restart happened; old incarnation's writers drained */
+
+/* ---------------- decode's pool memory (never zeroed) ---------------- */
+byte d0[NP], d1[NP];             /* stamp of the write that last stored each token cell */
+byte tstamp[NP];                 /* tag: owner, epoch, generation, page_index (one stamp) */
+byte tntok[NP];                  /* tag: num_tokens; checksum = the stamp over ntok cells */
+
+/* ---------------- per request ---------------- */
+byte rpage[NR];                  /* leased page (NONE before the grant) */
+byte rgen[NR], rep[NR], rstamp[NR];
+byte result[NR];                 /* prefill's answer to decode */
+bit  rvq[NR];                    /* revocation notice in flight (WatchRevocations) */
+bit  revoked[NR];                /* decode knows the lease is gone */
+bit  reading[NR];                /* passed Validate, not yet released */
+bit  rdone[NR], wfin[NR];        /* reader / writer finished */
+byte pend_data[NR];              /* one-sided data write in flight: cells it stores */
+bit  pend_tag[NR];               /* one-sided tag write in flight */
+byte ptntok[NR];                 /*   ... its num_tokens */
+bit  canpost[NR];                /* BeginWrite answered OK, writes not posted yet */
+bit  werr[NR];                   /* transfer reported an error to the writer */
+byte ackq[NR];                   /* EndWrite copies in flight */
+bit  ackdone[NR];                /* the broker answered an EndWrite */
+
+/* ---------------- prefill processes and writer liveness ---------------- */
+bit wcrashed[NW];                /* process crashed */
+bit wexp[NWID];                  /* writer's liveness lease expired (it posts nothing more) */
+bit wdrained[NWID];              /* expired + lock_delay: none of its writes can land */
+
+byte budget = FAULTS;
+byte k;                          /* loop index inside atomic sequences only; 0 between steps */
+
+/* ====================== guards, one per DESIGN §3 rule ======================
+ * Each MUT_* flag removes or weakens exactly one. */
+
+#ifdef MUT_RESTART_KEEPS
+#define EPOK(r) 1                                   /* old-epoch leases keep validating */
+#else
+#define EPOK(r) (rep[r] == epoch)
+#endif
+
+#define LEASE_CUR(r) (rpage[r] != NONE && pst[rpage[r]] == LEASED && powner[rpage[r]] == (r) \
+                      && pgen[rpage[r]] == rgen[r] && EPOK(r))
+
+/* prefill's own liveness check before posting writes (with margin); a lease of an
+ * earlier epoch no longer counts once the old incarnation's writers are presumed drained */
+#if defined(MUT_NO_WRITER_FENCE)
+#define WLIVE(r) 1
+#elif defined(MUT_WRITER_IGNORES_EPOCH)
+#define WLIVE(r) (!wexp[WID(r)])
+#else
+#define WLIVE(r) (!wexp[WID(r)] && (rep[r] == epoch || !olddrained))
+#endif
+
+/* ground truth: can request r's writer still land a byte in decode's pool? */
+#define INFLIGHT(r) (pend_data[r] > 0 || pend_tag[r] || (canpost[r] && WLIVE(r)))
+
+/* verify_prompt_pages */
+#ifdef MUT_NO_TAG_MATCH
+#define TAGOK(p,r) 1
+#else
+#define TAGOK(p,r) (tstamp[p] == rstamp[r])
+#endif
+#ifdef MUT_NO_COVERAGE
+#define COVERAGE(p) 1
+#else
+#define COVERAGE(p) (tntok[p] == 2)                  /* num_tokens add up to the prompt */
+#endif
+#ifdef MUT_NO_CHECKSUM
+#define CHECKSUM(p) 1
+#else
+#define CHECKSUM(p) (d0[p] == tstamp[p] && (tntok[p] < 2 || d1[p] == tstamp[p]))
+#endif
+
+/* broker Validate: leases current, no writer active */
+#ifdef MUT_NO_VALIDATE
+#define VALIDATE(r) 1
+#else
+#define VALIDATE(r) (LEASE_CUR(r) && paw[rpage[r]] == 0)
+#endif
+
+/* the check before every decode step: stop on revocation / epoch change, and
+ * compare the tags of the pages the step reads with the leases */
+#if defined(MUT_NO_STEP_CHECK)
+#define GATE(r) 1
+#elif defined(MUT_NO_REVOCATION_STOP)
+#define GATE(r) (tstamp[rpage[r]] == rstamp[r])         /* tags only */
+#elif defined(MUT_NO_STEP_TAGS)
+#define GATE(r) (!revoked[r] && EPOK(r))                /* revocation only */
+#else
+#define GATE(r) (!revoked[r] && EPOK(r) && tstamp[rpage[r]] == rstamp[r])
+#endif
+
+/* EndWrite matches (writer, generation) */
+#ifdef MUT_ACK_NO_GEN
+#define ACKMATCH(p,r) (paw[p] == WID(r)+1)
+#else
+#define ACKMATCH(p,r) (paw[p] == WID(r)+1 && pawgen[p] == rgen[r])
+#endif
+
+#define LIVE_R(r) (reading[r] && !revoked[r] && EPOK(r))
+#define TWO_LIVE(a,b) (LIVE_R(a) && LIVE_R(b) && rpage[a] == rpage[b])
+
+/* ============================== broker steps ============================== */
+
+inline setpst(pp, s) {
+  npst[pst[pp]]--; pst[pp] = s; npst[s]++
+}
+
+
+/* LeaseTable.grant (one page): lowest free page, fresh generation */
+inline grant(r) {
+  p = 0;
+  do
+  :: p < NP - 1 && pst[p] != FREE -> p++
+  :: else -> break
+  od;
+  assert(pst[p] == FREE);                            /* P2 */
+#ifdef MUT_SAMEGEN
+  if
+  :: pgen[p] == 0 -> genctr++; pgen[p] = genctr      /* a re-grant keeps the page's generation */
+  :: else
+  fi;
+#else
+  genctr++; pgen[p] = genctr;
+#endif
+  setpst(p, LEASED); powner[p] = r;
+  rpage[r] = p; rgen[r] = pgen[p]; rep[r] = epoch; rstamp[r] = STAMP(r, epoch, pgen[p]);
+  printf("GRANT     r%d gets page %d, lease r%d/e%d/g%d\n", r, p, SHOW(rstamp[r]));
+  p = 0
+}
+
+/* LeaseTable._end_leases (release and revoke) */
+inline end_lease(pp) {
+#ifdef MUT_REGRANT
+  paw[pp] = 0; setpst(pp, FREE)                      /* free at once, writer or not */
+#else
+  if
+  :: paw[pp] != 0 -> setpst(pp, QUAR)
+  :: else -> setpst(pp, FREE)
+  fi
+#endif
+}
+
+/* LeaseTable.revoke: the holder has not let go and may be mid-step until the revocation
+ * reaches it, so its pages go through quarantine too (a holder already expired) */
+inline revoke(r) {
+#ifndef MUT_REVOKE_FREES
+  if
+  :: paw[rpage[r]] == 0 -> paw[rpage[r]] = REVW
+  :: else
+  fi;
+#endif
+  end_lease(rpage[r]); rvq[r] = 1
+}
+
+inline release(r) {
+  if
+  :: LEASE_CUR(r) -> end_lease(rpage[r]);
+     printf("RELEASE   r%d: page %d is now %e\n", r, rpage[r], PSTATE(pst[rpage[r]]))
+  :: else                                            /* gone already, or an old epoch */
+  fi
+}
+
+/* LeaseTable.end_write */
+inline end_write(r) {
+  p = rpage[r];
+  if
+  :: EPOK(r) && ACKMATCH(p, r) ->
+     paw[p] = 0;
+     if
+     :: pst[p] == QUAR -> setpst(p, FREE)
+     :: else
+     fi;
+     printf("ENDWRITE  of r%d (g%d) matches page %d: writer cleared, page %e\n", r, rgen[r], p, PSTATE(pst[p]))
+  :: else                                            /* late, repeated or old-epoch ack */
+     printf("ENDWRITE  of r%d (g%d) changes nothing\n", r, rgen[r])
+  fi;
+  ackdone[r] = 1;
+  p = 0
+}
+
+/* a new LeaseTable with a new epoch; decode re-registers and fails in-flight requests */
+inline restart() {
+  printf("RESTART   broker restarts: epoch 1, generations restart\n");
+  restarted = 1; epoch = 1; genctr = 0;
+  k = 0;
+  do
+  :: k < NP ->
+#if defined(MUT_RESTART_KEEPS)
+     /* decode hands its leases to the new broker, which cannot know their writers */
+     if
+     :: pst[k] == LEASED -> paw[k] = 0
+     :: pst[k] == QUAR -> paw[k] = OLDW
+     :: else
+     fi;
+#elif defined(MUT_RESTART_HELDONLY)
+     /* only the pages decode held go through quarantine */
+     if
+     :: pst[k] == LEASED -> setpst(k, QUAR); paw[k] = OLDW
+     :: else -> setpst(k, FREE); paw[k] = 0
+     fi;
+     pgen[k] = 0;
+#else
+     setpst(k, QUAR); paw[k] = OLDW; pgen[k] = 0;    /* every page, until the old writers drained */
+#endif
+     k++
+  :: else -> break
+  od;
+  k = 0
+}
+
+/* the old incarnation's writer leases expired and lock_delay passed */
+inline olddrain() {
+  printf("DRAINED   old incarnation's writers: liveness expired + lock_delay\n");
+  olddrained = 1;
+  k = 0;
+  do
+  :: k < NR ->
+     if
+     :: rpage[k] != NONE && rep[k] == 0 && (pend_data[k] > 0 || pend_tag[k]) ->
+        pend_data[k] = 0; pend_tag[k] = 0; werr[k] = 1
+     :: else
+     fi;
+     k++
+  :: else -> break
+  od;
+  k = 0
+}
+
+/* writer x's liveness expired and lock_delay passed: nothing of it lands any more
+ * (lock_delay > the transport's longest retry) */
+inline drain(x) {
+  printf("DRAINED   writer w%d: liveness expired + lock_delay, its writes are over\n", x);
+  wexp[x] = 1; wdrained[x] = 1;
+  k = 0;
+  do
+  :: k < NR ->
+     if
+     :: WID(k) == x && (pend_data[k] > 0 || pend_tag[k]) ->
+        pend_data[k] = 0; pend_tag[k] = 0; werr[k] = 1
+     :: else
+     fi;
+     k++
+  :: else -> break
+  od;
+  k = 0
+}
+
+/* a revoked reader's page: lock_delay after the revocation, by when (assumption) the notice
+ * has reached decode, which stops the request before its next step */
+#ifdef MUT_REVOCATION_LOST
+#define REVOKED_DRAINED(p) 1
+#else
+#define REVOKED_DRAINED(p) revoked[powner[p]]
+#endif
+#define SWEEPABLE(p) (pst[p] == QUAR && \
+        ((paw[p] >= 1 && paw[p] <= NWID && wdrained[paw[p]-1]) || (paw[p] == OLDW && olddrained) \
+         || (paw[p] == REVW && REVOKED_DRAINED(p))))
+/* sweep also ends writes of presumed-dead writers on LEASED pages */
+#define SWEEP_LEASED(p) (pst[p] == LEASED && paw[p] >= 1 && paw[p] <= NWID && wdrained[paw[p]-1])
+
+/* ================================ processes ================================ */
+
+proctype Writer(byte r) {                            /* prefill: servicer._prefill + worker.write */
+  byte p;
+  bit ok;
+#ifdef MUT_ENDWRITE_GIVEUP
+  bit sent;                                          /* attempts made: one (the code makes three) */
+#endif
+#ifdef MUT_NO_ENDWRITE_ON_BEGIN_FAILURE
+  bit begun;                                         /* BeginWrite answered OK */
+#endif
+  {
+    atomic {                                         /* BeginWrite */
+      p = rpage[r];
+      if
+      :: LEASE_CUR(r) && paw[p] == 0 ->
+         paw[p] = WID(r)+1; pawgen[p] = rgen[r]; ok = 1;
+         if
+         :: canpost[r] = 1;
+#ifdef MUT_NO_ENDWRITE_ON_BEGIN_FAILURE
+            begun = 1;
+#endif
+            printf("BEGIN     w%d for r%d on page %d g%d\n", WID(r), r, p, rgen[r])
+         :: budget > 0 -> budget--; ok = 0;          /* fault: the reply is lost */
+            printf("BEGIN     w%d for r%d on page %d g%d; FAULT reply lost\n", WID(r), r, p, rgen[r])
+         fi
+      :: else -> ok = 0;                             /* refused */
+         printf("BEGIN     w%d for r%d refused\n", WID(r), r)
+      fi;
+      p = 0
+    }
+    /* forward pass; then the liveness check and the one-sided writes */
+    if
+    :: ok ->
+       atomic {
+         canpost[r] = 0;
+         if
+         :: WLIVE(r) ->
+            if
+            :: pend_data[r] = 2; pend_tag[r] = 1; ptntok[r] = 2;
+               printf("POST      r%d: data (2 tokens) and tag to page %d\n", r, rpage[r])
+            :: budget > 0 -> budget--;               /* fault: short transfer reported done */
+               pend_data[r] = 1; pend_tag[r] = 1; ptntok[r] = 1;
+               printf("POST      r%d: FAULT short transfer, 1 token + tag num_tokens=1\n", r)
+            :: budget > 0 -> budget--;               /* fault: placeholder, nothing written, done */
+               printf("POST      r%d: FAULT placeholder, nothing written, reports done\n", r)
+            :: ok = 0;                               /* forward pass fails / prefill aborts */
+               printf("POST      r%d: prefill aborts before writing\n", r)
+            fi
+         :: else -> ok = 0;                          /* own liveness lapsed: do not write */
+            printf("POST      r%d: own liveness lapsed, writes nothing\n", r)
+         fi
+       };
+       (pend_data[r] == 0 && !pend_tag[r]);          /* wait for completion */
+       if
+       :: werr[r] -> ok = 0
+       :: else
+       fi
+    :: else
+    fi;
+    /* EndWrite, always, also on failure; re-sent until the broker answers */
+#ifdef MUT_NO_ENDWRITE_ON_BEGIN_FAILURE
+    if
+    :: begun
+    :: else -> atomic { result[r] = FAILED; wfin[r] = 1; printf("PREFILL   r%d answers failed, no EndWrite\n", r) };
+       goto wend
+    fi;
+#endif
+    do
+    :: ackdone[r] -> break
+#ifdef MUT_ENDWRITE_GIVEUP
+    :: atomic { !ackdone[r] && ackq[r] == 0 && !sent -> ackq[r]++; sent = 1;
+                printf("ENDWRITE  r%d sent (ok=%d)\n", r, ok) }
+    :: atomic { !ackdone[r] && ackq[r] == 0 && sent -> printf("ENDWRITE  r%d: gives up\n", r); break }
+#else
+    :: atomic { !ackdone[r] && ackq[r] == 0 -> ackq[r]++; printf("ENDWRITE  r%d sent (ok=%d)\n", r, ok) }
+#endif
+    od;
+    atomic { result[r] = (ok -> DONE : FAILED); wfin[r] = 1; printf("PREFILL   r%d answers %e\n", r, PRESULT(result[r])) };
+wend:
+    skip
+  } unless { atomic { wcrashed[PROC(r)] -> canpost[r] = 0; wfin[r] = 1 } }
+}
+
+proctype Reader(byte r) {                            /* decode: Allocate, Decode, scheduler, Release */
+  byte p;
+  byte i;
+  if
+  :: atomic { npst[FREE] > 0 -> grant(r) }
+  :: atomic { rdone[r] = 1; wfin[r] = 1; goto gone } /* rejected or gave up before a grant */
+  fi;
+  if
+  :: atomic { run Writer(r); printf("DISPATCH  r%d to prefill\n", r) }
+  :: atomic { wfin[r] = 1; printf("CANCEL    r%d before dispatch\n", r); goto out }
+  fi;
+  if
+  :: result[r] == DONE
+  :: result[r] == FAILED -> goto out
+  :: atomic { printf("CANCEL    r%d while prefill runs\n", r); goto out }
+  fi;
+  atomic {                                           /* verify_prompt_pages */
+    p = rpage[r];
+    printf("VERIFY    r%d page %d: tag r%d/e%d/g%d num_tokens=%d, cells r%d/e%d/g%d r%d/e%d/g%d -> %d\n",
+           r, p, SHOW(tstamp[p]), tntok[p], SHOW(d0[p]), SHOW(d1[p]), TAGOK(p, r) && COVERAGE(p) && CHECKSUM(p));
+    if
+    :: TAGOK(p, r) && COVERAGE(p) && CHECKSUM(p) -> p = 0
+    :: else -> p = 0; goto out                       /* DATA_LOSS */
+    fi
+  }
+  atomic {                                           /* broker Validate */
+    printf("VALIDATE  r%d -> %d\n", r, VALIDATE(r));
+    if
+    :: VALIDATE(r) -> reading[r] = 1
+    :: else -> goto out
+    fi
+  }
+  do
+  :: i < NSTEPS ->
+     atomic {
+       if
+       :: GATE(r) ->
+          /* P1: the step reads both cells of the prompt page */
+          printf("STEP      r%d reads page %d: cells r%d/e%d/g%d r%d/e%d/g%d, own lease r%d/e%d/g%d\n",
+                 r, rpage[r], SHOW(d0[rpage[r]]), SHOW(d1[rpage[r]]), SHOW(rstamp[r]));
+          if
+          :: d0[rpage[r]] != rstamp[r] || d1[rpage[r]] != rstamp[r] ->
+             printf("VIOLATION P1: r%d consumed bytes written under another lease\n", r)
+          :: else
+          fi;
+          assert(d0[rpage[r]] == rstamp[r] && d1[rpage[r]] == rstamp[r]);
+          i++
+       :: else -> printf("STEP      r%d: check fails, request ends\n", r); goto out
+       fi
+     }
+  :: atomic { i < NSTEPS -> printf("CANCEL    r%d mid-stream\n", r); goto out }
+  :: i == NSTEPS -> break
+  od;
+out:
+  atomic {
+    reading[r] = 0; i = 0;
+    release(r);
+    rdone[r] = 1
+  };
+gone:
+  skip
+}
+
+#define NETR(r) \
+  :: atomic { pend_data[r] > 0 -> d0[rpage[r]] = rstamp[r]; \
+              if :: pend_data[r] == 2 -> d1[rpage[r]] = rstamp[r] :: else fi; pend_data[r] = 0; \
+              printf("LAND      data of r%d on page %d\n", r, rpage[r]) } \
+  :: atomic { pend_tag[r] -> tstamp[rpage[r]] = rstamp[r]; tntok[rpage[r]] = ptntok[r]; pend_tag[r] = 0; \
+              printf("LAND      tag of r%d on page %d\n", r, rpage[r]) } \
+  :: atomic { pend_data[r] > 0 && budget > 0 -> budget--; pend_data[r] = 0; werr[r] = 1; \
+              printf("NET       FAULT data write of r%d fails (reported)\n", r) } \
+  :: atomic { pend_data[r] > 0 && budget > 0 -> budget--; pend_data[r] = 0; \
+              printf("NET       FAULT data write of r%d silently lost\n", r) } \
+  :: atomic { ackq[r] > 0 -> ackq[r]--; end_write(r) } \
+  :: atomic { ackq[r] > 0 && budget > 0 -> budget--; ackq[r]--; printf("NET       FAULT EndWrite of r%d lost\n", r) } \
+  :: atomic { ackq[r] > 0 && budget > 0 -> budget--; ackq[r]++; printf("NET       FAULT EndWrite of r%d duplicated\n", r) } \
+  :: atomic { rvq[r] -> rvq[r] = 0; revoked[r] = 1; printf("NOTICE    r%d learns of its revocation\n", r) }
+/* in order: data lands, tag lands, transfer error (reported), silent loss (fault),
+ * EndWrite delivered, EndWrite lost (fault), EndWrite duplicated (fault),
+ * revocation notice delivered */
+
+proctype Net() {
+  byte p;
+end:
+  do
+  NETR(0)
+  NETR(1)
+#if NR > 2
+  NETR(2)
+#endif
+  od
+}
+
+#define REVOKE(r) \
+  :: atomic { budget > 0 && LEASE_CUR(r) -> budget--; revoke(r); \
+              printf("REVOKE    r%d's lease: page %d is now %e\n", r, rpage[r], PSTATE(pst[rpage[r]])) }
+
+#define CRASH(w) \
+  :: atomic { budget > 0 && !wcrashed[w] -> budget--; wcrashed[w] = 1; \
+              printf("CRASH     FAULT prefill process %d crashes\n", w) }
+#ifdef WRITER_PER_WRITE
+#define ENDED(x) wfin[x]         /* the write ended: its lease is no longer renewed */
+#else
+#define ENDED(x) 0               /* a process-wide lease is renewed while the process lives */
+#endif
+#define LIVENESS(x) \
+  :: atomic { budget > 0 && !wexp[x] && !wcrashed[WPROC(x)] -> budget--; wexp[x] = 1; \
+              printf("EXPIRE    FAULT writer w%d's liveness lapses while it runs\n", x) } \
+  :: atomic { (wexp[x] || wcrashed[WPROC(x)] || ENDED(x)) && !wdrained[x] -> drain(x) }
+/* a process crashes (fault); a writer's liveness lapses while it runs (fault: partition,
+ * stall, a write past its timeout; it then posts nothing more); expiry + lock_delay passes
+ * (for a crashed or finished writer the expiry itself is invisible) */
+
+#define SWEEP(p) \
+  :: atomic { SWEEPABLE(p) -> paw[p] = 0; setpst(p, FREE); printf("SWEEP     page %d leaves quarantine\n", p) } \
+  :: atomic { SWEEP_LEASED(p) -> paw[p] = 0; printf("SWEEP     page %d: dead writer cleared\n", p) }
+
+proctype Broker() {                           /* restart, revoke, liveness, sweeper */
+  byte p;
+end:
+  do
+  :: atomic { budget > 0 && !restarted -> budget--; restart() }
+  :: atomic { restarted && !olddrained -> olddrain() }
+  REVOKE(0)
+  REVOKE(1)
+#if NR > 2
+  REVOKE(2)
+#endif
+  CRASH(0)
+#if NW > 1
+  CRASH(1)
+#endif
+  LIVENESS(0)
+#if NWID > 1
+  LIVENESS(1)
+#endif
+#if NWID > 2
+  LIVENESS(2)
+#endif
+  SWEEP(0)
+  SWEEP(1)
+#if NP > 2
+  SWEEP(2)
+#endif
+  od
+}
+
+/* P2 and P3, checked in every reachable state */
+#if NP > 2
+#define COUNT(s) ((pst[0] == s) + (pst[1] == s) + (pst[2] == s))
+#else
+#define COUNT(s) ((pst[0] == s) + (pst[1] == s))
+#endif
+#if NR > 2
+#define ONE_LIVE (!TWO_LIVE(0,1) && !TWO_LIVE(0,2) && !TWO_LIVE(1,2))
+#else
+#define ONE_LIVE (!TWO_LIVE(0,1))
+#endif
+/* P4: a FREE page (grantable) has no writer that can still land a write on it */
+#define FREE_WRITING(r) (rpage[r] != NONE && pst[rpage[r]] == FREE && INFLIGHT(r))
+#if NR > 2
+#define DRAINED_WRITERS (!FREE_WRITING(0) && !FREE_WRITING(1) && !FREE_WRITING(2))
+#else
+#define DRAINED_WRITERS (!FREE_WRITING(0) && !FREE_WRITING(1))
+#endif
+#define NO_PAGE_LOST (npst[FREE] + npst[LEASED] + npst[QUAR] == NP && npst[FREE] == COUNT(FREE) \
+                      && npst[LEASED] == COUNT(LEASED) && npst[QUAR] == COUNT(QUAR))
+
+proctype Monitor() {
+end:
+  if
+  :: atomic { !ONE_LIVE -> printf("VIOLATION P2: two live readers on one page\n"); assert(false) }
+  :: atomic { !NO_PAGE_LOST -> printf("VIOLATION P3: page counts do not add up\n"); assert(false) }
+  :: atomic { !DRAINED_WRITERS ->
+              printf("VIOLATION P4: a page is FREE while a writer can still land bytes on it\n"); assert(false) }
+  fi
+}
+
+/* P5 (safety form): no terminal state leaves a page leased or quarantined.
+ * No end label: a terminal state before this completes is an "invalid end state". */
+#if NR > 2
+#define ALLDONE (rdone[0] && rdone[1] && rdone[2] && wfin[0] && wfin[1] && wfin[2])
+#else
+#define ALLDONE (rdone[0] && rdone[1] && wfin[0] && wfin[1])
+#endif
+proctype Drained() {
+  (ALLDONE && npst[FREE] == NP)
+}
+
+init {
+  atomic {
+    k = 0;
+    do
+    :: k < NP -> tntok[k] = 2; k++                      /* a previous tenant's full page */
+    :: else -> break
+    od;
+    k = 0;
+    do
+    :: k < NR -> rpage[k] = NONE; k++
+    :: else -> break
+    od;
+    k = 0;
+    npst[FREE] = NP;
+    run Net(); run Broker(); run Monitor(); run Drained();
+    run Reader(0); run Reader(1);
+#if NR > 2
+    run Reader(2)
+#endif
+  }
+}
+
+#ifndef NOLTL
+#if NP > 2
+ltl drains { [] (pst[0] == QUAR -> <> (pst[0] == FREE)) && [] (pst[1] == QUAR -> <> (pst[1] == FREE))
+             && [] (pst[2] == QUAR -> <> (pst[2] == FREE)) }
+#else
+ltl drains { [] (pst[0] == QUAR -> <> (pst[0] == FREE)) && [] (pst[1] == QUAR -> <> (pst[1] == FREE)) }
+#endif
+#endif
