@@ -217,6 +217,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if e.reason in ("LEASE_NOT_CURRENT", "WRITER_ACTIVE"):
                 LEASE_VIOLATIONS.labels("decode", e.reason).inc()
                 raise PdError(grpc.StatusCode.DATA_LOSS, e.reason, e.message) from None
+            if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                TIMEOUTS.labels("validate").inc()
             if e.reason == "EPOCH_MISMATCH":
                 raise PdError(grpc.StatusCode.UNAVAILABLE, e.reason, e.message) from None
             raise

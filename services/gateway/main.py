@@ -30,7 +30,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode", action="append", default=None, help="decode HOST:PORT (repeatable)")
     p.add_argument("--model", default=config.DEFAULT_MODEL, help="checkpoint directory (for the tokenizer)")
     p.add_argument("--queue-limit", type=int, default=256)
-    p.add_argument("--queue-timeout", type=float, default=30.0)
+    p.add_argument("--queue-timeout", type=float, default=30.0, help="bound on waiting for free KV pages, seconds")
+    p.add_argument("--prefill-timeout", type=float, default=60.0, help="bound on one Prefill call, seconds")
+    p.add_argument("--token-timeout", type=float, default=60.0, help="bound on the gap between two tokens, seconds")
 
 
 async def _info(target: str, stub, timeout: float = 120.0) -> common_pb2.EngineInfo:
@@ -67,7 +69,8 @@ async def serve(args) -> None:
         b.info = await _info(b.target, b.stub)
     cap = capacity_of(prefills, decodes)
     tokenizer = load_tokenizer(args.model, cap.vocab_size)
-    servicer = GatewayServicer(prefills, decodes, tokenizer, cap, args.queue_limit, args.queue_timeout)
+    servicer = GatewayServicer(prefills, decodes, tokenizer, cap, args.queue_limit, args.queue_timeout,
+                               args.prefill_timeout, args.token_timeout)
     svc = Service("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
                   args.host, args.port, args.metrics_port)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, svc.server)
