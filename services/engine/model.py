@@ -81,17 +81,19 @@ class LlamaAttention(nn.Module):
                 is_causal=True, enable_gqa=True)[0].transpose(0, 1)
         else:
             # one new token per sequence: read every page of the sequence from the pool
-            B, P = ctx.page_tables.shape
-            pages = cache[ctx.page_tables]  # [B, P, 2, page_size, kv_heads, D]
-            ks = pages[:, :, 0].reshape(B, -1, self.num_kv_heads, self.head_dim).transpose(1, 2).to(q.dtype)
-            vs = pages[:, :, 1].reshape(B, -1, self.num_kv_heads, self.head_dim).transpose(1, 2).to(q.dtype)
+            B = ctx.page_tables.shape[0]
             # masked slots still hold whatever the page held before (pages are never zeroed, and padding
-            # points at page 0): an inf there turns the masked score into inf + -inf = NaN, so zero them
-            hidden_slots = ~ctx.attn_mask[:, :, 0, :, None]  # [B, 1, S, 1]
-            ks = ks.masked_fill(hidden_slots, 0)
-            vs = vs.masked_fill(hidden_slots, 0)
-            o = F.scaled_dot_product_attention(
-                q[:, :, None, :], ks, vs, attn_mask=ctx.attn_mask, enable_gqa=True)[:, :, 0, :]
+            # points at page 0): an inf there turns the masked score into inf + -inf = NaN, so they are
+            # zeroed. Indexing K and V apart gives contiguous copies, so reshape and the fill need no more.
+            hidden_slots = ~ctx.attn_mask[:, 0, 0, :, None, None]  # [B, S, 1, 1]
+            ks = cache[ctx.page_tables, 0].view(B, -1, self.num_kv_heads, self.head_dim).masked_fill_(hidden_slots, 0)
+            vs = cache[ctx.page_tables, 1].view(B, -1, self.num_kv_heads, self.head_dim).masked_fill_(hidden_slots, 0)
+            # one query per sequence: grouped matmuls over the shared KV heads, no head repeat
+            g = self.num_heads // self.num_kv_heads
+            qg = q.view(B, self.num_kv_heads, g, self.head_dim)
+            scores = torch.matmul(qg, ks.permute(0, 2, 3, 1).to(q.dtype)) * self.head_dim ** -0.5  # [B, kvh, g, S]
+            scores = scores.masked_fill(hidden_slots.view(B, 1, 1, -1), float("-inf"))
+            o = torch.matmul(torch.softmax(scores, dim=-1), vs.transpose(1, 2).to(q.dtype))  # [B, kvh, g, D]
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 
