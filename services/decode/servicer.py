@@ -151,7 +151,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Release(self, request, context) -> decode_pb2.DecodeReleaseResponse:
         alloc = self.allocations.pop(request.request_id, None)
         if alloc is not None:
-            await self._release(request.request_id, alloc.epoch, alloc.leases)
+            # shielded: the allocation is already popped, so a cancelled caller must not stop the release
+            await asyncio.shield(self._release(request.request_id, alloc.epoch, alloc.leases))
         else:
             self.scheduler.cancel(request.request_id)
         return decode_pb2.DecodeReleaseResponse()
@@ -266,4 +267,4 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     self.allocations.pop(owner, None)
                     TIMEOUTS.labels("allocation").inc()
                     log.warning("allocation %s expired without a Decode call; releasing", owner.hex())
-                    await self._release(owner, alloc.epoch, alloc.leases)
+                    await asyncio.shield(self._release(owner, alloc.epoch, alloc.leases))

@@ -130,7 +130,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except PdError as e:
             if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 TIMEOUTS.labels("prefill").inc()
-            await self._release(decode, request_id)
+            # shielded: a client leaving now must not cancel the give-back and strand the allocation
+            await asyncio.shield(self._release(decode, request_id))
             raise
         stream = decode.stub.Decode(decode_pb2.DecodeRequest(
             request_id=request_id, num_prompt_tokens=len(tokens), first_token=resp.first_token,

@@ -6,7 +6,9 @@ from tests.integration.stack import Stack
 CHAOS_EXTRA = {
     "broker": ["--lock-delay", "1.0", "--sweep-interval", "0.2", "--writer-ttl", "2.0"],
     "prefill": ["--writer-ttl", "2.0", "--transfer-timeout", "2.0"],
-    "decode": ["--canary"],
+    # the allocation bound drains an allocation whose gateway call died between Allocate and Decode;
+    # each schedule prints how often it fired
+    "decode": ["--canary", "--allocation-timeout", "8"],
 }
 
 

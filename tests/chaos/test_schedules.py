@@ -118,4 +118,6 @@ def test_chaos_schedule(chaos, oracle, seed):
     for name, procs in chaos.procs.items():
         for p in procs:
             assert p.alive(), f"seed {seed}: {name} died:\n{''.join(p.lines[-30:])}"
-    print(f"  quiescent at {time.monotonic() - start:.1f}s", flush=True)
+    expired = chaos.metric("decode", "pdserve_timeouts_total", {"stage": "allocation"})
+    print(f"  quiescent at {time.monotonic() - start:.1f}s (allocations expired by their bound so far: "
+          f"{expired:.0f})", flush=True)
