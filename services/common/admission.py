@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from .config import pages_for, pages_needed
+from .config import pages_needed
 from .errors import PdError, invalid
 from .metrics import ADMISSION_REJECTIONS
 
@@ -53,4 +53,4 @@ def check_lengths(num_prompt: int, max_tokens: int, context_length: int, page_si
                           f"({decode_pool_pages * page_size} tokens)")
 
 
-__all__ = ["check_tokens", "check_sampling", "check_lengths", "pages_for", "pages_needed"]
+__all__ = ["check_tokens", "check_sampling", "check_lengths"]

@@ -111,20 +111,3 @@ class Service:
 
 def setup_logging(level: str = "INFO") -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-async def wait_healthy(target: str, timeout: float = 60.0) -> None:
-    """Waits until `target` reports SERVING on gRPC health."""
-    deadline = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(target) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        while True:
-            try:
-                r = await stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{target} not SERVING after {timeout:.0f}s")
-            await asyncio.sleep(0.1)

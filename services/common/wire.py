@@ -21,11 +21,6 @@ def sampling_from_pb(m) -> SamplingParams:
                           max_tokens=m.max_tokens, ignore_eos=m.ignore_eos)
 
 
-def sampling_to_pb(s: SamplingParams):
-    return common_pb2.SamplingParams(temperature=s.temperature, top_p=s.top_p, seed=s.seed,
-                                     max_tokens=s.max_tokens, ignore_eos=s.ignore_eos)
-
-
 def layout_to_pb(layout, tag_nbytes: int):
     return common_pb2.KvLayout(num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads,
                                head_dim=layout.head_dim, page_size=layout.page_size, dtype=layout.dtype,

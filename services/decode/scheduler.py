@@ -36,6 +36,7 @@ class Sequence:
     eos_token_id: int | None
     generated: list[int]            # generated[0] is prefill's first token
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    pages: list[int] = field(init=False)  # physical pages in request order, read every step
     cancelled: bool = False
     done: bool = False
 
@@ -44,9 +45,8 @@ class Sequence:
         """Position of the token fed in the next step (the last generated one)."""
         return self.num_prompt_tokens + len(self.generated) - 1
 
-    @property
-    def pages(self) -> list[int]:
-        return [p for p, _ in self.leases]
+    def __post_init__(self) -> None:
+        self.pages = [p for p, _ in self.leases]
 
     def is_finished(self) -> bool:
         last = self.generated[-1]
@@ -62,7 +62,6 @@ class Scheduler:
         self.max_batch = max_batch
         self.running: dict[bytes, Sequence] = {}
         self._wake = asyncio.Event()
-        self.num_steps = 0
 
     def add(self, seq: Sequence) -> None:
         self.running[seq.owner] = seq
@@ -117,7 +116,8 @@ class Scheduler:
                       seq.owner.hex(), len(seq.generated))
             self._end(seq, PdError(grpc.StatusCode.DATA_LOSS, "STEP_TAG_MISMATCH",
                                    "a KV page of this request was overwritten under its lease"))
-        return [s for i, s in enumerate(batch) if i not in set(bad)]
+        failed = set(bad)
+        return [s for i, s in enumerate(batch) if i not in failed]
 
     async def run(self) -> None:
         while True:
@@ -145,7 +145,6 @@ class Scheduler:
                 for seq in batch:
                     self._end(seq, PdError(grpc.StatusCode.INTERNAL, "STEP_FAILED", str(e)))
                 continue
-            self.num_steps += 1
             tokens = sample(logits, [s.sampling for s in batch], [len(s.generated) for s in batch])
             for seq, tok in zip(batch, tokens):
                 if seq.done or seq.cancelled:

@@ -62,11 +62,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.epoch = resp.epoch
         return self.epoch
 
-    def pages_in_use(self) -> list[int]:
-        pages = {p for a in self.allocations.values() for p, _ in a.leases}
-        pages.update(p for s in self.scheduler.running.values() for p in s.pages)
-        return sorted(pages)
-
     async def watch_epoch(self, interval_s: float = 0.5, ttl_s: float = 5.0) -> None:
         """Keeps decode's liveness with the broker and notices a broker restart (a new epoch): in-flight
         requests fail UNAVAILABLE (retryable) and the pages they held return through quarantine."""

@@ -91,5 +91,4 @@ def step_tag_mismatches(tags: torch.Tensor, pages: torch.Tensor, expected: torch
     return [i for i, seg in enumerate(torch.split(ok, lengths)) if not bool(seg.all())]
 
 
-__all__ = ["Violation", "verify_prompt_pages", "step_tag_mismatches", "OWNER_HI", "OWNER_LO", "EPOCH",
-           "GENERATION", "PAGE_INDEX"]
+__all__ = ["CANARY_BYTE", "Violation", "check_canaries", "verify_prompt_pages", "step_tag_mismatches"]

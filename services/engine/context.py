@@ -15,9 +15,8 @@ class AttentionContext:
     # token i of the flattened batch is written to pool page slot_pages[i], offset slot_offsets[i]
     slot_pages: torch.Tensor      # [T] int64
     slot_offsets: torch.Tensor    # [T] int64
-    # decode only: pages each sequence reads, padded with page 0 (masked out by context_lens)
+    # decode only: pages each sequence reads, padded with page 0 (masked out by attn_mask)
     page_tables: torch.Tensor | None = None   # [B, P] int64
-    context_lens: torch.Tensor | None = None  # [B] int64
     attn_mask: torch.Tensor | None = None     # [B, 1, 1, P*page_size] bool, True = attend
 
 

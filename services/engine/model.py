@@ -56,6 +56,7 @@ class LlamaAttention(nn.Module):
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
+        self.num_queries_per_kv = cfg.num_queries_per_kv
         self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
@@ -89,8 +90,7 @@ class LlamaAttention(nn.Module):
             ks = cache[ctx.page_tables, 0].view(B, -1, self.num_kv_heads, self.head_dim).masked_fill_(hidden_slots, 0)
             vs = cache[ctx.page_tables, 1].view(B, -1, self.num_kv_heads, self.head_dim).masked_fill_(hidden_slots, 0)
             # one query per sequence: grouped matmuls over the shared KV heads, no head repeat
-            g = self.num_heads // self.num_kv_heads
-            qg = q.view(B, self.num_kv_heads, g, self.head_dim)
+            qg = q.view(B, self.num_kv_heads, self.num_queries_per_kv, self.head_dim)
             scores = torch.matmul(qg, ks.permute(0, 2, 3, 1).to(q.dtype)) * self.head_dim ** -0.5  # [B, kvh, g, S]
             scores = scores.masked_fill(hidden_slots.view(B, 1, 1, -1), float("-inf"))
             o = torch.matmul(torch.softmax(scores, dim=-1), vs.transpose(1, 2).to(q.dtype))  # [B, kvh, g, D]

@@ -65,9 +65,8 @@ class ModelRunner:
         table = table.to(self.device)
         pos = self._tensor(positions)
         slot_pages = table[torch.arange(B, device=self.device), pos // ps]
-        ctx_lens = pos + 1
-        mask = torch.arange(max_pages * ps, device=self.device)[None, :] < ctx_lens[:, None]
-        set_context(AttentionContext(False, slot_pages, pos % ps, table, ctx_lens, mask[:, None, None, :]))
+        mask = torch.arange(max_pages * ps, device=self.device)[None, :] <= pos[:, None]
+        set_context(AttentionContext(False, slot_pages, pos % ps, table, mask[:, None, None, :]))
         try:
             hidden = self.model(self._tensor(token_ids), pos)
         finally:
