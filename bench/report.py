@@ -74,7 +74,7 @@ def guard_fractions(s: Summary) -> tuple[float, float]:
     g = s.extra["guard"]
     if not _ok(s) or not s.ttft_p50 or math.isnan(s.ttft_p50):
         return NAN, NAN
-    return sum(g[k] for k in TTFT_KINDS) / _ok(s) / s.ttft_p50, g["step_tag_check"] / s.wall_s
+    return sum(g.get(k, 0.0) for k in TTFT_KINDS) / _ok(s) / s.ttft_p50, g["step_tag_check"] / s.wall_s
 
 
 def _ci_verdict(ci: tuple[float, float], limit: float) -> str:
@@ -224,7 +224,7 @@ def build(res: dict) -> str:
         alloc = _mean_rpc(pd, "decode.Allocate")
         pre = _mean_rpc(pd, "prefill.Prefill")
         tr = _div(pd.extra["transfer_sum"], pd.extra["transfer_count"])
-        bw, ew = g["begin_write_rpc"] / k, g["end_write_rpc"] / k
+        bw, ew = g.get("begin_write_wait", g["begin_write_rpc"]) / k, g["end_write_rpc"] / k
         first = (g["prompt_verify"] + g["validate_rpc"]) / k
         fwd = _div(colo.extra.get("prefill_s", NAN), colo.num_requests)
         rows.append([preset, n, c, _ms(pd.ttft_mean), _ms(pd.ttft_mean - gw), _ms(gw), _ms(alloc), _ms(g["grant_rpc"] / k),
@@ -238,10 +238,12 @@ def build(res: dict) -> str:
               "gateway→decode→prefill→decode (serialisation, HTTP/2, event-loop scheduling) and the gateway's own "
               "work, and when the decode pool is full (4064 × 16, 1024 × 64) the gateway's wait for pages (Allocate "
               "retried; Grant then counts every attempt). Above concurrency 1 the Prefill column includes waiting for "
-              "the prefill instance (one forward at a time) and Allocate waiting through a busy decode event loop. Co-located "
+              "the prefill instance (one forward at a time) and Allocate waiting through a busy decode event loop. "
+              "*BeginWrite wait*: KeepAlive + BeginWrite run during the forward pass; this is what prefill still "
+              "waits for them after it. Co-located "
               "*forward* is its prefill time per request; its TTFT adds waiting behind other prefills and steps.", ""]
         L += _table(["preset", "prompt", "conc", "client TTFT", "client↔gateway", "gateway TTFT", "decode Allocate",
-                     "… Grant RPC", "prefill Prefill", "… BeginWrite", "… forward + rest", "… transfer step",
+                     "… Grant RPC", "prefill Prefill", "… BeginWrite wait", "… forward + rest", "… transfer step",
                      "… EndWrite", "decode verify + Validate", "rest in the stack", "co-located TTFT",
                      "co-located forward"], rows)
         broker = []
@@ -287,7 +289,7 @@ def build(res: dict) -> str:
     if tr_rows:
         L += ["## KV transfer against raw Mooncake", ""]
         L += ["*in service*: prefill's `pdserve_kv_transfer_bytes_total` / `pdserve_kv_transfer_seconds` (it times "
-              "the whole write step: zeroing the last page's tail, CRC32 of every page, building tags, the data "
+              "the whole write step: zeroing the last page's tail, CRC-32C of every page, building tags, the data "
               "write, the tag write) over a probe of requests sent one at a time (max_tokens 2); p50 is "
               "interpolated in the histogram's buckets (coarse), the mean is sum / count (sensitive to a few slow "
               "transfers when the machine is busy). *write step "
@@ -322,8 +324,10 @@ def build(res: dict) -> str:
     if pd_runs:
         L += ["## Guard overhead", ""]
         L += ["From `pdserve_guard_seconds_sum{kind}` on prefill and decode, read before and after each run. "
-              "*Before the first token*: Grant, BeginWrite, CRC32 (prefill), EndWrite, prompt-page verification "
-              "(tags + CRC32, decode) and Validate, per request, as a share of TTFT p50. *Per step*: the tag check "
+              "*Before the first token*: Grant, the wait for BeginWrite once the forward pass is done (KeepAlive + "
+              "BeginWrite run during the pass; their whole time, begin_write_rpc, is shown but not charged), CRC-32C "
+              "(prefill), EndWrite, prompt-page verification (tags + CRC-32C, decode) and Validate, per request, as "
+              "a share of TTFT p50. *Per step*: the tag check "
               "before every decode step, as a share of the run's wall time (it runs before each step for the whole "
               "batch, so this is the output throughput it costs). Release runs after the last token and is shown "
               "but not charged.", ""]
@@ -332,7 +336,7 @@ def build(res: dict) -> str:
             g, k = s.extra["guard"], max(_ok(s), 1)
             f_ttft, f_thr = guard_fractions(s)
             rows.append([s.preset, s.prompt_len, s.concurrency] +
-                        [_ms2(g[kind] / k) for kind in GUARD_KINDS if kind != "step_tag_check"] +
+                        [_ms2(g.get(kind, NAN) / k) for kind in GUARD_KINDS if kind != "step_tag_check"] +
                         [_ms(g["step_tag_check"]), _pct(f_ttft), _pct(f_thr)])
         L += _table(["preset", "prompt", "conc"] + [f"{k} ms/req" for k in GUARD_KINDS if k != "step_tag_check"] +
                     ["step_tag_check ms total", "share of TTFT p50", "share of wall (tok/s)"], rows)

@@ -1,7 +1,7 @@
 """pdserve's transfer step on its own: PrefillWorker.write into a peer process, no forward pass, no RPC.
 
 Between the in-service number (prefill's pdserve_kv_transfer_seconds) and raw Mooncake, this says how
-much of the gap is the write step's own work (zeroing a tail, CRC32, building tags, two writes) and
+much of the gap is the write step's own work (zeroing a tail, CRC-32C, building tags, two writes) and
 how much is the service around it (GIL and CPU shared with the event loop and the next forward).
 cProfile of the same calls splits the step by function.
 """
@@ -21,7 +21,7 @@ from services.prefill.worker import PrefillWorker, Target
 from .mooncake_raw import RawMooncake
 
 # (file suffix, function) -> label; cumulative time of each inside PrefillWorker.write
-_PARTS = {("kv_pool.py", "zero_tail"): "zero tail", ("kv_pool.py", "checksum"): "CRC32",
+_PARTS = {("kv_pool.py", "zero_tail"): "zero tail", ("kv_pool.py", "checksums"): "CRC-32C",
           ("tags.py", "make_tag"): "make_tag", ("kvtransfer/engine.py", "write"): "Mooncake writes",
           ("kvtransfer/engine.py", "coalesce"): "coalesce"}
 
@@ -31,7 +31,7 @@ def measure(model_dir: str, prompt_len: int, raw: RawMooncake, repeats: int, che
     layout = PoolLayout.for_model(cfg, 16, "float32")
     n = pages_for(prompt_len, layout.page_size)
     pool = KVPool(layout, n)
-    pool.kv.uniform_()  # CRC32 time does not depend on the bytes, but a real page is not all zeros
+    pool.kv.uniform_()  # CRC-32C time does not depend on the bytes, but a real page is not all zeros
     worker = PrefillWorker(SimpleNamespace(pool=pool), raw.engine, checksums=checksums)
     target = Target(raw.remote["session"], raw.remote["data"], raw.remote["tags"], epoch=1,
                     leases=[(i, 1) for i in range(n)])

@@ -22,5 +22,5 @@ def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_to
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for the model (default: half the cores, prefill and decode share a host)")
     p.add_argument("--no-transfer-checksum", action="store_true",
-                   help="skip the CRC32 of transferred pages (tags are still checked); prefill and decode must agree")
+                   help="skip the CRC-32C of transferred pages (tags are still checked); prefill and decode must agree")
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -24,8 +24,10 @@ ITL = Histogram("pdserve_inter_token_latency_seconds", "Time between streamed to
 GUARD_SECONDS = Histogram("pdserve_guard_seconds",
                           "Time spent in lease RPCs, tag checks and checksums, by kind",
                           ["kind"], buckets=(.00005, .0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1))
-GUARD_KINDS = ("grant_rpc", "begin_write_rpc", "end_write_rpc", "validate_rpc", "release_rpc", "checksum",
-               "prompt_verify", "step_tag_check")
+# begin_write_wait: what prefill still waits for KeepAlive + BeginWrite once its forward pass (which they
+# overlap) is done
+GUARD_KINDS = ("grant_rpc", "begin_write_rpc", "begin_write_wait", "end_write_rpc", "validate_rpc", "release_rpc",
+               "checksum", "prompt_verify", "step_tag_check")
 TIMEOUTS = Counter("pdserve_timeouts_total", "Requests ended by the bound on a non-terminal state", ["stage"])
 TIMEOUT_STAGES = ("queue", "prefill", "transfer", "validate", "allocation", "decode")
 CANARY_HITS = Counter("pdserve_canary_hits_total", "Verified pages found carrying a freed page's marker (canary mode)")

@@ -47,13 +47,24 @@ def _wrap_stream(fn, method):
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Turns a PdError raised anywhere in a handler into its status + ErrorInfo reason."""
+    """Turns a PdError raised anywhere in a handler into its status + ErrorInfo reason. The wrapped handler
+    is built once per method, not once per call (a flood of rejected requests pays for every allocation)."""
+
+    def __init__(self):
+        self._wrapped: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(self, continuation, handler_call_details):
+        key = handler_call_details.method
+        if key in self._wrapped:
+            return self._wrapped[key]
         handler = await continuation(handler_call_details)
-        if handler is None:
+        if handler is None:  # not cached: a client naming random methods must not grow the cache
             return None
-        method = handler_call_details.method.rsplit("/", 1)[-1]
+        self._wrapped[key] = wrapped = self._wrap(handler, key.rsplit("/", 1)[-1])
+        return wrapped
+
+    @staticmethod
+    def _wrap(handler, method: str):
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method), handler.request_deserializer, handler.response_serializer)

@@ -37,21 +37,11 @@ def verify_prompt_pages(pool: KVPool, owner: bytes, epoch: int, leases: list[tup
     pages = [p for p, _ in leases[:n]]
     tags = pool.tags[pages]  # [n, TAG_WORDS]
     want = expected_tags(owner, epoch, leases[:n])
-    for i in range(n):
-        t = tags[i]
-        where = f"prompt page {i} (physical page {pages[i]})"
-        if int(t[MAGIC]) != _s64(TAG_MAGIC):
-            raise Violation("TAG_MISSING", f"{where} has no tag: nothing was written to it")
-        if int(t[OWNER_HI]) != int(want[i, 0]) or int(t[OWNER_LO]) != int(want[i, 1]):
-            raise Violation("TAG_OWNER", f"{where} is tagged for another request")
-        if int(t[EPOCH]) != int(want[i, 2]):
-            raise Violation("TAG_EPOCH", f"{where} carries epoch {int(t[EPOCH]) & (2**64 - 1):#x}, "
-                                         f"lease epoch {epoch:#x}")
-        if int(t[GENERATION]) != int(want[i, 3]):
-            raise Violation("TAG_GENERATION", f"{where} carries generation {int(t[GENERATION])}, "
-                                              f"lease generation {leases[i][1]}")
-        if int(t[PAGE_INDEX]) != i:
-            raise Violation("TAG_PAGE_INDEX", f"{where} is tagged as page {int(t[PAGE_INDEX])}")
+    # one vectorised comparison; the per-page walk below only runs to name the first bad page
+    ok = (tags[:, MAGIC] == _s64(TAG_MAGIC)) & (tags[:, OWNER_HI:PAGE_INDEX + 1] == want).all(dim=1)
+    if not bool(ok.all()):
+        i = int((~ok).nonzero()[0, 0])
+        _raise_tag_violation(tags[i], want[i], i, pages[i], epoch, leases[i][1])
     counts = tags[:, NUM_TOKENS].tolist()
     expect = [min(ps, num_prompt_tokens - i * ps) for i in range(n)]
     if counts != expect:
@@ -59,12 +49,28 @@ def verify_prompt_pages(pool: KVPool, owner: bytes, epoch: int, leases: list[tup
                                           f"{num_prompt_tokens} tokens (pages {counts[:8]}...)")
     if not check_bytes:
         return
-    for i, p in enumerate(pages):
-        actual = pool.checksum(p)
-        if actual != int(tags[i, CHECKSUM]) or actual != coverage_checksums[i]:
-            raise Violation("CHECKSUM", f"prompt page {i} (physical page {p}): bytes have CRC32 {actual:#010x}, "
-                                        f"tag says {int(tags[i, CHECKSUM]):#010x}, prefill reported "
-                                        f"{coverage_checksums[i]:#010x}")
+    actual = pool.checksums(pages)
+    tagged = tags[:, CHECKSUM].tolist()
+    if actual != tagged or actual != coverage_checksums:
+        i = next(i for i in range(n) if actual[i] != tagged[i] or actual[i] != coverage_checksums[i])
+        raise Violation("CHECKSUM", f"prompt page {i} (physical page {pages[i]}): bytes have CRC-32C "
+                                    f"{actual[i]:#010x}, tag says {tagged[i]:#010x}, prefill reported "
+                                    f"{coverage_checksums[i]:#010x}")
+
+
+def _raise_tag_violation(t: torch.Tensor, want: torch.Tensor, i: int, page: int, epoch: int, generation: int):
+    where = f"prompt page {i} (physical page {page})"
+    if int(t[MAGIC]) != _s64(TAG_MAGIC):
+        raise Violation("TAG_MISSING", f"{where} has no tag: nothing was written to it")
+    if int(t[OWNER_HI]) != int(want[0]) or int(t[OWNER_LO]) != int(want[1]):
+        raise Violation("TAG_OWNER", f"{where} is tagged for another request")
+    if int(t[EPOCH]) != int(want[2]):
+        raise Violation("TAG_EPOCH", f"{where} carries epoch {int(t[EPOCH]) & (2**64 - 1):#x}, "
+                                     f"lease epoch {epoch:#x}")
+    if int(t[GENERATION]) != int(want[3]):
+        raise Violation("TAG_GENERATION", f"{where} carries generation {int(t[GENERATION])}, "
+                                          f"lease generation {generation}")
+    raise Violation("TAG_PAGE_INDEX", f"{where} is tagged as page {int(t[PAGE_INDEX])}")
 
 
 CANARY_BYTE = 0x7F  # 0x7F7F7F7F as float32 is 3.4e38: attention over it would wreck the logits

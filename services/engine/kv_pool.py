@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
-from .tags import TAG_NBYTES, TAG_WORDS, page_checksum
+from .tags import TAG_NBYTES, TAG_WORDS, page_checksum, page_checksums
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -84,6 +84,9 @@ class KVPool:
 
     def checksum(self, page: int) -> int:
         return page_checksum(self.kv[page])
+
+    def checksums(self, pages: list[int]) -> list[int]:
+        return page_checksums(self.kv, pages)
 
     def zero_tail(self, page: int, num_tokens: int) -> None:
         """Zeroes token slots [num_tokens, page_size) so no stale bytes leave with a partial page."""

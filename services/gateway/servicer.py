@@ -58,14 +58,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def admit(self, request) -> list[int]:
         """DESIGN §4, before any lease, allocation or transfer."""
-        tokens = list(request.prompt_token_ids) or self.tokenizer.encode(request.prompt)
         top_p = request.top_p if request.HasField("top_p") else 1.0
         check_sampling(request.max_tokens, request.temperature, top_p)
-        if tokens:  # the O(1) length checks first: an over-long flood never pays for a vocabulary scan
-            check_lengths(len(tokens), request.max_tokens, self.cap.context_length, self.cap.page_size,
-                          self.cap.decode_pool_pages, self.cap.prefill_pool_tokens)
+        # the O(1) length checks first: an over-long flood never pays for copying its ids or a vocabulary scan
+        ids = request.prompt_token_ids
+        if len(ids):
+            self._check_lengths(len(ids), request.max_tokens)
+            tokens = list(ids)
+        else:
+            tokens = self.tokenizer.encode(request.prompt)
+            if tokens:
+                self._check_lengths(len(tokens), request.max_tokens)
         check_tokens(tokens, self.cap.vocab_size)
         return tokens
+
+    def _check_lengths(self, num_prompt: int, max_tokens: int) -> None:
+        c = self.cap
+        check_lengths(num_prompt, max_tokens, c.context_length, c.page_size, c.decode_pool_pages,
+                      c.prefill_pool_tokens)
 
     async def Generate(self, request, context):
         start = time.perf_counter()

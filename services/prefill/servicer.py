@@ -91,18 +91,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                           f"broker epoch is {resp.epoch:#x}, the write's leases are of {epoch:#x}")
         return sent + self.writer_ttl_s
 
-    async def _prefill(self, request, target: Target) -> prefill_pb2.PrefillResponse:
-        owner = request.request_id
-        pool_id = request.destination.pool_id
-        leases_pb = leases_to_pb(target.leases)
-        # one liveness lease per write: a stuck write stops being renewed at its timeout, so the broker can
-        # presume it dead and drain its pages, while the rest of this process keeps serving
-        writer_id = f"{self.writer_id}/{owner.hex()}"
-        expires = [await self._keep_alive(writer_id, target.epoch)]
+    async def _begin_write(self, pool_id: str, owner: bytes, epoch: int, leases_pb,
+                           writer_id: str) -> tuple[list[float], asyncio.Task]:
+        """KeepAlive, then BeginWrite; returns [liveness expiry] and the task that renews it from now on
+        (a long forward pass must not let the write's liveness lease lapse)."""
+        expires = [await self._keep_alive(writer_id, epoch)]
         try:
             with GUARD_SECONDS.labels("begin_write_rpc").time():
                 await call(self.broker.BeginWrite(broker_pb2.BeginWriteRequest(
-                    pool_id=pool_id, owner=owner, epoch=target.epoch, leases=leases_pb, writer_id=writer_id),
+                    pool_id=pool_id, owner=owner, epoch=epoch, leases=leases_pb, writer_id=writer_id),
                     timeout=self.rpc_timeout_s), "broker BeginWrite")
         except PdError as e:
             TRANSFER_FAILURES.labels("begin_write").inc()
@@ -112,18 +109,53 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             if e.reason == "EPOCH_MISMATCH":
                 raise PdError(grpc.StatusCode.UNAVAILABLE, e.reason, e.message) from None
             raise
-        renew = asyncio.create_task(self._renew(writer_id, target.epoch, expires))
-        ok = False
-        local: list[int] = []
-        write = None
+        return expires, asyncio.create_task(self._renew(writer_id, epoch, expires))
+
+    @staticmethod
+    async def _begun(begin: asyncio.Future) -> asyncio.Task | None:
+        """The renewal task once BeginWrite has answered yes, else None (its failure is already counted)."""
         try:
-            if (arg := FAULTS.fire("prefill.delay_before_write")) is not None:
-                await asyncio.sleep(int(arg or 1000) / 1000)
+            return (await begin)[1]
+        except Exception as e:  # noqa: BLE001
+            log.info("BeginWrite failed after the forward pass had failed: %s", e)
+            return None
+
+    async def _prefill(self, request, target: Target) -> prefill_pb2.PrefillResponse:
+        owner = request.request_id
+        pool_id = request.destination.pool_id
+        leases_pb = leases_to_pb(target.leases)
+        # one liveness lease per write: a stuck write stops being renewed at its timeout, so the broker can
+        # presume it dead and drain its pages, while the rest of this process keeps serving
+        writer_id = f"{self.writer_id}/{owner.hex()}"
+        # KeepAlive and BeginWrite run while the forward pass fills this process's own pool: the pass reads
+        # and writes nothing of decode's, and nothing is posted to decode before BeginWrite has succeeded
+        begin = asyncio.ensure_future(self._begin_write(pool_id, owner, target.epoch, leases_pb, writer_id))
+        local: list[int] = []
+        try:
             n = len(request.token_ids)
             local = await self._allocate_local(pages_for(n, self.worker.pool.page_size))
             sampling = sampling_from_pb(request.sampling)
             async with self._compute:
                 first = await asyncio.to_thread(self.worker.forward, list(request.token_ids), local, sampling)
+        except BaseException:
+            await self._free_local(local)
+            if (renew := await self._begun(begin)) is not None:  # acknowledge the write that never posted
+                renew.cancel()
+                await self._end_write(pool_id, owner, target.epoch, leases_pb, writer_id, False)
+            raise
+        waited = time.perf_counter()
+        try:
+            expires, renew = await begin
+        except BaseException:
+            await self._free_local(local)
+            raise
+        # what the lease RPCs still add to time to first token once they overlap the forward pass
+        GUARD_SECONDS.labels("begin_write_wait").observe(time.perf_counter() - waited)
+        ok = False
+        write = None
+        try:
+            if (arg := FAULTS.fire("prefill.delay_before_write")) is not None:
+                await asyncio.sleep(int(arg or 1000) / 1000)
 
             def check_alive(stage: str) -> None:
                 left = expires[0] - time.monotonic()
@@ -176,11 +208,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         await self._finish(*args, False)
 
     async def _finish(self, local: list[int], pool_id, owner, epoch, leases_pb, writer_id: str, ok: bool) -> None:
+        await self._free_local(local)
+        await self._end_write(pool_id, owner, epoch, leases_pb, writer_id, ok)
+
+    async def _free_local(self, local: list[int]) -> None:
         if local:
             self.worker.alloc.deallocate(local)
             async with self._pages_freed:
                 self._pages_freed.notify_all()
-        await self._end_write(pool_id, owner, epoch, leases_pb, writer_id, ok)
 
     async def _allocate_local(self, need: int) -> list[int]:
         async with self._pages_freed:

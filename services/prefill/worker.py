@@ -70,7 +70,7 @@ class PrefillWorker:
         start = time.perf_counter()
         self.pool.zero_tail(local_pages[n - 1], num_tokens - (n - 1) * ps)
         with GUARD_SECONDS.labels("checksum").time():
-            checksums = [self.pool.checksum(p) if self.checksums else 0 for p in local_pages[:n]]
+            checksums = self.pool.checksums(local_pages[:n]) if self.checksums else [0] * n
         self.pool.tags[local_pages[:n]] = torch.tensor(
             [make_tag(owner, target.epoch, target.leases[i][1], i, min(ps, num_tokens - i * ps), checksums[i])
              for i in range(n)], dtype=torch.int64)

@@ -1,5 +1,4 @@
 """Page tags, checksums and the page-major KV pool (DESIGN §3)."""
-import zlib
 
 import pytest
 import torch
@@ -77,13 +76,27 @@ def test_expected_tags_empty():
     assert expected_tags(OWNER, 1, []).shape == (0, 5)
 
 
+def _crc32c_reference(data: bytes) -> int:
+    """Bitwise CRC-32C (reflected polynomial 0x82F63B78), the independent path the package is checked against."""
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc ^= b
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+def test_crc32c_reference_check_value():
+    assert _crc32c_reference(b"123456789") == 0xE3069283  # the published CRC-32C check value
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_page_checksum_is_crc32_of_bytes(dtype):
+def test_page_checksum_is_crc32c_of_bytes(dtype):
     g = torch.Generator().manual_seed(0)
     page = torch.randn(2, 2, 4, 2, 8, generator=g).to(dtype)
     raw = page.view(torch.uint8).numpy().tobytes()
     assert len(raw) == page.numel() * page.element_size()
-    assert page_checksum(page) == zlib.crc32(raw)
+    assert page_checksum(page) == _crc32c_reference(raw)
 
 
 def test_page_checksum_changes_on_one_flipped_byte():
@@ -127,8 +140,17 @@ def test_one_page_is_one_contiguous_byte_range():
 def test_pool_checksum_matches_page_bytes():
     pool = KVPool(_layout(), 4)
     pool.fill([1], 0x33)
-    assert pool.checksum(1) == zlib.crc32(bytes([0x33]) * pool.page_nbytes)
-    assert pool.checksum(0) == zlib.crc32(bytes(pool.page_nbytes))
+    assert pool.checksum(1) == _crc32c_reference(bytes([0x33]) * pool.page_nbytes)
+    assert pool.checksum(0) == _crc32c_reference(bytes(pool.page_nbytes))
+
+
+def test_pool_checksums_of_many_pages_match_one_by_one():
+    pool = KVPool(_layout(), 6)
+    pool.kv.uniform_(generator=torch.Generator().manual_seed(3))
+    pages = [4, 0, 5, 2]
+    got = pool.checksums(pages)
+    assert got == [_crc32c_reference(pool.kv[p].view(torch.uint8).numpy().tobytes()) for p in pages]
+    assert len(set(got)) == 4 and pool.checksums([]) == []
 
 
 def test_fill_touches_only_named_pages():
