@@ -18,6 +18,8 @@ class AttentionContext:
     # decode only: pages each sequence reads, padded with page 0 (masked out by attn_mask)
     page_tables: torch.Tensor | None = None   # [B, P] int64
     attn_mask: torch.Tensor | None = None     # [B, 1, 1, P*page_size] bool, True = attend
+    # decode only: (sequence, slot) index pairs of the masked slots (~attn_mask), the same for every layer
+    hidden_slots: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 _CONTEXT: AttentionContext | None = None

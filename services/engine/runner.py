@@ -66,7 +66,8 @@ class ModelRunner:
         pos = self._tensor(positions)
         slot_pages = table[torch.arange(B, device=self.device), pos // ps]
         mask = torch.arange(max_pages * ps, device=self.device)[None, :] <= pos[:, None]
-        set_context(AttentionContext(False, slot_pages, pos % ps, table, mask[:, None, None, :]))
+        set_context(AttentionContext(False, slot_pages, pos % ps, table, mask[:, None, None, :],
+                                     (~mask).nonzero(as_tuple=True)))
         try:
             hidden = self.model(self._tensor(token_ids), pos)
         finally:
