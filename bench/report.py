@@ -295,7 +295,10 @@ def build(res: dict) -> str:
               "transfers when the machine is busy). *write step "
               "alone*: the same `PrefillWorker.write` in the benchmark process into a peer process, nothing else "
               "running. *raw*: `batch_transfer_sync_write` of the same bytes (one data run + one tag run), process "
-              "to process. Medians of repeats.", ""]
+              "to process, back to back (median of repeats) and *paced*: each write after an idle gap as long as the "
+              "probe's mean time to first token (at most 100 ms), as a service that transfers once per request sees "
+              "it (mean of 10). The target is judged on the in-service mean against raw paced: both are means "
+              "over writes that find Mooncake idle.", ""]
         rows = []
         for t in tr_rows:
             b, wp = t["bytes"], t.get("write_path", {})
@@ -305,12 +308,14 @@ def build(res: dict) -> str:
             rows.append([t["preset"], t["prompt_len"], "on" if t["checksums"] else "off", t.get("num_transfers", ""),
                          f"{b / 1e6:.2f}", _ms2(t["pdserve_s"]), _ms2(p50), f"{b / p50 / 1e9:.2f}",
                          _ms2(wp.get("median_s", NAN)), f"{b / wp['median_s'] / 1e9:.2f}" if wp else "n/a",
-                         _ms2(t["raw_s"]), f"{b / t['raw_s'] / 1e9:.2f}", _pct(t["raw_s"] / p50),
-                         _pct(t["raw_s"] / t["pdserve_s"]),
+                         _ms2(t["raw_s"]), f"{b / t['raw_s'] / 1e9:.2f}", _ms2(t.get("raw_paced_s", NAN)),
+                         _pct(t["raw_s"] / p50), _pct(t["raw_s"] / t["pdserve_s"]),
+                         _pct(t.get("raw_paced_s", NAN) / t["pdserve_s"]),
                          _pct(t["raw_s"] / wp["median_s"]) if wp else "n/a", parts or "n/a"])
         L += _table(["preset", "prompt", "checksums", "transfers", "MB/request", "in service mean ms",
                      "in service p50 ms", "in service p50 GB/s", "write step alone ms", "write step alone GB/s",
-                     "raw ms", "raw GB/s", "in service p50 / raw", "in service mean / raw", "write step alone / raw",
+                     "raw ms", "raw GB/s", "raw paced ms", "in service p50 / raw", "in service mean / raw",
+                     "in service mean / raw paced", "write step alone / raw",
                      "write step by function (cProfile)"], rows)
         sweep = res["transfer"]["raw_sweep"]
         if sweep:
@@ -432,12 +437,13 @@ def build(res: dict) -> str:
         T.append([f"(A/B) checksums cost ≤ 1% of TTFT p50 (prompt {n} × concurrency {c})",
                   f"TTFT p50 on vs off {fmt_ci(*d_ttft, scale=100, unit='%')}", _ci_verdict(d_ttft, 0.01)])
     for t in tr_rows:
-        p50 = t.get("p50_s", NAN)
-        r = t["raw_s"] / p50
+        paced = t.get("raw_paced_s", NAN)
+        r = paced / t["pdserve_s"]
         label = "" if t["checksums"] else ", --no-transfer-checksum stack"
         T.append([f"KV transfer ≥ 90% of raw Mooncake ({t['preset']}, prompt {t['prompt_len']}{label})",
-                  f"p50 {r * 100:.0f}% ({t['bytes'] / p50 / 1e9:.2f} vs {t['bytes'] / t['raw_s'] / 1e9:.2f} GB/s); "
-                  f"mean {t['raw_s'] / t['pdserve_s'] * 100:.0f}%", _verdict(r >= 0.9, "p50")])
+                  f"mean {r * 100:.0f}% of raw paced ({t['bytes'] / t['pdserve_s'] / 1e9:.2f} vs "
+                  f"{t['bytes'] / paced / 1e9:.2f} GB/s); {t['raw_s'] / t['pdserve_s'] * 100:.0f}% of raw back to "
+                  f"back ({t['bytes'] / t['raw_s'] / 1e9:.2f} GB/s)", _verdict(r >= 0.9, "mean vs paced")])
     for preset, n, c in keys:
         pd, colo, hf = _find(runs, "pdserve", preset, n, c), _find(runs, "co-located", preset, n, c), \
             _find(runs, "transformers", preset, n)

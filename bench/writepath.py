@@ -22,7 +22,7 @@ from .mooncake_raw import RawMooncake
 
 # (file suffix, function) -> label; cumulative time of each inside PrefillWorker.write
 _PARTS = {("kv_pool.py", "zero_tail"): "zero tail", ("kv_pool.py", "checksums"): "CRC-32C",
-          ("tags.py", "make_tag"): "make_tag", ("kvtransfer/engine.py", "write"): "Mooncake writes",
+          ("tags.py", "make_tags"): "make_tags", ("kvtransfer/engine.py", "write"): "Mooncake writes",
           ("kvtransfer/engine.py", "coalesce"): "coalesce"}
 
 

@@ -37,6 +37,23 @@ def make_tag(owner: bytes, epoch: int, generation: int, page_index: int, num_tok
     return [hi, lo, _s64(epoch), _s64(generation), page_index, num_tokens, checksum, _s64(TAG_MAGIC)]
 
 
+def make_tags(owner: bytes, epoch: int, generations: list[int], num_tokens: int, page_size: int,
+              checksums: list[int]) -> torch.Tensor:
+    """The tags of one request's first len(generations) pages holding num_tokens tokens: [n, TAG_WORDS],
+    built column by column (make_tag row by row costs ~3 µs a page in Python)."""
+    n = len(generations)
+    hi, lo = owner_words(owner)
+    t = torch.empty((n, TAG_WORDS), dtype=torch.int64)
+    t[:, OWNER_HI], t[:, OWNER_LO], t[:, EPOCH], t[:, MAGIC] = hi, lo, _s64(epoch), _s64(TAG_MAGIC)
+    t[:, GENERATION] = torch.tensor([_s64(g) for g in generations], dtype=torch.int64)
+    t[:, PAGE_INDEX] = torch.arange(n)
+    t[:, NUM_TOKENS] = page_size
+    if n:
+        t[n - 1, NUM_TOKENS] = num_tokens - (n - 1) * page_size
+    t[:, CHECKSUM] = torch.tensor(checksums, dtype=torch.int64)
+    return t
+
+
 def expected_tags(owner: bytes, epoch: int, leases: list[tuple[int, int]]) -> torch.Tensor:
     """What the ownership words of each leased page's tag must be: [N, 5] (owner_hi..page_index)."""
     hi, lo = owner_words(owner)

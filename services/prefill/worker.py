@@ -19,7 +19,7 @@ from ..common.metrics import GUARD_SECONDS
 from ..engine.page_allocator import PageAllocator
 from ..engine.runner import ModelRunner
 from ..engine.sampler import SamplingParams, sample_one
-from ..engine.tags import TAG_NBYTES, make_tag
+from ..engine.tags import TAG_NBYTES, make_tags
 from ..kvtransfer.engine import TransferEngine, coalesce
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,8 @@ class PrefillWorker:
         self.pool.zero_tail(local_pages[n - 1], num_tokens - (n - 1) * ps)
         with GUARD_SECONDS.labels("checksum").time():
             checksums = self.pool.checksums(local_pages[:n]) if self.checksums else [0] * n
-        self.pool.tags[local_pages[:n]] = torch.tensor(
-            [make_tag(owner, target.epoch, target.leases[i][1], i, min(ps, num_tokens - i * ps), checksums[i])
-             for i in range(n)], dtype=torch.int64)
+        self.pool.tags[local_pages[:n]] = make_tags(owner, target.epoch, [g for _, g in target.leases[:n]],
+                                                    num_tokens, ps, checksums)
         idx = list(range(n))
         if FAULTS.fire("prefill.short_transfer") is not None:
             idx = idx[:1]

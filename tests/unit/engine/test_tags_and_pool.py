@@ -6,7 +6,7 @@ import torch
 from services.engine.config import ModelConfig
 from services.engine.kv_pool import KVPool, PoolLayout
 from services.engine.tags import (CHECKSUM, EPOCH, GENERATION, MAGIC, NUM_TOKENS, OWNER_HI, OWNER_LO, PAGE_INDEX,
-                                  TAG_MAGIC, TAG_NBYTES, TAG_WORDS, expected_tags, make_tag, owner_words,
+                                  TAG_MAGIC, TAG_NBYTES, TAG_WORDS, expected_tags, make_tag, make_tags, owner_words,
                                   page_checksum)
 
 M64 = (1 << 64) - 1
@@ -190,3 +190,15 @@ def test_pool_needs_pages_and_layout_for_model():
     lay = PoolLayout.for_model(cfg, 16, "bfloat16")
     assert (lay.num_layers, lay.num_kv_heads, lay.head_dim, lay.page_size) == (4, 4, 32, 16)
     assert lay.page_nbytes == 4 * 2 * 16 * 4 * 32 * 2
+
+
+@pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 64])
+def test_make_tags_equals_make_tag_row_by_row(num_tokens):
+    ps = 16
+    n = -(-num_tokens // ps)
+    gens = [3, (1 << 64) - 2, 7, 1 << 63][:n]
+    sums = [0xDEADBEEF, 0, 1, 0xFFFFFFFF][:n]
+    rows = [make_tag(OWNER, 0xFEDCBA9876543210, gens[i], i, min(ps, num_tokens - i * ps), sums[i]) for i in range(n)]
+    got = make_tags(OWNER, 0xFEDCBA9876543210, gens, num_tokens, ps, sums)
+    assert got.tolist() == rows
+    assert int(got[:, NUM_TOKENS].sum()) == num_tokens
