@@ -1,0 +1,79 @@
+"""Report section on the targets: each goal with what was measured and a verdict (met, missed, inconclusive)."""
+from __future__ import annotations
+
+from .report_format import NAN, _ci_verdict, _div, _find, _hist_quantile, _median, _ms, _table, _verdict
+from .workload import Summary, fmt_ci, mean_ci
+
+
+def targets(res: dict, runs: list[Summary], keys: list[tuple], gaps: dict[tuple, dict], guard: tuple,
+            ab_effects: dict, slow: tuple[float, float]) -> list[str]:
+    """The targets table, judged from the runs and from what the earlier sections derived."""
+    guard_ttft, guard_thr, guard_ttft_cell, guard_thr_cell = guard
+    tr_rows, adm, fl = res["transfer"]["cells"], res["admission"], res["flood"]
+    L: list[str] = []
+    T: list[list[str]] = []
+    if guard_thr_cell is not None:
+        T.append([f"guard overhead ≤ 1% of output throughput (prompt {guard_thr_cell.prompt_len} × "
+                  f"concurrency {guard_thr_cell.concurrency})", fmt_ci(*guard_thr, scale=100, unit="%"),
+                  _ci_verdict(guard_thr, 0.01)])
+        T.append([f"guard overhead ≤ 1% of TTFT p50 (prompt {guard_ttft_cell.prompt_len} × concurrency "
+                  f"{guard_ttft_cell.concurrency})", fmt_ci(*guard_ttft, scale=100, unit="%"),
+                  _ci_verdict(guard_ttft, 0.01)])
+    for c, (d_thr, d_ttft, n) in sorted(ab_effects.items()):
+        # the cost of checksums: throughput lost (off → on) and TTFT added, each with its interval
+        T.append([f"(A/B) checksums cost ≤ 1% of output tok/s (prompt {n} × concurrency {c})",
+                  f"tok/s on vs off {fmt_ci(*d_thr, scale=100, unit='%')}", _ci_verdict((-d_thr[0], d_thr[1]), 0.01)])
+        T.append([f"(A/B) checksums cost ≤ 1% of TTFT p50 (prompt {n} × concurrency {c})",
+                  f"TTFT p50 on vs off {fmt_ci(*d_ttft, scale=100, unit='%')}", _ci_verdict(d_ttft, 0.01)])
+    for t in tr_rows:
+        paced = t.get("raw_paced_s", NAN)
+        r = paced / t["pdserve_s"]
+        label = "" if t["checksums"] else ", --no-transfer-checksum stack"
+        T.append([f"KV transfer ≥ 90% of raw Mooncake ({t['preset']}, prompt {t['prompt_len']}{label})",
+                  f"mean {r * 100:.0f}% of raw paced ({t['bytes'] / t['pdserve_s'] / 1e9:.2f} vs "
+                  f"{t['bytes'] / paced / 1e9:.2f} GB/s); {t['raw_s'] / t['pdserve_s'] * 100:.0f}% of raw back to "
+                  f"back ({t['bytes'] / t['raw_s'] / 1e9:.2f} GB/s)", _verdict(r >= 0.9, "mean vs paced")])
+    for preset, n, c in keys:
+        pd, colo, hf = _find(runs, "pdserve", preset, n, c), _find(runs, "co-located", preset, n, c), \
+            _find(runs, "transformers", preset, n)
+        if not (pd and colo):
+            continue
+        if c == 16:
+            r = _div(pd.out_tok_s, colo.out_tok_s)
+            T.append([f"pdserve tok/s at concurrency 16 ≥ 90% of co-located ({preset}, prompt {n})",
+                      f"{r * 100:.0f}%", _verdict(r >= 0.9)])
+            if hf:
+                r = _div(colo.out_tok_s, hf.out_tok_s)
+                # batching shares decode steps, never a prompt's forward pass: with decode free, co-located could
+                # at best finish a request per prefill, and transformers takes 1 / req_s per request
+                pf = _div(colo.extra.get("prefill_s", NAN), colo.num_requests)
+                ceil = _div(_div(1.0, hf.req_s), pf)
+                T.append([f"co-located tok/s at concurrency 16 ≥ 3× transformers ({preset}, prompt {n})",
+                          f"{r:.2f}× (ceiling if decode cost nothing: {ceil:.2f}× — one prefill is {_ms(pf)} ms "
+                          f"of transformers' {_ms(_div(1.0, hf.req_s))} ms per request)", _verdict(r >= 3)])
+        if c == 1 and not gaps:
+            tr = _div(pd.extra["transfer_sum"], pd.extra["transfer_count"])
+            d = pd.ttft_p50 - colo.ttft_p50
+            T.append([f"TTFT p50 − co-located ≤ transfer + 5 ms at concurrency 1 ({preset}, prompt {n})",
+                      f"{d * 1e3:.1f} ms vs {tr * 1e3:.1f} + 5 ms", _verdict(d <= tr + 0.005)])
+    for (preset, n, ck), g in sorted(gaps.items(), key=lambda kv: (kv[0][0] != "tiny", kv[0][1])):
+        if ck:
+            tp50 = _hist_quantile(g["buckets"], 0.5)
+            T.append([f"TTFT p50 − co-located ≤ transfer + 5 ms ({preset}, prompt {n}; paired, one at a time)",
+                      f"{_median(g['gap']) * 1e3:.1f} ms vs {tp50 * 1e3:.1f} + 5 ms "
+                      f"(mean gap {fmt_ci(*mean_ci(g['gap']), scale=1e3, digits=1)} ms)", _verdict(g["verdict"])])
+    if adm:
+        p99 = adm["all"]["p99"]
+        T.append(["gateway admission decision p99 < 1 ms (wall clock)", f"{p99 * 1e6:.0f} µs", _verdict(p99 < 1e-3)])
+        if "cpu_p99" in adm["all"]:
+            c99 = adm["all"]["cpu_p99"]
+            T.append(["… its own CPU time p99 < 1 ms (without preemption by other work)", f"{c99 * 1e6:.0f} µs",
+                      _verdict(c99 < 1e-3)])
+    if fl:
+        cap = fl["capacity"]["rejected_per_s"]
+        T.append(["over-long prompts rejected at ≥ 1,000/s", f"{cap:.0f}/s (closed loop, alone)", _verdict(cap >= 1000)])
+        T.append(["… without slowing admitted traffic by more than 5%",
+                  f"tok/s {fmt_ci(*slow, scale=100, unit='%')} lower", _ci_verdict(slow, 0.05)])
+    L += ["## Targets", ""]
+    L += _table(["target", "measured", "verdict"], T)
+    return L

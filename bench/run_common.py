@@ -1,0 +1,35 @@
+"""What every bench step shares: the paths, the progress log and the checkpoints (written once, then reused)."""
+from __future__ import annotations
+
+import math
+import os
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+MODELS = os.path.join(ROOT, "bench", ".models")
+_T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {msg}", flush=True)
+
+
+def _short(s) -> str:
+    ms = lambda x: "n/a" if math.isnan(x) else f"{x * 1e3:.1f}"  # noqa: E731
+    err = f", {s.num_errors} errors ({s.extra.get('first_error')})" if s.num_errors else ""
+    return (f"{s.wall_s:.1f}s  TTFT p50 {ms(s.ttft_p50)} ms  ITL p50 {ms(s.itl_p50)} ms  "
+            f"{s.out_tok_s:.0f} tok/s{err}")
+
+
+def ensure_model(preset: str) -> str:
+    from services.engine.make_model import make_model
+
+    default = os.path.join(ROOT, "models", "pdserve-tiny")
+    if preset == "tiny" and os.path.exists(os.path.join(default, "config.json")):
+        return default
+    path = os.path.join(MODELS, f"pdserve-{preset}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        log(f"writing the {preset} checkpoint to {os.path.relpath(path, ROOT)} (seed 0) ...")
+        make_model(path, preset, 0)
+    return path

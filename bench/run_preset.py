@@ -1,0 +1,187 @@
+"""One preset measured: the stack and co-located engine up, the matrix, the paired probe, transformers and the
+checksum A/B (then the flood and profiles, from the mixins)."""
+from __future__ import annotations
+
+import datetime
+import gc
+import math
+import os
+import platform
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+
+from .run_common import ROOT, _short, ensure_model, log
+from .run_gateway import GatewaySteps
+from .run_profile import ProfileStep
+from .run_transfer import TransferSteps
+
+
+class Bench(GatewaySteps, ProfileStep, TransferSteps):
+    """One bench run: every preset's measurements, then the steps after them; results collect in res."""
+
+    def __init__(self, plan, profile: bool):
+        from .workload import MAX_TOKENS
+
+        self.plan = plan
+        self.profile = profile
+        self.res: dict = {
+            "mode": plan.mode, "started": datetime.datetime.now().isoformat(timespec="seconds"),
+            "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
+            "max_tokens": MAX_TOKENS, "skipped": list(plan.skipped), "runs": [], "ab": [], "flood": {},
+            "transfer": {"cells": [], "raw_sweep": []}, "admission": {}, "profiles": {}, "errors": [], "probe": [],
+            "divergence": [],
+        }
+        self._colocated_tokens: dict[tuple, list[int]] = {}
+
+    # -- one preset -------------------------------------------------------------------------------------
+    def run_preset(self, pp) -> None:
+        import torch
+
+        from .colocated import Colocated
+        from .stack import BenchStack
+        from .workload import make_prompts
+
+        model_dir = ensure_model(pp.preset)
+        self.res.setdefault("models", {})[pp.preset] = os.path.relpath(model_dir, ROOT)
+        self.res.setdefault("models_abs", {})[pp.preset] = model_dir
+        log(f"{pp.preset}: starting the pdserve stack{' ×2 (checksums on / off)' if pp.ab else ''} "
+            f"(broker, prefill, decode, gateway; context 4096, pools 8192/32768 tokens) ...")
+        with ThreadPoolExecutor(2) as ex:
+            futs = [ex.submit(BenchStack, model_dir, True)] + ([ex.submit(BenchStack, model_dir, False)]
+                                                               if pp.ab else [])
+            stacks = []
+            errs = []
+            for f in futs:
+                try:
+                    stacks.append(f.result())
+                except Exception as e:  # noqa: BLE001 - reported, the others still stop below
+                    errs.append(e)
+        if errs:
+            for s in stacks:
+                s.close()
+            raise errs[0]
+        stack_a = stacks[0]
+        stack_b = stacks[1] if pp.ab else None
+        try:
+            log(f"{pp.preset}: stack up; loading the co-located engine (same ModelRunner, one process)")
+            colo = Colocated(model_dir)
+            vocab = colo.vocab_size
+            lens = sorted({c.prompt_len for c in pp.cells})
+            for n in lens:  # first calls allocate and warm caches in every system
+                warm = make_prompts(n, 1, vocab, seed=1)
+                colo.run(warm, 1, 4)
+                for s in stacks:
+                    s.run("warmup", pp.preset, warm, 1)
+            log(f"{pp.preset}: warmed up ({torch.get_num_threads()} torch thread(s) per engine process)")
+            self._matrix(pp, stack_a, colo, vocab)
+            self._probe(pp, stacks, colo, vocab, lens)
+            self._transformers(pp, model_dir, vocab, lens)
+            if pp.ab and stack_b is not None:
+                self._checksum_ab(pp, stack_a, stack_b, vocab)
+            if pp.flood:
+                self._flood(pp, stack_a, vocab)
+            if pp.profile and self.profile:
+                self._profile(pp, stack_a, colo, vocab)
+            del colo
+            gc.collect()
+        finally:
+            log(f"{pp.preset}: stopping the stack(s)")
+            with ThreadPoolExecutor(2) as ex:
+                list(ex.map(lambda s: s.close(), stacks))
+
+    def _matrix(self, pp, stack, colo, vocab) -> None:
+        from .stack import OtherLoad
+        from .workload import MAX_TOKENS, make_prompts, summarize
+
+        total = len(pp.cells)
+        for i, cell in enumerate(pp.cells, 1):
+            prompts = make_prompts(cell.prompt_len, cell.num_requests, vocab)
+            tag = f"[{i}/{total}] {pp.preset} prompt {cell.prompt_len} × concurrency {cell.concurrency} " \
+                  f"({cell.num_requests} requests)"
+            with OtherLoad() as other:
+                recs, wall = colo.run(prompts, cell.concurrency, MAX_TOKENS)
+            s_colo = summarize("co-located", pp.preset, cell.prompt_len, cell.concurrency, recs, wall,
+                               dict(colo.last_split, other_cores=other.cores))
+            for j, r in enumerate(recs):
+                self._colocated_tokens[(pp.preset, cell.prompt_len, j)] = r.token_ids
+            log(f"{tag} co-located: {_short(s_colo)}")
+            s_pd, pd_recs = stack.run("pdserve", pp.preset, prompts, cell.concurrency)
+            s_pd.extra["agree"] = self._agreement(pp.preset, cell.prompt_len, pd_recs, "pdserve")
+            log(f"{tag} pdserve:    {_short(s_pd)}  (same tokens as co-located: {s_pd.extra['agree']:.0%})")
+            self.res["runs"] += [asdict(s_colo), asdict(s_pd)]
+
+    def _probe(self, pp, stacks, colo, vocab, lens) -> None:
+        """One request at a time, interleaved: co-located, pdserve, pdserve without checksums, next prompt, ...
+
+        Gives the KV transfer time in service (prefill's metrics over these requests only) and the TTFT gap
+        to co-located as paired differences, so background load hits both sides of each pair alike.
+        """
+        from .workload import make_prompts
+
+        log(f"{pp.preset}: paired probe, {pp.probe_requests} requests one at a time per prompt length "
+            f"(max_tokens 2): co-located, then pdserve on {len(stacks)} stack(s), interleaved")
+        for n in lens:
+            for i, prompt in enumerate(make_prompts(n, pp.probe_requests, vocab, seed=2)):
+                recs, _ = colo.run([prompt], 1, 2)
+                colo_ttft = recs[0].ttft
+                for stack in stacks:
+                    s, _ = stack.run("pdserve probe", pp.preset, [prompt], 1, max_tokens=2)
+                    s.extra.update(colocated_ttft=colo_ttft, pair=i)
+                    self.res["probe"].append(asdict(s))
+            for stack in stacks:
+                rs = [r for r in self.res["probe"] if r["preset"] == pp.preset and r["prompt_len"] == n
+                      and r["extra"]["checksums"] == stack.checksums]
+                gap = [r["ttft_p50"] - r["extra"]["colocated_ttft"] for r in rs if r["num_errors"] == 0]
+                tr = sum(r["extra"]["transfer_sum"] for r in rs) / max(sum(r["extra"]["transfer_count"] for r in rs), 1)
+                log(f"  prompt {n}, checksums {'on' if stack.checksums else 'off'}: TTFT − co-located "
+                    f"{sorted(gap)[len(gap) // 2] * 1e3:.1f} ms median of {len(gap)} pairs; transfer "
+                    f"{tr * 1e3:.2f} ms mean")
+
+    def _agreement(self, preset: str, prompt_len: int, records, system: str = "") -> float:
+        pairs = [(j, r.token_ids, self._colocated_tokens.get((preset, prompt_len, j))) for j, r in enumerate(records)]
+        pairs = [(j, a, b) for j, a, b in pairs if b is not None and a]
+        for j, a, b in pairs:
+            if a != b:  # where greedy outputs part: the first token whose arg-max differs
+                k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                self.res["divergence"].append({"system": system, "preset": preset, "prompt_len": prompt_len,
+                                               "request": j, "first_different_token": k, "of": len(b)})
+        return sum(a == b for _, a, b in pairs) / len(pairs) if pairs else math.nan
+
+    def _transformers(self, pp, model_dir, vocab, lens) -> None:
+        from .hf import HFBaseline
+        from .stack import OtherLoad
+        from .workload import MAX_TOKENS, make_prompts, summarize
+
+        try:
+            hf = HFBaseline(model_dir)
+        except Exception as e:  # noqa: BLE001 - transformers is a test extra; the rest still runs
+            msg = f"transformers baseline skipped: {type(e).__name__}: {e}"
+            log(msg)
+            self.res["errors"].append(msg)
+            return
+        for n in lens:
+            prompts = make_prompts(n, pp.hf_requests, vocab)
+            hf.run(prompts[:1], 2)  # warm-up
+            with OtherLoad() as other:
+                recs, wall = hf.run(prompts, MAX_TOKENS)
+            s = summarize("transformers", pp.preset, n, 1, recs, wall, {"other_cores": other.cores})
+            s.extra["agree"] = self._agreement(pp.preset, n, recs, "transformers")
+            log(f"{pp.preset} prompt {n} transformers (serial, {pp.hf_requests} requests): {_short(s)}  "
+                f"(same tokens as co-located: {s.extra['agree']:.0%})")
+            self.res["runs"].append(asdict(s))
+        del hf
+        gc.collect()
+
+    def _checksum_ab(self, pp, stack_a, stack_b, vocab) -> None:
+        from .workload import make_prompts
+
+        for k, cell in enumerate(pp.ab):
+            prompts = make_prompts(cell.prompt_len, cell.num_requests, vocab)
+            log(f"{pp.preset}: checksum A/B, prompt {cell.prompt_len} × concurrency {cell.concurrency} "
+                f"({cell.num_requests} requests), {self.plan.repeats} interleaved pairs")
+            for i in range(self.plan.repeats):
+                for stack, label in ((stack_a, "on"), (stack_b, "off")):
+                    s, _ = stack.run(f"pdserve checksums {label}", pp.preset, prompts, cell.concurrency)
+                    s.extra.update(pair=i, ab_cell=k)
+                    self.res["ab"].append(asdict(s))
+                    log(f"  pair {i + 1}/{self.plan.repeats} checksums {label:>3}: {_short(s)}")
