@@ -67,7 +67,7 @@ def full() -> Plan:
         LONG: {1: 2, 4: 4, 16: 16},
     }), hf_requests=3, probe_requests=8, ab=(Cell(1024, 1, 6), Cell(128, 16, 32)), flood=Cell(128, 4, 16),
         profile=(Cell(128, 16, 64), Cell(1024, 16, 32)))
-    small = PresetPlan("small", _cells({128: {1: 2, 16: 16}, 1024: {1: 2, 4: 4}}), hf_requests=2,
+    small = PresetPlan("small", _cells({128: {1: 2, 4: 8, 16: 16}, 1024: {1: 2, 4: 4}}), hf_requests=2,
                        probe_requests=4)
     return Plan("full", [tiny, small], repeats=5, raw_repeats=10, flood_seconds=3.0, admission_iters=3000,
                 skipped=[
@@ -77,8 +77,8 @@ def full() -> Plan:
         "CPU thread, so 16 of them queue ~70 s in prefill, past the gateway's 60 s Prefill deadline — a trial run "
         "ended 13 of 16 requests with DEADLINE_EXCEEDED — and co-located needs ~2 min for the same cell; "
         "concurrency 4 is measured instead",
-        "small concurrency 4 and 64 at prompt 128: a batch-64 decode step of the 107M model takes ~0.9 s; the "
-        "16-way cell already shows the trend",
+        "small concurrency 64 at prompt 128: 64 prefills of ~0.45 s each queue ~29 s in prefill, at the "
+        "gateway's 30 s queue bound, and a batch-64 decode step takes ~0.35 s; the 16-way cell shows the trend",
         f"small prompt {LONG}: one prefill takes ~20 s on one CPU thread",
         "checksum A/B and the over-long flood run on the tiny preset only (both are per-request costs that "
         "the bigger model only dilutes)",
