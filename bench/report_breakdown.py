@@ -21,8 +21,9 @@ def ttft_breakdown(runs: list[Summary], keys: list[tuple]) -> list[str]:
         bw, ew = g.get("begin_write_wait", g["begin_write_rpc"]) / k, g["end_write_rpc"] / k
         first = (g["prompt_verify"] + g["validate_rpc"]) / k
         fwd = _div(colo.extra.get("prefill_s", NAN), colo.num_requests)
+        pd_fwd = _mean_rpc(pd, "prefill.forward")
         rows.append([preset, n, c, _ms(pd.ttft_mean), _ms(pd.ttft_mean - gw), _ms(gw), _ms(alloc), _ms(g["grant_rpc"] / k),
-                     _ms(pre), _ms(bw), _ms(pre - bw - tr - ew), _ms(tr), _ms(ew), _ms(first),
+                     _ms(pre), _ms(bw), _ms(pd_fwd), _ms(pre - bw - tr - ew - pd_fwd), _ms(tr), _ms(ew), _ms(first),
                      _ms(gw - alloc - pre - first), _ms(colo.ttft_mean), _ms(fwd)])
     if rows:
         L += ["## Time to first token, taken apart (means in ms)", ""]
@@ -34,10 +35,12 @@ def ttft_breakdown(runs: list[Summary], keys: list[tuple]) -> list[str]:
               "retried; Grant then counts every attempt). Above concurrency 1 the Prefill column includes waiting for "
               "the prefill instance (one forward at a time) and Allocate waiting through a busy decode event loop. "
               "*BeginWrite wait*: KeepAlive + BeginWrite run during the forward pass; this is what prefill still "
-              "waits for them after it. Co-located "
+              "waits for them after it. *forward*: `pdserve_forward_seconds{phase=\"prefill\"}`, timed in the thread "
+              "that runs it; *rest*: the rest of the Prefill call (waiting for the one compute slot and local pages, "
+              "handing the pass to its thread and back). Co-located "
               "*forward* is its prefill time per request; its TTFT adds waiting behind other prefills and steps.", ""]
         L += _table(["preset", "prompt", "conc", "client TTFT", "client↔gateway", "gateway TTFT", "decode Allocate",
-                     "… Grant RPC", "prefill Prefill", "… BeginWrite wait", "… forward + rest", "… transfer step",
+                     "… Grant RPC", "prefill Prefill", "… BeginWrite wait", "… forward", "… rest", "… transfer step",
                      "… EndWrite", "decode verify + Validate", "rest in the stack", "co-located TTFT",
                      "co-located forward"], rows)
         broker = []
@@ -73,15 +76,19 @@ def cpu_per_request(res: dict, runs: list[Summary], keys: list[tuple]) -> list[s
                                                                           "decode")] +
                     [_ms(total / k), f"{total / pd.wall_s:.2f}", _ms(ccpu / colo.num_requests),
                      f"{ccpu / colo.wall_s:.2f}", _ms(colo.extra.get("prefill_s", NAN) / colo.num_requests),
-                     _ms(_div(colo.extra.get("decode_s", NAN), colo.extra.get("steps", 0)))])
+                     _ms(_div(colo.extra.get("decode_s", NAN), colo.extra.get("steps", 0))),
+                     _ms(_mean_rpc(pd, "prefill.forward")), _ms(_mean_rpc(pd, "decode.forward"))])
     if rows:
         L += ["## CPU per request", ""]
         L += ["CPU seconds (user + system, from /proc) each process spent during the run, per request, and cores "
               "kept busy (CPU seconds / wall seconds; this machine has "
-              f"{h['cpus']}). The co-located columns split its wall time into prefill and decode steps.", ""]
+              f"{h['cpus']}). The co-located columns split its wall time into prefill and decode steps; the last two "
+              "are pdserve's own forward passes (`pdserve_forward_seconds`, timed in the thread that runs them): "
+              "the same work, so a gap to co-located is time the pass lost to its neighbours on the machine.", ""]
         L += _table(["preset", "prompt", "conc", "client ms", "gateway ms", "broker ms", "prefill ms", "decode ms",
                      "pdserve total ms", "pdserve cores busy", "co-located ms", "co-located cores busy",
-                     "co-located prefill ms/req", "co-located ms/decode step"], rows)
+                     "co-located prefill ms/req", "co-located ms/decode step", "pdserve prefill ms/req",
+                     "pdserve ms/decode step"], rows)
     return L
 
 

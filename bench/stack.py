@@ -94,6 +94,10 @@ class BenchStack:
                 if name == "pdserve_rpc_seconds_sum" and v:
                     method = labels.split('"')[1]
                     rpc[f"{s}.{method}"] = (v, d[s].get(("pdserve_rpc_seconds_count", labels), 0.0))
+        for s, phase in (("prefill", "prefill"), ("decode", "decode")):
+            labels = f'phase="{phase}"'
+            rpc[f"{s}.forward"] = (d[s].get(("pdserve_forward_seconds_sum", labels), 0.0),
+                                   d[s].get(("pdserve_forward_seconds_count", labels), 0.0))
         g = d["gateway"]
         rpc["gateway.ttft"] = (g.get(("pdserve_time_to_first_token_seconds_sum", ""), 0.0),
                                g.get(("pdserve_time_to_first_token_seconds_count", ""), 0.0))

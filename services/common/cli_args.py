@@ -21,6 +21,9 @@ def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_to
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for the model (default: half the cores, prefill and decode share a host)")
+    p.add_argument("--switch-interval-ms", type=float, default=0.5,
+                   help="Python's GIL switch interval: how long the model thread may wait for the event loop to "
+                        "let go (Python's default 5 ms cost 15-20%% of decode throughput at 16 streams)")
     p.add_argument("--no-transfer-checksum", action="store_true",
                    help="skip the CRC-32C of transferred pages (tags are still checked); prefill and decode must agree")
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])

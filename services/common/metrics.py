@@ -21,6 +21,9 @@ TTFT = Histogram("pdserve_time_to_first_token_seconds", "Time to first token at 
                  buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
 ITL = Histogram("pdserve_inter_token_latency_seconds", "Time between streamed tokens at the gateway",
                 buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1))
+FORWARD_SECONDS = Histogram("pdserve_forward_seconds", "Model forward pass (a prompt, or one decode step of the "
+                            "batch), timed in the thread that runs it", ["phase"],
+                            buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30))
 GUARD_SECONDS = Histogram("pdserve_guard_seconds",
                           "Time spent in lease RPCs, tag checks and checksums, by kind",
                           ["kind"], buckets=(.00005, .0001, .00025, .0005, .001, .0025, .005, .01, .025, .05, .1))
@@ -58,6 +61,8 @@ def init_metrics(service: str, pools: list[str] = ()) -> None:
         TIMEOUTS.labels(t)
     for k in GUARD_KINDS:
         GUARD_SECONDS.labels(k)
+    for phase in ("prefill", "decode"):
+        FORWARD_SECONDS.labels(phase)
     for p in pools:
         POOL_CONTEXT_RATIO.labels(p)
         POOL_SHORTFALL.labels(p)

@@ -33,7 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 async def serve(args) -> None:
     num_pages = args.pool_tokens // args.page_size
-    set_threads(args.threads)
+    set_threads(args.threads, args.switch_interval_ms)
     runner = ModelRunner(args.model, num_pages, args.page_size, args.kv_dtype, args.device)
     context_length = args.context_length or runner.config.max_position_embeddings
     # unique per incarnation: a restarted decode never inherits leases of its predecessor

@@ -16,7 +16,7 @@ import torch
 
 from ..common.errors import PdError
 from ..common.faults import FAULTS
-from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS
+from ..common.metrics import FORWARD_SECONDS, GUARD_SECONDS, LEASE_VIOLATIONS
 from ..engine.runner import ModelRunner
 from ..engine.sampler import SamplingParams, sample
 from ..engine.tags import OWNER_LO, make_tag
@@ -119,6 +119,10 @@ class Scheduler:
         failed = set(bad)
         return [s for i, s in enumerate(batch) if i not in failed]
 
+    def _step(self, token_ids: list[int], positions: list[int], page_tables: list[list[int]]) -> torch.Tensor:
+        with FORWARD_SECONDS.labels("decode").time():
+            return self.runner.decode(token_ids, positions, page_tables)
+
     async def run(self) -> None:
         while True:
             for seq in [s for s in self.running.values() if s.cancelled]:
@@ -138,7 +142,7 @@ class Scheduler:
             ps = self.runner.page_size
             try:
                 logits = await asyncio.to_thread(
-                    self.runner.decode, [s.generated[-1] for s in batch], [s.position for s in batch],
+                    self._step, [s.generated[-1] for s in batch], [s.position for s in batch],
                     [s.pages[: s.position // ps + 1] for s in batch])
             except Exception as e:  # a failed step fails its batch, never the loop
                 log.exception("decode step failed")

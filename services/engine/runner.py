@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -10,9 +11,14 @@ from .kv_pool import KVPool, PoolLayout
 from .loader import load_model
 
 
-def set_threads(n: int = 0) -> None:
-    """Intra-op CPU threads; by default half the cores, since prefill and decode usually share a host."""
+def set_threads(n: int = 0, switch_interval_ms: float | None = None) -> None:
+    """Intra-op CPU threads; by default half the cores, since prefill and decode usually share a host.
+    The model runs in a worker thread beside the event loop that streams tokens and answers RPCs; it
+    drops the GIL inside every torch op and must get it back between ops, which can take a whole switch
+    interval while the loop runs Python, so a service sets a short one."""
     torch.set_num_threads(n or max(1, (os.cpu_count() or 2) // 2))
+    if switch_interval_ms is not None:
+        sys.setswitchinterval(switch_interval_ms / 1000)
 
 
 def pick_device() -> torch.device:

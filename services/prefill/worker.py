@@ -15,7 +15,7 @@ import torch
 
 from ..common.config import pages_for
 from ..common.faults import FAULTS
-from ..common.metrics import GUARD_SECONDS
+from ..common.metrics import FORWARD_SECONDS, GUARD_SECONDS
 from ..engine.page_allocator import PageAllocator
 from ..engine.runner import ModelRunner
 from ..engine.sampler import SamplingParams, sample_one
@@ -56,7 +56,8 @@ class PrefillWorker:
         transfer.register(self.pool.tag_ptr, self.pool.tag_nbytes)
 
     def forward(self, token_ids: list[int], local_pages: list[int], sampling: SamplingParams) -> int:
-        logits = self.runner.prefill(token_ids, local_pages)
+        with FORWARD_SECONDS.labels("prefill").time():
+            logits = self.runner.prefill(token_ids, local_pages)
         return sample_one(logits[0], sampling, step=0)
 
     def write(self, owner: bytes, local_pages: list[int], num_tokens: int, target: Target,
