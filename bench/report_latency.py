@@ -85,7 +85,8 @@ def paired_gap(res: dict) -> tuple[list[str], dict[tuple, dict]]:
     if gaps:
         L += ["## Time to first token against co-located, paired", ""]
         L += ["Requests one at a time (max_tokens 2), interleaved: the same prompt to co-located, then to pdserve "
-              "(then to the --no-transfer-checksum stack), then the next prompt, so background load hits both sides "
+              "and to the --no-transfer-checksum stack (those two in alternating order: whichever goes first after "
+              "co-located finds the machine idlest), then the next prompt, so background load hits both sides "
               "of a pair alike. Transfer time is prefill's `pdserve_kv_transfer_seconds` over the same requests "
               "(p50 interpolated in its buckets).", ""]
         rows = []

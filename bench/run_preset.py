@@ -111,7 +111,8 @@ class Bench(GatewaySteps, ProfileStep, TransferSteps):
             self.res["runs"] += [asdict(s_colo), asdict(s_pd)]
 
     def _probe(self, pp, stacks, colo, vocab, lens) -> None:
-        """One request at a time, interleaved: co-located, pdserve, pdserve without checksums, next prompt, ...
+        """One request at a time, interleaved: co-located, pdserve, pdserve without checksums (those two in
+        alternating order), next prompt, ...
 
         Gives the KV transfer time in service (prefill's metrics over these requests only) and the TTFT gap
         to co-located as paired differences, so background load hits both sides of each pair alike.
@@ -124,7 +125,8 @@ class Bench(GatewaySteps, ProfileStep, TransferSteps):
             for i, prompt in enumerate(make_prompts(n, pp.probe_requests, vocab, seed=2)):
                 recs, _ = colo.run([prompt], 1, 2)
                 colo_ttft = recs[0].ttft
-                for stack in stacks:
+                # the stack that goes first after co-located finds the machine idlest: alternate who that is
+                for stack in stacks if i % 2 == 0 else stacks[::-1]:
                     s, _ = stack.run("pdserve probe", pp.preset, [prompt], 1, max_tokens=2)
                     s.extra.update(colocated_ttft=colo_ttft, pair=i)
                     self.res["probe"].append(asdict(s))
