@@ -2,57 +2,15 @@
 Plain Python, no torch and no gRPC, so the protocol is testable on its own. Every public method is one atomic
 step of the formal model; the servicer only translates messages and errors."""
 
-import enum
 import heapq
 import secrets
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable, Iterable, NamedTuple
+from dataclasses import replace
+from typing import Callable, Iterable
 
-OWNER_NBYTES = 16
-Lease = tuple[int, int]  # (page, generation)
-PageState = enum.Enum("PageState", ["FREE", "LEASED", "QUARANTINED"])
-Revocation = NamedTuple("Revocation", [("owner", bytes), ("epoch", int), ("reason", str)])
+from .pages import OWNER_NBYTES, Lease, LeaseError, Page, PageState, PoolPages, Revocation
 
-
-class LeaseError(Exception):
-    """A refused operation. kind: INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, NOT_FOUND or
-    ALREADY_EXISTS (the gRPC status code it maps to); reason: machine-readable, UPPER_SNAKE."""
-
-    def __init__(self, kind: str, reason: str, message: str):
-        super().__init__(message)
-        self.kind, self.reason, self.message = kind, reason, message
-
-
-@dataclass(slots=True)
-class Page:
-    state: PageState = PageState.FREE
-    owner: bytes | None = None
-    generation: int = 0  # kept when FREE: the next grant must take a larger one
-    active_writer: tuple[str, int] | None = None  # (writer_id, generation)
-
-
-@dataclass(slots=True)
-class _Pool:
-    pool_id: str
-    num_pages: int
-    pages: list[Page] = field(init=False)
-    free: list[int] = field(init=False)  # min-heap, so grants come out contiguous whenever the pool allows it
-    owners: dict[bytes, list[int]] = field(default_factory=dict)
-    quarantined: set[int] = field(default_factory=set)
-    writing: set[int] = field(default_factory=set)
-    next_generation: int = 1  # 0 is proto3's "unset" and never names a lease
-    revocations: list[Revocation] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.pages = [Page() for _ in range(self.num_pages)]
-        self.free = list(range(self.num_pages))  # sorted, hence already a valid heap
-
-    def free_page(self, page_id: int) -> None:
-        page = self.pages[page_id]
-        page.state, page.owner = PageState.FREE, None
-        self.quarantined.discard(page_id)
-        heapq.heappush(self.free, page_id)
+__all__ = ["OWNER_NBYTES", "Lease", "LeaseError", "LeaseTable", "Page", "PageState", "Revocation"]
 
 
 class LeaseTable:
@@ -68,7 +26,7 @@ class LeaseTable:
         # never 0: a zero epoch would match a request that forgot to set the field
         self.epoch = (secrets.randbits(64) or 1) if epoch is None else epoch
         self._clock = clock
-        self._pools: dict[str, _Pool] = {}
+        self._pools: dict[str, PoolPages] = {}
         self._liveness: dict[str, float] = {}  # holder id -> monotonic expiry
 
     def register_pool(self, pool_id: str, num_pages: int, quarantined: Iterable[int] = ()) -> int:
@@ -83,7 +41,7 @@ class LeaseTable:
                              f"quarantined pages must be in [0, {num_pages}), got {held[0]}..{held[-1]}")
         pool = self._pools.get(pool_id)
         if pool is None:
-            pool = self._pools[pool_id] = _Pool(pool_id, num_pages)
+            pool = self._pools[pool_id] = PoolPages(pool_id, num_pages)
             if held:
                 writer = f"earlier-epoch/{pool_id}"
                 # an old-epoch writer renews at most one ttl before it learns the epoch changed and stops
@@ -223,7 +181,7 @@ class LeaseTable:
     def pool_ids(self) -> list[str]:
         return list(self._pools)
 
-    def _pool(self, pool_id: str, epoch: int | None = None) -> _Pool:
+    def _pool(self, pool_id: str, epoch: int | None = None) -> PoolPages:
         # epoch first: after a restart the pool is unknown too, and "epoch changed" is what the caller must learn
         if epoch is not None and epoch != self.epoch:
             raise LeaseError("FAILED_PRECONDITION", "EPOCH_MISMATCH", f"epoch {epoch} is not current {self.epoch}")
@@ -231,7 +189,7 @@ class LeaseTable:
             raise LeaseError("NOT_FOUND", "UNKNOWN_POOL", f"pool {pool_id!r} is not one of {len(self._pools)} pools")
         return pool
 
-    def _checked_pages(self, pool: _Pool, owner: bytes, leases: list[Lease]) -> list[Page]:
+    def _checked_pages(self, pool: PoolPages, owner: bytes, leases: list[Lease]) -> list[Page]:
         """The pages of leases, if every one is current and has no active writer."""
         _check_owner(owner)
         if not leases:
@@ -255,7 +213,7 @@ class LeaseTable:
                                  f"page {page_id} generation {generation} is being written by {page.active_writer}")
         return pages
 
-    def _end_leases(self, pool: _Pool, owner: bytes) -> tuple[int, int]:
+    def _end_leases(self, pool: PoolPages, owner: bytes) -> tuple[int, int]:
         num_freed = num_quarantined = 0
         for page_id in pool.owners.pop(owner, []):
             page = pool.pages[page_id]

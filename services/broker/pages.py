@@ -1,0 +1,52 @@
+"""Page and pool state of the broker's lease table, and the error its operations raise: data only, the
+transitions live in LeaseTable."""
+
+import enum
+import heapq
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+OWNER_NBYTES = 16
+Lease = tuple[int, int]  # (page, generation)
+PageState = enum.Enum("PageState", ["FREE", "LEASED", "QUARANTINED"])
+Revocation = NamedTuple("Revocation", [("owner", bytes), ("epoch", int), ("reason", str)])
+
+
+class LeaseError(Exception):
+    """A refused operation. kind: INVALID_ARGUMENT, RESOURCE_EXHAUSTED, FAILED_PRECONDITION, NOT_FOUND or
+    ALREADY_EXISTS (the gRPC status code it maps to); reason: machine-readable, UPPER_SNAKE."""
+
+    def __init__(self, kind: str, reason: str, message: str):
+        super().__init__(message)
+        self.kind, self.reason, self.message = kind, reason, message
+
+
+@dataclass(slots=True)
+class Page:
+    state: PageState = PageState.FREE
+    owner: bytes | None = None
+    generation: int = 0  # kept when FREE: the next grant must take a larger one
+    active_writer: tuple[str, int] | None = None  # (writer_id, generation)
+
+
+@dataclass(slots=True)
+class PoolPages:
+    pool_id: str
+    num_pages: int
+    pages: list[Page] = field(init=False)
+    free: list[int] = field(init=False)  # min-heap, so grants come out contiguous whenever the pool allows it
+    owners: dict[bytes, list[int]] = field(default_factory=dict)
+    quarantined: set[int] = field(default_factory=set)
+    writing: set[int] = field(default_factory=set)
+    next_generation: int = 1  # 0 is proto3's "unset" and never names a lease
+    revocations: list[Revocation] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.pages = [Page() for _ in range(self.num_pages)]
+        self.free = list(range(self.num_pages))  # sorted, hence already a valid heap
+
+    def free_page(self, page_id: int) -> None:
+        page = self.pages[page_id]
+        page.state, page.owner = PageState.FREE, None
+        self.quarantined.discard(page_id)
+        heapq.heappush(self.free, page_id)
