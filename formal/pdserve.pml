@@ -80,7 +80,7 @@ mtype = { free, leased, quarantined, done, failed }  /* names for the trace only
 
 /* ---------------- broker (services/broker/lease_table.py) ---------------- */
 byte epoch;                      /* 0, then 1 after the one restart */
-byte genctr;                     /* _Pool.next_generation - 1 */
+byte genctr;                     /* PoolPages.next_generation - 1 */
 byte pst[NP];                    /* Page.state */
 byte powner[NP];                 /* Page.owner (request index) */
 byte pgen[NP];                   /* Page.generation */
