@@ -62,7 +62,7 @@ def quick() -> Plan:
 
 def full() -> Plan:
     tiny = PresetPlan("tiny", _cells({
-        128: {1: 4, 4: 8, 16: 32, 64: 64},
+        128: {1: 8, 4: 16, 16: 64, 64: 128},
         1024: {1: 4, 4: 8, 16: 32, 64: 64},
         LONG: {1: 2, 4: 4, 16: 16},
     }), hf_requests=3, probe_requests=8, ab=(Cell(1024, 1, 6), Cell(128, 16, 32)), flood=Cell(128, 4, 16),

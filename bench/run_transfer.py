@@ -42,7 +42,10 @@ class TransferSteps:
                 ts = sorted(raw.measure(int(per_req - pages * TAG_NBYTES), pages * TAG_NBYTES, reps))
                 # paced like the probe: one transfer after each idle gap (capped: the wake-up cost stops growing)
                 gap = min(0.1, sum(r["ttft_mean"] for r in rs) / len(rs))
-                paced = raw.measure(int(per_req - pages * TAG_NBYTES), pages * TAG_NBYTES, 10, gap_s=gap)
+                paced = sorted(raw.measure(int(per_req - pages * TAG_NBYTES), pages * TAG_NBYTES, 20, gap_s=gap))
+                # each probe request made one transfer and the metrics were read around it: exact samples
+                samples = sorted(r["extra"]["transfer_sum"] / r["extra"]["transfer_count"] for r in rs
+                                 if r["extra"]["transfer_count"])
                 wp = write_path(self.res["models_abs"][preset], n, raw, reps, checksums)
                 buckets: dict[str, float] = {}
                 for r in rs:
@@ -53,7 +56,8 @@ class TransferSteps:
                        "pdserve_s": sum(r["extra"]["transfer_sum"] for r in rs) / count,
                        "checksum_s": sum(r["extra"]["prefill_checksum_sum"] for r in rs) / count,
                        "raw_s": ts[len(ts) // 2], "raw_all": ts, "write_path": wp,
-                       "raw_paced_s": sum(paced) / len(paced), "raw_paced_gap_s": gap}
+                       "raw_paced_s": paced[len(paced) // 2], "raw_paced_mean_s": sum(paced) / len(paced),
+                       "raw_paced_gap_s": gap, "median_s": samples[len(samples) // 2] if samples else float("nan")}
                 out.append(row)
                 log(f"  {preset} prompt {n} ({per_req / 1e6:.2f} MB, checksums {'on' if checksums else 'off'}): "
                     f"in service {per_req / row['pdserve_s'] / 1e9:.2f} GB/s, write step alone "
