@@ -26,13 +26,15 @@ def targets(res: dict, runs: list[Summary], keys: list[tuple], gaps: dict[tuple,
         T.append([f"(A/B) checksums cost ≤ 1% of TTFT p50 (prompt {n} × concurrency {c})",
                   f"TTFT p50 on vs off {fmt_ci(*d_ttft, scale=100, unit='%')}", _ci_verdict(d_ttft, 0.01)])
     for t in tr_rows:
+        # judged against raw back to back, the stable floor: paced raw writes (after an idle gap) swung from
+        # 1.0 to 7.3 ms for the same 0.5 MB across runs on this machine, so they are shown, not judged on
         paced, med = t.get("raw_paced_s", NAN), t.get("median_s", t.get("p50_s", NAN))
-        r = paced / med
+        r = t["raw_s"] / med
         label = "" if t["checksums"] else ", --no-transfer-checksum stack"
         T.append([f"KV transfer ≥ 90% of raw Mooncake ({t['preset']}, prompt {t['prompt_len']}{label})",
-                  f"{r * 100:.0f}% of raw paced ({t['bytes'] / med / 1e9:.2f} vs {t['bytes'] / paced / 1e9:.2f} "
-                  f"GB/s, medians); {t['raw_s'] / med * 100:.0f}% of raw back to back "
-                  f"({t['bytes'] / t['raw_s'] / 1e9:.2f} GB/s)", _verdict(r >= 0.9, "median vs paced")])
+                  f"{r * 100:.0f}% of raw back to back ({t['bytes'] / med / 1e9:.2f} vs "
+                  f"{t['bytes'] / t['raw_s'] / 1e9:.2f} GB/s, medians); {paced / med * 100:.0f}% of raw paced "
+                  f"({t['bytes'] / paced / 1e9:.2f} GB/s)", _verdict(r >= 0.9, "median vs raw back to back")])
     for preset, n, c in keys:
         pd, colo, hf = _find(runs, "pdserve", preset, n, c), _find(runs, "co-located", preset, n, c), \
             _find(runs, "transformers", preset, n)
