@@ -39,18 +39,32 @@ def load_tokenizer(model_dir: str, vocab_size: int):
 
 
 class IncrementalDecoder:
-    """Streams text token by token without splitting multi-byte characters."""
+    """Streams text token by token without splitting multi-byte characters.
+
+    Each push decodes a short window, not the whole sequence so far (which made a long stream
+    quadratic): the text of ids[prefix:] minus the text of ids[prefix:read]. The window starts one
+    step back so its first token is decoded next to its left neighbour, as tokenizers that mark word
+    starts need (the offsets vLLM's detokenizer keeps)."""
 
     def __init__(self, tokenizer):
         self._tok = tokenizer
         self._ids: list[int] = []
-        self._emitted = 0
+        self._prefix = 0  # where the decoded window starts
+        self._read = 0    # ids before this are already text
+
+    def _pending(self) -> tuple[str, str]:
+        return (self._tok.decode(self._ids[self._prefix:self._read]), self._tok.decode(self._ids[self._prefix:]))
 
     def push(self, ids: list[int]) -> str:
         self._ids.extend(ids)
-        text = self._tok.decode(self._ids)
-        if text.endswith("\ufffd"):
-            return ""  # an incomplete character: wait for its next byte
-        new = text[self._emitted:]
-        self._emitted = len(text)
-        return new
+        before, text = self._pending()
+        if text.endswith("\ufffd") or len(text) <= len(before):
+            return ""  # an incomplete character (wait for its next byte), or no text yet
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before):]
+
+    def flush(self) -> str:
+        """What push held back when the stream ends: an unfinished character comes out as U+FFFD."""
+        before, text = self._pending()
+        self._prefix = self._read = len(self._ids)
+        return text[len(before):]

@@ -168,9 +168,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 else:
                     ITL.observe(now - last)
                 last = now
+                piece = text.push([r.token_id])
+                if r.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                    piece += text.flush()  # the last token: nothing may stay held back
                 yield gateway_pb2.GenerateResponse(
                     request_id=request_id if first else b"", token_ids=[r.token_id],
-                    text=text.push([r.token_id]), finish_reason=r.finish_reason, prompt_tokens=len(tokens))
+                    text=piece, finish_reason=r.finish_reason, prompt_tokens=len(tokens))
         except grpc.RpcError as e:
             ended_by_decode = True
             err = from_rpc_error(e)

@@ -1,5 +1,9 @@
 """Tokenizers (byte and tokenizer.json) and the streaming decoder."""
+import random
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.engine.make_model import VOCAB_SIZE, make_model
 from services.engine.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder, load_tokenizer
@@ -96,3 +100,44 @@ def test_incremental_four_byte_character_in_one_push_after_partial():
     b = "🙂x".encode("utf-8")
     assert dec.push(list(b[:2])) == ""
     assert dec.push(list(b[2:])) == "🙂x"
+
+
+def test_flush_gives_what_an_unfinished_character_held_back():
+    tok = ByteTokenizer(512)
+    dec = IncrementalDecoder(tok)
+    e1, e2, _ = "€".encode("utf-8")
+    assert dec.push([ord("a"), e1, e2]) == ""  # "a" waits with the incomplete character behind it
+    assert dec.flush() == tok.decode([ord("a"), e1, e2]) == "a\ufffd"
+    assert dec.flush() == ""
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 300), max_size=60), chunk=st.integers(1, 4))
+def test_incremental_stream_plus_flush_equals_full_decode(ids, chunk):
+    tok = ByteTokenizer(512)
+    dec = IncrementalDecoder(tok)
+    pieces = [dec.push(ids[i:i + chunk]) for i in range(0, len(ids), chunk)]
+    assert "".join(pieces) + dec.flush() == tok.decode(ids)
+
+
+def test_incremental_hf_random_ids_stream_equals_full_decode(hf_dir):
+    tok = HFTokenizer(f"{hf_dir}/tokenizer.json")
+    rng = random.Random(7)
+    for _ in range(20):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 80))]
+        dec = IncrementalDecoder(tok)
+        assert "".join(dec.push([i]) for i in ids) + dec.flush() == tok.decode(ids)
+
+
+def test_incremental_push_decodes_a_window_not_the_whole_stream():
+    calls = []
+
+    class Counting(ByteTokenizer):
+        def decode(self, ids):
+            calls.append(len(ids))
+            return super().decode(ids)
+
+    dec = IncrementalDecoder(Counting(512))
+    for b in ("x" * 500).encode():
+        dec.push([b])
+    assert max(calls) <= 2  # the old decoder re-decoded all 500 ids on the last push
