@@ -2,45 +2,19 @@
 import pytest
 import torch
 
-from services.decode.verify import Violation, step_tag_mismatches, verify_prompt_pages
-from services.engine.kv_pool import KVPool, PoolLayout
+from services.decode.verify import Violation, verify_prompt_pages
 from services.engine.tags import (CHECKSUM, EPOCH, GENERATION, MAGIC, NUM_TOKENS, OWNER_HI, OWNER_LO, PAGE_INDEX,
-                                  expected_tags, make_tag)
+                                  make_tag)
 
-PS = 4
-OWNER = bytes.fromhex("00112233445566778899aabbccddeeff")
-OTHER = bytes.fromhex("ffeeddccbbaa99887766554433221100")
-EPOCH_ = (1 << 63) + 99  # broker epochs are random 64-bit values: include the top bit
-LEASES = [(5, 3), (9, 4), (2, 7), (12, 8)]  # (physical page, generation); the last is for decode's own tokens
-NUM_PROMPT = 10  # 3 prompt pages: 4 + 4 + 2 tokens
-
-
-def _pool():
-    return KVPool(PoolLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=PS, dtype="float32"), 16)
-
-
-def _write(pool, owner, epoch, leases, num_tokens, seed=0, index_of=lambda i: i, gen_of=None, count_of=None):
-    """What PrefillWorker.write leaves in the destination: data (tail zeroed), then tags with checksums."""
-    g = torch.Generator().manual_seed(seed)
-    n = -(-num_tokens // PS)
-    checksums = []
-    for i, (page, gen) in enumerate(leases[:n]):
-        pool.kv[page] = torch.randn(pool.kv[page].shape, generator=g)
-        tokens = min(PS, num_tokens - i * PS)
-        pool.zero_tail(page, tokens)
-        c = pool.checksum(page)
-        checksums.append(c)
-        pool.tags[page] = torch.tensor(make_tag(owner, epoch, gen_of(i) if gen_of else gen, index_of(i),
-                                                count_of(i) if count_of else tokens, c), dtype=torch.int64)
-    return checksums
+from .tagged import EPOCH_, LEASES, NUM_PROMPT, OTHER, OWNER, PS, make_pool, write_pages
 
 
 @pytest.fixture
 def setup():
-    pool = _pool()
+    pool = make_pool()
     # pages are never zeroed: the pool starts full of another request's marker
     pool.fill(list(range(16)), 0x5C)
-    checksums = _write(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT)
+    checksums = write_pages(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT)
     return pool, checksums
 
 
@@ -63,8 +37,8 @@ def test_correct_setup_passes(setup):
 
 @pytest.mark.parametrize("num_prompt", [1, 4, 8, 13, 16])
 def test_correct_setup_passes_for_page_boundaries(num_prompt):
-    pool = _pool()
-    checksums = _write(pool, OWNER, EPOCH_, LEASES, num_prompt)
+    pool = make_pool()
+    checksums = write_pages(pool, OWNER, EPOCH_, LEASES, num_prompt)
     assert len(checksums) == -(-num_prompt // PS)
     verify_prompt_pages(pool, OWNER, EPOCH_, LEASES, num_prompt, num_prompt, checksums)
 
@@ -100,9 +74,9 @@ def test_zero_tag_is_missing(setup):
 
 def test_short_transfer_leaves_untagged_pages(setup):
     """The incident: only the first page arrived; the rest were never written in this pool."""
-    pool = _pool()
+    pool = make_pool()
     pool.fill(list(range(16)), 0x5C)
-    checksums = _write(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT)
+    checksums = write_pages(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT)
     for page, _ in LEASES[1:3]:
         pool.tags[page] = 0
         pool.fill([page], 0x5C)
@@ -127,7 +101,7 @@ def test_either_owner_half_counts(setup, word):
 
 def test_wrong_epoch(setup):
     pool, checksums = setup
-    _write(pool, OWNER, EPOCH_ - 1, LEASES, NUM_PROMPT)
+    write_pages(pool, OWNER, EPOCH_ - 1, LEASES, NUM_PROMPT)
     v = _violation(pool, checksums)
     assert v.reason == "TAG_EPOCH"
     assert f"{EPOCH_ - 1:#x}" in v.message and f"{EPOCH_:#x}" in v.message
@@ -135,7 +109,7 @@ def test_wrong_epoch(setup):
 
 def test_older_generation(setup):
     pool, checksums = setup
-    checksums = _write(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT, gen_of=lambda i: LEASES[i][1] - (i == 1))
+    checksums = write_pages(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT, gen_of=lambda i: LEASES[i][1] - (i == 1))
     v = _violation(pool, checksums)
     assert v.reason == "TAG_GENERATION"
     assert "generation 3" in v.message and "lease generation 4" in v.message
@@ -144,7 +118,7 @@ def test_older_generation(setup):
 def test_swapped_page_index(setup):
     pool, checksums = setup
     same_gen = [(p, 5) for p, _ in LEASES]
-    checksums = _write(pool, OWNER, EPOCH_, same_gen, NUM_PROMPT, index_of=lambda i: {0: 1, 1: 0}.get(i, i),
+    checksums = write_pages(pool, OWNER, EPOCH_, same_gen, NUM_PROMPT, index_of=lambda i: {0: 1, 1: 0}.get(i, i),
                        count_of=lambda i: [4, 4, 2][i])
     v = _violation(pool, checksums, leases=same_gen)
     assert v.reason == "TAG_PAGE_INDEX"
@@ -153,7 +127,7 @@ def test_swapped_page_index(setup):
 
 def test_short_token_counts(setup):
     pool, checksums = setup
-    checksums = _write(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT, count_of=lambda i: [4, 3, 2][i])
+    checksums = write_pages(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT, count_of=lambda i: [4, 3, 2][i])
     v = _violation(pool, checksums)
     assert v.reason == "TAG_NUM_TOKENS"
     assert "add up to 9" in v.message and "10 tokens" in v.message
@@ -161,7 +135,7 @@ def test_short_token_counts(setup):
 
 def test_token_counts_that_sum_right_but_are_misplaced(setup):
     pool, checksums = setup
-    checksums = _write(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT, count_of=lambda i: [2, 4, 4][i])
+    checksums = write_pages(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT, count_of=lambda i: [2, 4, 4][i])
     assert _violation(pool, checksums).reason == "TAG_NUM_TOKENS"
 
 
@@ -202,8 +176,8 @@ def test_unused_decode_lease_is_not_checked(setup):
 
 def test_without_byte_check_zero_checksums_pass_and_flips_go_unseen():
     """--no-transfer-checksum: prefill reports 0 per page; decode still checks every tag word but the bytes."""
-    pool = _pool()
-    _write(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT)
+    pool = make_pool()
+    write_pages(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT)
     for page, _ in LEASES[:3]:
         pool.tags[page, CHECKSUM] = 0
     zeros = [0, 0, 0]
@@ -226,64 +200,3 @@ def test_without_byte_check_tags_are_still_checked(setup, word, reason):
     with pytest.raises(Violation) as e:
         verify_prompt_pages(pool, OWNER, EPOCH_, LEASES, NUM_PROMPT, NUM_PROMPT - 1, checksums, check_bytes=False)
     assert e.value.reason == "COVERAGE_MISMATCH"
-
-
-def _batch():
-    pool = _pool()
-    seqs = [
-        (bytes([1]) * 16, [(1, 10), (2, 11)]),
-        (bytes([2]) * 16, [(3, 20), (4, 21), (5, 22)]),
-        (bytes([3]) * 16, [(6, 30)]),
-    ]
-    for owner, leases in seqs:
-        _write(pool, owner, EPOCH_, leases, PS * len(leases), seed=owner[0])
-    pages = torch.tensor([p for _, leases in seqs for p, _ in leases], dtype=torch.int64)
-    expected = torch.cat([expected_tags(owner, EPOCH_, leases) for owner, leases in seqs])
-    lengths = [len(leases) for _, leases in seqs]
-    return pool, pages, expected, lengths
-
-
-def test_step_check_clean_batch():
-    pool, pages, expected, lengths = _batch()
-    assert expected.shape == (6, 5)
-    assert step_tag_mismatches(pool.tags, pages, expected, lengths) == []
-
-
-@pytest.mark.parametrize("tampered,word,want", [
-    ([4], OWNER_HI, [1]),
-    ([4], OWNER_LO, [1]),
-    ([1], EPOCH, [0]),
-    ([6], GENERATION, [2]),
-    ([5], PAGE_INDEX, [1]),
-    ([2, 6], GENERATION, [0, 2]),
-    ([1, 3, 6], OWNER_LO, [0, 1, 2]),
-])
-def test_step_check_finds_exactly_the_tampered_sequences(tampered, word, want):
-    pool, pages, expected, lengths = _batch()
-    for p in tampered:
-        pool.tags[p, word] += 1
-    assert step_tag_mismatches(pool.tags, pages, expected, lengths) == want
-
-
-def test_step_check_sees_a_foreign_tag_written_over_a_page():
-    pool, pages, expected, lengths = _batch()
-    pool.tags[3] = torch.tensor(make_tag(OTHER, EPOCH_, 20, 0, 4, 0))  # same gen/index, other owner
-    assert step_tag_mismatches(pool.tags, pages, expected, lengths) == [1]
-
-
-def test_step_check_only_reads_ownership_words():
-    """Decode stamps its own pages with num_tokens=0, checksum=0; those words are not lease state."""
-    pool, pages, expected, lengths = _batch()
-    pool.tags[4, NUM_TOKENS] = 0
-    pool.tags[4, CHECKSUM] = 0
-    assert step_tag_mismatches(pool.tags, pages, expected, lengths) == []
-
-
-def test_step_check_only_reads_listed_pages():
-    pool, pages, expected, lengths = _batch()
-    pool.tags[0] = 0
-    pool.tags[15] = torch.tensor(make_tag(OTHER, 1, 1, 0, 4, 0))
-    assert step_tag_mismatches(pool.tags, pages, expected, lengths) == []
-    pool.tags[6, MAGIC] = 0
-    pool.tags[6, EPOCH] = 0
-    assert step_tag_mismatches(pool.tags, pages, expected, lengths) == [2]
