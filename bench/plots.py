@@ -16,6 +16,24 @@ def _ok(x) -> bool:
     return x is not None and not (isinstance(x, float) and math.isnan(x))
 
 
+def _log_axes(ax, title: str, xlabel: str, ylabel: str, log_y: bool = True) -> None:
+    ax.set_xscale("log", base=2)
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _save(fig, path: str, title: str | None = None) -> None:
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def latency_vs_concurrency(res: dict, path: str) -> None:
     runs = res["runs"]
     panels = sorted({(r["preset"], r["prompt_len"]) for r in runs if r["system"] != "transformers"},
@@ -38,19 +56,11 @@ def latency_vs_concurrency(res: dict, path: str) -> None:
             color, marker = STYLE["transformers"]
             ax.plot([1], [hf[0]["ttft_p50"] * 1e3], color=color, marker=marker, linestyle="", label="transformers TTFT p50")
             ax.plot([1], [hf[0]["itl_p50"] * 1e3], color=color, marker="v", linestyle="", label="transformers ITL p50")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{preset}, prompt {n}")
-        ax.set_xlabel("concurrency")
-        ax.set_ylabel("ms")
-        ax.grid(True, which="both", alpha=0.3)
+        _log_axes(ax, f"{preset}, prompt {n}", "concurrency", "ms")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle("Latency against concurrency (solid: time to first token, dashed: inter-token)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, "Latency against concurrency (solid: time to first token, dashed: inter-token)")
 
 
 def throughput_vs_prompt(res: dict, path: str) -> None:
@@ -71,17 +81,14 @@ def throughput_vs_prompt(res: dict, path: str) -> None:
         if pts:
             color, marker = STYLE["transformers"]
             ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, label="transformers (serial)")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_title(f"{preset}: output tokens/s")
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("output tokens/s")
-        ax.grid(True, which="both", alpha=0.3)
+        _log_axes(ax, f"{preset}: output tokens/s", "prompt tokens", "output tokens/s")
         ax.legend(fontsize=7, ncol=2)
-    fig.suptitle("Throughput against prompt length")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path, "Throughput against prompt length")
+
+
+def _median(cell: dict):
+    """In-service transfer median: exact per-request samples, or the bucket-interpolated p50 of older runs."""
+    return cell.get("median_s", cell.get("p50_s"))
 
 
 def transfer_vs_bytes(res: dict, path: str) -> None:
@@ -99,10 +106,10 @@ def transfer_vs_bytes(res: dict, path: str) -> None:
         pts = [c for c in cells if c["checksums"] == checksums]
         if not pts:
             continue
-        p50 = [(c["bytes"], c["bytes"] / c["p50_s"] / 1e9) for c in pts if _ok(c.get("p50_s"))]
-        if p50:
-            ax.plot([p[0] for p in p50], [p[1] for p in p50], color=color, marker="o", linestyle="",
-                    label=f"pdserve in service, p50 ({label})")
+        med = [(c["bytes"], c["bytes"] / _median(c) / 1e9) for c in pts if _ok(_median(c))]
+        if med:
+            ax.plot([p[0] for p in med], [p[1] for p in med], color=color, marker="o", linestyle="",
+                    label=f"pdserve in service, median ({label})")
         ax.plot([c["bytes"] for c in pts], [c["bytes"] / c["pdserve_s"] / 1e9 for c in pts], color=color, marker="v",
                 linestyle="", label=f"pdserve in service, mean ({label})")
         alone = [(c["bytes"], c["bytes"] / c["write_path"]["median_s"] / 1e9) for c in pts if c.get("write_path")]
@@ -110,18 +117,13 @@ def transfer_vs_bytes(res: dict, path: str) -> None:
             ax.plot([a[0] for a in alone], [a[1] for a in alone], color=color, marker="D", fillstyle="none",
                     linestyle="", label=f"pdserve write step alone ({label})")
     for c in cells:
-        if _ok(c.get("p50_s")):
-            ax.annotate(f"{c['preset']} {c['prompt_len']}", (c["bytes"], c["bytes"] / c["p50_s"] / 1e9),
+        if _ok(_median(c)):
+            ax.annotate(f"{c['preset']} {c['prompt_len']}", (c["bytes"], c["bytes"] / _median(c) / 1e9),
                         fontsize=6, xytext=(3, -8), textcoords="offset points")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("bytes per request (one transfer)")
-    ax.set_ylabel("GB/s")
-    ax.set_title("KV transfer bandwidth against bytes (Mooncake tcp, loopback)")
-    ax.grid(True, which="both", alpha=0.3)
+    _log_axes(ax, "KV transfer bandwidth against bytes (Mooncake tcp, loopback)", "bytes per request (one transfer)",
+              "GB/s", log_y=False)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def write_plots(res: dict, out_dir: str) -> list[str]:
