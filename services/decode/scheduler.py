@@ -15,6 +15,7 @@ import grpc
 import torch
 
 from ..common.errors import PdError
+from ..common.tasks import spawn
 from ..common.faults import FAULTS
 from ..common.metrics import FORWARD_SECONDS, GUARD_SECONDS, LEASE_VIOLATIONS
 from ..engine.runner import ModelRunner
@@ -37,7 +38,9 @@ class Sequence:
     generated: list[int]            # generated[0] is prefill's first token
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     pages: list[int] = field(init=False)  # physical pages in request order, read every step
+    page_ids: torch.Tensor = field(init=False)  # the same, as a tensor for the per-step check
     cancelled: bool = False
+    err: PdError | None = None  # why it was cancelled, when the request must end with an error
     done: bool = False
 
     @property
@@ -47,6 +50,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.pages = [p for p, _ in self.leases]
+        self.page_ids = torch.tensor(self.pages, dtype=torch.int64)
 
     def is_finished(self) -> bool:
         last = self.generated[-1]
@@ -56,33 +60,55 @@ class Sequence:
 
 
 class Scheduler:
+    """Owns a request from the moment Decode takes its allocation: first as joining (being verified or
+    sending its first token, never stepped), then as running. A revocation, Release or broker restart
+    finds it in either state; it only marks the sequence, which ends between steps (or, while joining,
+    when Decode next looks), so pages are never released while a step may still use them."""
+
     def __init__(self, runner: ModelRunner, release: Callable[[Sequence], Awaitable[None]], max_batch: int = 64):
         self.runner = runner
         self.release = release
         self.max_batch = max_batch
+        self.joining: dict[bytes, Sequence] = {}
         self.running: dict[bytes, Sequence] = {}
         self._wake = asyncio.Event()
 
+    def join(self, seq: Sequence) -> None:
+        self.joining[seq.owner] = seq
+
+    def leave(self, owner: bytes) -> None:
+        """A joining request that never started: its caller gives the pages back."""
+        self.joining.pop(owner, None)
+
     def add(self, seq: Sequence) -> None:
+        """Starts stepping a sequence; raises if it was revoked, released or failed while joining (the caller
+        must not await between its last look at the sequence and this call)."""
+        self.joining.pop(seq.owner, None)
+        raise_if_ended(seq)
         self.running[seq.owner] = seq
+        self._wake.set()
+
+    def _find(self, owner: bytes) -> Sequence | None:
+        return self.running.get(owner) or self.joining.get(owner)
+
+    def _mark(self, seq: Sequence, err: PdError | None) -> None:
+        seq.cancelled = True
+        seq.err = seq.err or err
         self._wake.set()
 
     def cancel(self, owner: bytes) -> None:
         """Marks a request cancelled; the loop drops it (and releases its pages) between steps."""
-        seq = self.running.get(owner)
-        if seq is not None:
-            seq.cancelled = True
-            self._wake.set()
+        if (seq := self._find(owner)) is not None:
+            self._mark(seq, None)
 
     def revoke(self, owner: bytes, err: PdError) -> None:
-        seq = self.running.get(owner)
-        if seq is not None:
+        if (seq := self._find(owner)) is not None and not seq.done:
             LEASE_VIOLATIONS.labels("decode", "REVOKED").inc()
-            self._end(seq, err)
+            self._mark(seq, err)
 
     def fail_all(self, err: PdError) -> None:
-        for seq in list(self.running.values()):
-            self._end(seq, err)
+        for seq in [*self.running.values(), *self.joining.values()]:
+            self._mark(seq, err)
 
     def _end(self, seq: Sequence, err: PdError | None) -> None:
         if seq.done:
@@ -91,7 +117,7 @@ class Scheduler:
         self.running.pop(seq.owner, None)
         if err is not None:
             seq.events.put_nowait(err)
-        asyncio.get_running_loop().create_task(self.release(seq))
+        spawn(self.release(seq))
 
     def _stamp_own_pages(self, seq: Sequence) -> None:
         # pages decode writes itself get tags too, so the per-step check covers them
@@ -102,10 +128,10 @@ class Scheduler:
             page, gen = seq.leases[i]
             self.runner.pool.tags[page] = torch.tensor(make_tag(seq.owner, seq.epoch, gen, i, 0, 0))
 
-    def _check(self, batch: list[Sequence]) -> list[Sequence]:
-        ps = self.runner.page_size
-        lengths = [s.position // ps + 1 for s in batch]
-        pages = torch.tensor([p for s, n in zip(batch, lengths) for p in s.pages[:n]], dtype=torch.int64)
+    def _check(self, batch: list[Sequence], tables: list[list[int]]) -> tuple[list[Sequence], list[list[int]]]:
+        """The per-step guard over exactly the page tables the step will read; drops failing sequences."""
+        lengths = [len(t) for t in tables]
+        pages = torch.cat([s.page_ids[:n] for s, n in zip(batch, lengths)])
         expected = torch.cat([s.expected[:n] for s, n in zip(batch, lengths)])
         with GUARD_SECONDS.labels("step_tag_check").time():
             bad = step_tag_mismatches(self.runner.pool.tags, pages, expected, lengths)
@@ -117,39 +143,39 @@ class Scheduler:
             self._end(seq, PdError(grpc.StatusCode.DATA_LOSS, "STEP_TAG_MISMATCH",
                                    "a KV page of this request was overwritten under its lease"))
         failed = set(bad)
-        return [s for i, s in enumerate(batch) if i not in failed]
+        keep = [i for i in range(len(batch)) if i not in failed]
+        return [batch[i] for i in keep], [tables[i] for i in keep]
 
-    def _step(self, token_ids: list[int], positions: list[int], page_tables: list[list[int]]) -> torch.Tensor:
+    def _step(self, batch: list[Sequence], tables: list[list[int]]) -> list[int]:
+        """One forward step and its sampling, in the worker thread (on a GPU, sampling is what waits)."""
         with FORWARD_SECONDS.labels("decode").time():
-            return self.runner.decode(token_ids, positions, page_tables)
+            logits = self.runner.decode([s.generated[-1] for s in batch], [s.position for s in batch], tables)
+        return sample(logits, [s.sampling for s in batch], [len(s.generated) for s in batch])
 
     async def run(self) -> None:
         while True:
             for seq in [s for s in self.running.values() if s.cancelled]:
-                self._end(seq, None)
+                self._end(seq, seq.err)
             if not self.running:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             batch = list(self.running.values())[: self.max_batch]
-            for seq in batch:
-                self._stamp_own_pages(seq)
-            if (arg := FAULTS.fire("decode.corrupt_tag")) is not None:
-                self.runner.pool.tags[batch[0].pages[int(arg or 0)], OWNER_LO] ^= 1
-            batch = self._check(batch)
-            if not batch:
-                continue
-            ps = self.runner.page_size
             try:
-                logits = await asyncio.to_thread(
-                    self._step, [s.generated[-1] for s in batch], [s.position for s in batch],
-                    [s.pages[: s.position // ps + 1] for s in batch])
+                for seq in batch:
+                    self._stamp_own_pages(seq)
+                if (arg := FAULTS.fire("decode.corrupt_tag")) is not None:
+                    self.runner.pool.tags[batch[0].pages[int(arg or 0)], OWNER_LO] ^= 1
+                ps = self.runner.page_size
+                batch, tables = self._check(batch, [s.pages[: s.position // ps + 1] for s in batch])
+                if not batch:
+                    continue
+                tokens = await asyncio.to_thread(self._step, batch, tables)
             except Exception as e:  # a failed step fails its batch, never the loop
                 log.exception("decode step failed")
                 for seq in batch:
                     self._end(seq, PdError(grpc.StatusCode.INTERNAL, "STEP_FAILED", str(e)))
                 continue
-            tokens = sample(logits, [s.sampling for s in batch], [len(s.generated) for s in batch])
             for seq, tok in zip(batch, tokens):
                 if seq.done or seq.cancelled:
                     continue
@@ -158,3 +184,11 @@ class Scheduler:
                 seq.events.put_nowait((tok, finished))
                 if finished:
                     self._end(seq, None)
+
+
+def raise_if_ended(seq: Sequence) -> None:
+    """A sequence marked while it was joining ends before any (further) token is sent."""
+    if seq.err is not None:
+        raise seq.err
+    if seq.cancelled:
+        raise PdError(grpc.StatusCode.CANCELLED, "RELEASED", "the request was released before decoding began")

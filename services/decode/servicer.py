@@ -9,14 +9,15 @@ from dataclasses import dataclass
 import grpc
 
 from ..common.admission import check_lengths, check_sampling
-from ..common.config import pages_needed
+from ..common.config import pages_for, pages_needed
 from ..common.errors import PdError, invalid
 from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS, TIMEOUTS
+from ..common.tasks import spawn
 from ..common.proto import broker_pb2, common_pb2, decode_pb2, decode_pb2_grpc
 from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, sampling_from_pb
 from ..engine.runner import ModelRunner
 from ..engine.tags import TAG_NBYTES, expected_tags
-from .scheduler import Scheduler, Sequence
+from .scheduler import Scheduler, Sequence, raise_if_ended
 from .verify import CANARY_BYTE, Violation, check_canaries, verify_prompt_pages
 from .watch import BrokerWatch
 
@@ -94,6 +95,10 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             self._epoch_changed.set()  # re-register now rather than at the next liveness tick
             raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED", e.message) from None
         leases = leases_from_pb(resp.leases)
+        if len(leases) != need:  # the broker grants all or nothing: anything else is a broker fault
+            spawn(self._release(owner, resp.epoch, leases))
+            raise PdError(grpc.StatusCode.INTERNAL, "BAD_GRANT", f"asked the broker for {need} pages, granted "
+                                                                 f"{len(leases)}")
         self.allocations[owner] = Allocation(resp.epoch, leases, request.num_prompt_tokens, request.max_tokens,
                                              time.monotonic() + self.allocation_timeout_s)
         return decode_pb2.AllocateResponse(destination=common_pb2.Destination(
@@ -116,19 +121,20 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             raise PdError(grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_REQUEST",
                           f"request {owner.hex()} has no allocation on pool {self.pool_id} (released, revoked "
                           f"or timed out)")
-        # from here the request's pages are released exactly once: by the scheduler once it holds the
-        # sequence, else by the finally below, whatever ends this call (error, finish, or cancellation)
-        seq = None
+        # from here the request's pages are released exactly once: by the scheduler once it runs the sequence,
+        # else by the finally below, whatever ends this call (error, finish, or cancellation). While joining,
+        # the scheduler already knows the sequence, so a revocation or Release in that window is not lost.
+        seq = Sequence(owner, alloc.epoch, alloc.leases, expected_tags(owner, alloc.epoch, alloc.leases),
+                       alloc.num_prompt_tokens, sampling_from_pb(request.sampling), self.eos, [request.first_token])
+        self.scheduler.join(seq)
         try:
             await self._verify(request, owner, alloc)
-            seq = Sequence(owner, alloc.epoch, alloc.leases, expected_tags(owner, alloc.epoch, alloc.leases),
-                           alloc.num_prompt_tokens, sampling_from_pb(request.sampling), self.eos,
-                           [request.first_token])
+            raise_if_ended(seq)
             finished = seq.is_finished()
             yield decode_pb2.DecodeResponse(token_id=request.first_token, finish_reason=self._finish(seq, finished))
             if finished:
                 return
-            self.scheduler.add(seq)
+            self.scheduler.add(seq)  # raises if marked while the first token was being sent
             while True:
                 event = await seq.events.get()
                 if isinstance(event, PdError):
@@ -138,9 +144,10 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
                 if finished:
                     return
         finally:
-            if seq is None or seq.owner not in self.scheduler.running and not seq.done:
-                # never reached the scheduler: a task, so a cancelled call still gives the pages back
-                asyncio.ensure_future(self._release(owner, alloc.epoch, alloc.leases))
+            if owner not in self.scheduler.running and not seq.done:
+                # never ran: a task, so a cancelled call still gives the pages back
+                self.scheduler.leave(owner)
+                spawn(self._release(owner, alloc.epoch, alloc.leases))
             elif not seq.done:
                 self.scheduler.cancel(owner)  # the client went away: stop before the next step
 
@@ -157,7 +164,7 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
                                     cov.num_tokens, list(cov.checksums), self.check_checksums)
                 if self.canary:
                     check_canaries(self.pool, alloc.leases, alloc.num_prompt_tokens)
-            n = -(-alloc.num_prompt_tokens // self.pool.page_size)
+            n = pages_for(alloc.num_prompt_tokens, self.pool.page_size)
             with GUARD_SECONDS.labels("validate_rpc").time():
                 await call(self.broker.Validate(broker_pb2.ValidateRequest(
                     pool_id=self.pool_id, owner=owner, epoch=alloc.epoch, leases=leases_to_pb(alloc.leases[:n])),

@@ -17,6 +17,7 @@ from ..common.admission import _reject, check_lengths, check_sampling, check_tok
 from ..common.errors import PdError, from_rpc_error
 from ..common.metrics import ITL, REQUESTS, TIMEOUTS, TTFT
 from ..common.proto import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
+from ..common.tasks import spawn
 from ..common.wire import call
 from ..engine.tokenizer import IncrementalDecoder
 from .router import Backend, Router
@@ -126,7 +127,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except asyncio.CancelledError:
             # the client left while decode was granting: once the grant lands, give it back
             alloc.add_done_callback(lambda t: None if t.cancelled() or t.exception() is not None
-                                    else asyncio.ensure_future(self._release(decode, request_id)))
+                                    else spawn(self._release(decode, request_id)))
             raise
         task = asyncio.ensure_future(call(prefill.stub.Prefill(prefill_pb2.PrefillRequest(
             request_id=request_id, token_ids=tokens, sampling=sampling, destination=dest),
@@ -135,7 +136,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             resp = await asyncio.shield(task)
         except asyncio.CancelledError:
             # the client left mid-prefill: the write runs to its EndWrite, then the pages go back
-            task.add_done_callback(lambda _: asyncio.ensure_future(self._release(decode, request_id)))
+            task.add_done_callback(lambda _: spawn(self._release(decode, request_id)))
             raise
         except PdError as e:
             if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -175,15 +176,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     request_id=request_id if first else b"", token_ids=[r.token_id],
                     text=piece, finish_reason=r.finish_reason, prompt_tokens=len(tokens))
         except grpc.RpcError as e:
-            ended_by_decode = True
+            # not "ended by decode": an UNAVAILABLE call may never have reached it, so Release below
             err = from_rpc_error(e)
             raise PdError(err.code, err.reason, f"decode {decode.target}: {err.message}") from None
         finally:
             stream.cancel()
             if not ended_by_decode:
-                # the client left (or decode stalled): the Decode call may not even have reached decode,
-                # so its allocation would wait for its timeout; Release is idempotent
-                asyncio.ensure_future(self._release(decode, request_id))
+                # the client left, decode stalled or the call failed: it may not even have reached decode,
+                # whose allocation would then wait for its timeout; Release is idempotent
+                spawn(self._release(decode, request_id))
 
     async def _allocate(self, decode: Backend, request_id: bytes, num_prompt: int, max_tokens: int):
         """Allocates decode pages; when the pool is full right now, waits in a bounded queue."""

@@ -14,6 +14,7 @@ from ..common.faults import FAULTS
 from ..common.metrics import (GUARD_SECONDS, LEASE_VIOLATIONS, TIMEOUTS, TRANSFER_BYTES, TRANSFER_FAILURES,
                               TRANSFER_SECONDS)
 from ..common.proto import broker_pb2, common_pb2, prefill_pb2, prefill_pb2_grpc
+from ..common.tasks import spawn
 from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, sampling_from_pb
 from ..engine.tags import TAG_NBYTES
 from ..kvtransfer.engine import TransferError
@@ -183,7 +184,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             renew.cancel()
             if write is not None and not write.done():
                 # the writer thread still holds the local pages and may still post: ack only once it returns
-                write.add_done_callback(lambda fut: asyncio.ensure_future(self._late_finish(
+                write.add_done_callback(lambda fut: spawn(self._late_finish(
                     fut, local, pool_id, owner, target.epoch, leases_pb, writer_id)))
             else:
                 await self._finish(local, pool_id, owner, target.epoch, leases_pb, writer_id, ok)
