@@ -10,8 +10,8 @@ import torch
 from ..common.config import pages_for
 from ..common.metrics import CANARY_HITS
 from ..engine.kv_pool import KVPool
-from ..engine.tags import (CHECKSUM, EPOCH, GENERATION, MAGIC, NUM_TOKENS, OWNER_HI, OWNER_LO, PAGE_INDEX,
-                           TAG_MAGIC, _s64, expected_tags)
+from ..engine.tags import (CHECKSUM, EPOCH, GENERATION, MAGIC, NUM_TOKENS, OWNER_HI, OWNER_LO, OWNERSHIP,
+                           PAGE_INDEX, TAG_MAGIC, _s64, expected_tags)
 
 
 class Violation(Exception):
@@ -38,7 +38,7 @@ def verify_prompt_pages(pool: KVPool, owner: bytes, epoch: int, leases: list[tup
     tags = pool.tags[pages]  # [n, TAG_WORDS]
     want = expected_tags(owner, epoch, leases[:n])
     # one vectorised comparison; the per-page walk below only runs to name the first bad page
-    ok = (tags[:, MAGIC] == _s64(TAG_MAGIC)) & (tags[:, OWNER_HI:PAGE_INDEX + 1] == want).all(dim=1)
+    ok = (tags[:, MAGIC] == _s64(TAG_MAGIC)) & (tags[:, OWNERSHIP] == want).all(dim=1)
     if not bool(ok.all()):
         i = int((~ok).nonzero()[0, 0])
         _raise_tag_violation(tags[i], want[i], i, pages[i], epoch, leases[i][1])
@@ -91,7 +91,7 @@ def step_tag_mismatches(tags: torch.Tensor, pages: torch.Tensor, expected: torch
     """Per-step check, vectorised over the batch: the ownership words (owner, epoch, generation,
     page index) of every page the step reads must equal the leases. Returns the indices of sequences
     with a mismatch. pages: [N] concatenated page ids; expected: [N, 5]; lengths: pages per sequence."""
-    ok = (tags[pages, :5] == expected).all(dim=1)
+    ok = (tags[pages, OWNERSHIP] == expected).all(dim=1)
     if bool(ok.all()):
         return []
     return [i for i, seg in enumerate(torch.split(ok, lengths)) if not bool(seg.all())]

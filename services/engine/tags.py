@@ -17,6 +17,7 @@ TAG_WORDS = 8
 TAG_NBYTES = TAG_WORDS * 8
 TAG_MAGIC = 0x7064736572766531  # "pdserve1"
 OWNER_HI, OWNER_LO, EPOCH, GENERATION, PAGE_INDEX, NUM_TOKENS, CHECKSUM, MAGIC = range(TAG_WORDS)
+OWNERSHIP = slice(OWNER_HI, PAGE_INDEX + 1)  # the words a lease fixes; expected_tags gives them per page
 
 
 def _s64(x: int) -> int:
@@ -58,7 +59,7 @@ def expected_tags(owner: bytes, epoch: int, leases: list[tuple[int, int]]) -> to
     """What the ownership words of each leased page's tag must be: [N, 5] (owner_hi..page_index)."""
     hi, lo = owner_words(owner)
     return torch.tensor([[hi, lo, _s64(epoch), _s64(gen), i] for i, (_, gen) in enumerate(leases)],
-                        dtype=torch.int64).reshape(-1, 5)
+                        dtype=torch.int64).reshape(-1, OWNERSHIP.stop - OWNERSHIP.start)
 
 
 def page_checksum(page: torch.Tensor) -> int:
