@@ -17,21 +17,23 @@ class LeaseTable:
     """All pools of one broker incarnation; a new table is a new epoch, and nothing of an old one validates."""
 
     def __init__(self, lock_delay_s: float = 2.0, default_writer_ttl_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic, epoch: int | None = None):
-        if lock_delay_s < 0 or default_writer_ttl_s <= 0 or (epoch is not None and not 0 < epoch < 2**64):
-            raise ValueError(f"need lock_delay_s {lock_delay_s} >= 0, default_writer_ttl_s "
-                             f"{default_writer_ttl_s} > 0 and epoch {epoch} in [1, 2**64)")
+                 clock: Callable[[], float] = time.monotonic, epoch: int | None = None, max_ttl_s: float = 60.0):
+        if lock_delay_s < 0 or not 0 < default_writer_ttl_s <= max_ttl_s or (epoch is not None and not 0 < epoch < 2**64):
+            raise ValueError(f"need lock_delay_s {lock_delay_s} >= 0, 0 < default_writer_ttl_s "
+                             f"{default_writer_ttl_s} <= max_ttl_s {max_ttl_s} and epoch {epoch} in [1, 2**64)")
         self.lock_delay_s = lock_delay_s
         self.default_writer_ttl_s = default_writer_ttl_s
+        self.max_ttl_s = max_ttl_s
         # never 0: a zero epoch would match a request that forgot to set the field
         self.epoch = (secrets.randbits(64) or 1) if epoch is None else epoch
         self._clock = clock
         self._pools: dict[str, PoolPages] = {}
         self._liveness: dict[str, float] = {}  # holder id -> monotonic expiry
 
-    def register_pool(self, pool_id: str, num_pages: int, quarantined: Iterable[int] = ()) -> int:
+    def register_pool(self, pool_id: str, num_pages: int, quarantined: Iterable[int] = (), region=None) -> int:
         """`quarantined`: pages a decode held under an earlier epoch (the broker restarted). Writes of that
-        epoch may still be in flight, so those pages start QUARANTINED and leave only after lock_delay."""
+        epoch may still be in flight, so those pages start QUARANTINED and leave only after lock_delay.
+        `region`: where the pool's bytes are registered; writers get it from here, never from a request."""
         if not pool_id or num_pages <= 0:
             raise LeaseError("INVALID_ARGUMENT", "BAD_POOL", f"pool {pool_id!r} of {num_pages} pages: "
                              "needs a name and at least 1 page")
@@ -42,6 +44,7 @@ class LeaseTable:
         pool = self._pools.get(pool_id)
         if pool is None:
             pool = self._pools[pool_id] = PoolPages(pool_id, num_pages)
+            pool.region = region
             if held:
                 writer = f"earlier-epoch/{pool_id}"
                 # an old-epoch writer renews at most one ttl before it learns the epoch changed and stops
@@ -56,6 +59,10 @@ class LeaseTable:
         elif pool.num_pages != num_pages:
             raise LeaseError("ALREADY_EXISTS", "POOL_SIZE_MISMATCH",
                              f"pool {pool_id} is registered with {pool.num_pages} pages; {num_pages} given")
+        elif pool.region != region:
+            # a second registration must not move where writers aim: leases already granted point there
+            raise LeaseError("ALREADY_EXISTS", "POOL_REGION_MISMATCH",
+                             f"pool {pool_id} is registered at another transfer session or address")
         return self.epoch
 
     def grant(self, pool_id: str, owner: bytes, num_pages: int, epoch: int) -> list[Lease]:
@@ -77,31 +84,55 @@ class LeaseTable:
         pool.owners[owner] = taken
         return [(page_id, generation) for page_id in taken]
 
-    def begin_write(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], writer_id: str) -> None:
+    def begin_write(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], writer_id: str,
+                    max_landing_s: float):
+        """Returns the pool's registered region: the only place the writer may write to."""
         if not writer_id:
             raise LeaseError("INVALID_ARGUMENT", "BAD_WRITER_ID", "writer_id must not be empty")
+        # the one timing inequality: a page leaves quarantine lock_delay after the writer's liveness expired or
+        # it acked a failure, so a write still landing later than that could hit a page granted again
+        if not 0 < max_landing_s <= self.lock_delay_s:
+            raise LeaseError("FAILED_PRECONDITION", "LANDING_BOUND_EXCEEDS_LOCK_DELAY",
+                             f"writer {writer_id}: a posted write may land up to {max_landing_s:.3f}s after its call "
+                             f"returned; the broker's lock_delay is {self.lock_delay_s:.3f}s (needs 0 < bound <= "
+                             f"lock_delay)")
         leases = list(leases)
         pool = self._pool(pool_id, epoch)
         pages = self._checked_pages(pool, owner, leases)
+        for (page_id, generation), page in zip(leases, pages):
+            if page.sealed_generation == generation:
+                raise LeaseError("FAILED_PRECONDITION", "LEASE_ALREADY_WRITTEN",
+                                 f"page {page_id} generation {generation} was already written or validated; a lease "
+                                 "generation is written at most once")
         now = self._clock()
         # an expired record counts as none: otherwise the sweeper could end this write while it runs
         if self._liveness.get(writer_id, now) <= now:
             self._liveness[writer_id] = now + self.default_writer_ttl_s
         for (page_id, generation), page in zip(leases, pages):
             page.active_writer = (writer_id, generation)
+            page.sealed_generation = generation
             pool.writing.add(page_id)
+        return pool.region
 
     def end_write(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], writer_id: str,
-                  success: bool) -> int:
+                  success: bool, nothing_posted: bool = False) -> int:
         # acks may be late, repeated or from a past incarnation: they may only ever undo their own BeginWrite.
         # owner is implied by (page, generation), since every grant takes a fresh generation.
         if epoch != self.epoch:
             return 0
         pool = self._pool(pool_id)
         num_unquarantined = 0
+        # a failed or timed-out write is no proof that nothing is in flight: the transport returns as soon as one
+        # task fails or its timer runs out, and flushes nothing. Its pages stay held for lock_delay from now.
+        draining = None if success or nothing_posted else f"failed/{writer_id}"
+        if draining is not None:
+            self._liveness[draining] = max(self._liveness.get(draining, 0.0), self._clock())
         for page_id, generation in leases:
             page = pool.pages[page_id] if 0 <= page_id < pool.num_pages else None
             if page is None or page.active_writer != (writer_id, generation):
+                continue
+            if draining is not None:
+                page.active_writer = (draining, generation)
                 continue
             page.active_writer = None
             pool.writing.discard(page_id)
@@ -111,7 +142,9 @@ class LeaseTable:
         return num_unquarantined
 
     def validate(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease]) -> None:
-        self._checked_pages(self._pool(pool_id, epoch), owner, list(leases))
+        leases = list(leases)
+        for (_, generation), page in zip(leases, self._checked_pages(self._pool(pool_id, epoch), owner, leases)):
+            page.sealed_generation = generation  # decode has checked these bytes: no writer may begin again
 
     def release(self, pool_id: str, owner: bytes, epoch: int) -> tuple[int, int]:
         if epoch != self.epoch:
@@ -140,9 +173,12 @@ class LeaseTable:
         return events
 
     def keep_alive(self, holder_id: str, ttl_s: float) -> None:
-        if not holder_id or ttl_s <= 0:
-            raise LeaseError("INVALID_ARGUMENT", "BAD_KEEP_ALIVE", f"holder {holder_id!r}: ttl {ttl_s}s; must be > 0")
-        self._liveness[holder_id] = self._clock() + ttl_s
+        if not holder_id or not 0 < ttl_s <= self.max_ttl_s:
+            raise LeaseError("INVALID_ARGUMENT", "BAD_KEEP_ALIVE",
+                             f"holder {holder_id!r}: ttl {ttl_s}s; must be in (0, {self.max_ttl_s}]")
+        # never shortened: a renewal with a small ttl must not end a live writer's lease while it writes
+        now = self._clock()
+        self._liveness[holder_id] = max(self._liveness.get(holder_id, now), now + ttl_s)
 
     def sweep(self) -> int:
         """Ends writes whose writer is presumed dead; returns the pages that left quarantine."""

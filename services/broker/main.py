@@ -8,6 +8,7 @@ import logging
 from ..common import config
 from ..common.proto import broker_pb2, broker_pb2_grpc
 from ..common.server import Service, setup_logging
+from ..kvtransfer.engine import MOONCAKE_MIN_TIMEOUT_S
 from .lease_table import LeaseTable
 from .servicer import BrokerServicer
 
@@ -18,17 +19,34 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=config.BROKER_PORT)
     p.add_argument("--metrics-port", type=int, default=config.METRICS_PORTS["broker"])
-    p.add_argument("--lock-delay", type=float, default=2.0,
-                   help="seconds a dead writer's pages stay quarantined after its liveness lease expires; "
-                        "must exceed the transport's longest retry/timeout")
+    p.add_argument("--lock-delay", type=float, default=10.0,
+                   help="seconds a page stays held after its writer's liveness expired or it acknowledged a failed "
+                        "write; must cover the longest a posted write can still land (every prefill checks it, and "
+                        f"Mooncake's timeout alone is at least {MOONCAKE_MIN_TIMEOUT_S}s)")
     p.add_argument("--writer-ttl", type=float, default=5.0,
                    help="liveness lease of a writer seen only in BeginWrite, and how long an old-epoch writer may still "
                         "post after a restart (match prefill's --writer-ttl)")
     p.add_argument("--sweep-interval", type=float, default=0.5)
+    p.add_argument("--max-ttl", type=float, default=60.0, help="longest liveness lease a holder may ask for, seconds")
+
+
+def check_bounds(args) -> None:
+    """Refuses flags under which no writer could ever meet the timing bound, or quarantine would outlast it."""
+    problems = []
+    if args.lock_delay < MOONCAKE_MIN_TIMEOUT_S:
+        problems.append(f"--lock-delay {args.lock_delay}s is under Mooncake's shortest transfer timeout "
+                        f"({MOONCAKE_MIN_TIMEOUT_S}s): a failed write may land after its pages were granted again")
+    if not 0 < args.sweep_interval < args.lock_delay:
+        problems.append(f"--sweep-interval {args.sweep_interval}s must be in (0, --lock-delay {args.lock_delay}s)")
+    if not 0 < args.writer_ttl <= args.max_ttl:
+        problems.append(f"--writer-ttl {args.writer_ttl}s must be in (0, --max-ttl {args.max_ttl}s]")
+    if problems:
+        raise SystemExit("broker: refusing to start: " + "; ".join(problems))
 
 
 async def serve(args) -> None:
-    table = LeaseTable(lock_delay_s=args.lock_delay, default_writer_ttl_s=args.writer_ttl)
+    check_bounds(args)
+    table = LeaseTable(lock_delay_s=args.lock_delay, default_writer_ttl_s=args.writer_ttl, max_ttl_s=args.max_ttl)
     servicer = BrokerServicer(table)
     svc = Service("broker", [broker_pb2.DESCRIPTOR.services_by_name["Broker"].full_name],
                   args.host, args.port, args.metrics_port)

@@ -27,6 +27,9 @@ class Page:
     owner: bytes | None = None
     generation: int = 0  # kept when FREE: the next grant must take a larger one
     active_writer: tuple[str, int] | None = None  # (writer_id, generation)
+    # a lease generation is written at most once: BeginWrite of this generation is refused from the first
+    # BeginWrite or decode's Validate on (a retry or replay would rewrite pages decode already checked)
+    sealed_generation: int = 0
 
 
 @dataclass(slots=True)
@@ -40,6 +43,7 @@ class PoolPages:
     writing: set[int] = field(default_factory=set)
     next_generation: int = 1  # 0 is proto3's "unset" and never names a lease
     revocations: list[Revocation] = field(default_factory=list)
+    region: object = None  # where decode registered the pool's bytes (opaque here; a PoolRegion message)
 
     def __post_init__(self) -> None:
         self.pages = [Page() for _ in range(self.num_pages)]

@@ -23,7 +23,8 @@ _CODES = {
     "ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
 }
 # created up front so a dashboard shows 0, not "no data", before the first violation
-_VIOLATION_REASONS = ("EPOCH_MISMATCH", "LEASE_NOT_CURRENT", "WRITER_ACTIVE")
+_VIOLATION_REASONS = ("EPOCH_MISMATCH", "LEASE_NOT_CURRENT", "WRITER_ACTIVE", "LEASE_ALREADY_WRITTEN",
+                      "LANDING_BOUND_EXCEEDS_LOCK_DELAY")
 _PAGE_STATES = ("free", "leased", "quarantined")
 
 
@@ -47,8 +48,12 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
 
     async def RegisterPool(self, request: broker_pb2.RegisterPoolRequest,
                            context: grpc.aio.ServicerContext) -> broker_pb2.RegisterPoolResponse:
+        region = request.region
+        if not region.transfer_session or not region.data_base or not region.tag_base:
+            await abort(context, PdError(grpc.StatusCode.INVALID_ARGUMENT, "BAD_REGION",
+                                         f"pool {request.pool_id!r} names no transfer session or base address"))
         epoch = await self._call(context, self._table.register_pool, request.pool_id, request.num_pages,
-                                 list(request.quarantined_pages))
+                                 list(request.quarantined_pages), region)
         self._publish(request.pool_id)
         log.info("pool %s registered with %s pages in epoch %s", request.pool_id, request.num_pages, epoch)
         return broker_pb2.RegisterPoolResponse(epoch=epoch)
@@ -65,17 +70,20 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
 
     async def BeginWrite(self, request: broker_pb2.BeginWriteRequest,
                          context: grpc.aio.ServicerContext) -> broker_pb2.BeginWriteResponse:
-        await self._call(context, self._table.begin_write, request.pool_id, request.owner, request.epoch,
-                         _leases(request.leases), request.writer_id, is_lease_check=True)
-        return broker_pb2.BeginWriteResponse()
+        region = await self._call(context, self._table.begin_write, request.pool_id, request.owner, request.epoch,
+                                  _leases(request.leases), request.writer_id, request.max_landing_ms / 1000.0,
+                                  is_lease_check=True)
+        return broker_pb2.BeginWriteResponse(region=region)
 
     async def EndWrite(self, request: broker_pb2.EndWriteRequest,
                        context: grpc.aio.ServicerContext) -> broker_pb2.EndWriteResponse:
         num = await self._call(context, self._table.end_write, request.pool_id, request.owner, request.epoch,
-                               _leases(request.leases), request.writer_id, request.success)
+                               _leases(request.leases), request.writer_id, request.success,
+                               request.nothing_posted)
         if not request.success:
-            log.info("writer %s reported a failed write of %s pages in pool %s",
-                     request.writer_id, len(request.leases), request.pool_id)
+            log.info("writer %s reported a failed write of %s pages in pool %s (%s)", request.writer_id,
+                     len(request.leases), request.pool_id,
+                     "nothing posted" if request.nothing_posted else f"held for lock_delay {self._table.lock_delay_s}s")
         self._publish(request.pool_id)
         return broker_pb2.EndWriteResponse(num_unquarantined=num)
 
@@ -95,7 +103,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
     async def KeepAlive(self, request: broker_pb2.KeepAliveRequest,
                         context: grpc.aio.ServicerContext) -> broker_pb2.KeepAliveResponse:
         await self._call(context, self._table.keep_alive, request.holder_id, request.ttl_ms / 1000.0)
-        return broker_pb2.KeepAliveResponse(epoch=self._table.epoch)
+        return broker_pb2.KeepAliveResponse(epoch=self._table.epoch,
+                                            lock_delay_ms=int(self._table.lock_delay_s * 1000))
 
     async def WatchRevocations(self, request: broker_pb2.WatchRevocationsRequest,
                                context: grpc.aio.ServicerContext) -> AsyncIterator[broker_pb2.Revocation]:

@@ -21,6 +21,8 @@ KNOWN = {
     "prefill.lose_end_write": "never send EndWrite",
     "prefill.slow_transfer": "sleep ARG ms between the data writes and the tag writes (a stuck transfer)",
     "prefill.crash_mid_transfer": "exit the process (as SIGKILL would) after the data writes, before the tags",
+    "transfer.fail_then_land": "report the data write failed at once, then really post it ARG ms later (default "
+                               "200), reading the source pages as they are then",
     "decode.corrupt_tag": "overwrite the tag of page ARG of the next request before its next step",
 }
 

@@ -34,11 +34,14 @@ GUARD_KINDS = ("grant_rpc", "begin_write_rpc", "begin_write_wait", "end_write_rp
 TIMEOUTS = Counter("pdserve_timeouts_total", "Requests ended by the bound on a non-terminal state", ["stage"])
 TIMEOUT_STAGES = ("queue", "prefill", "transfer", "validate", "allocation", "decode")
 CANARY_HITS = Counter("pdserve_canary_hits_total", "Verified pages found carrying a freed page's marker (canary mode)")
+SOURCE_PAGES_HELD = Gauge("pdserve_prefill_source_pages_held",
+                          "Prefill pages kept out of reuse until a failed write that read them can no longer land")
 REQUESTS = Counter("pdserve_requests_total", "Finished requests by status code", ["code"])
 
 VIOLATION_REASONS = ("COVERAGE_MISMATCH", "TAG_MISSING", "TAG_OWNER", "TAG_EPOCH", "TAG_GENERATION",
                      "TAG_PAGE_INDEX", "TAG_NUM_TOKENS", "CHECKSUM", "STEP_TAG_MISMATCH",
-                     "LEASE_NOT_CURRENT", "WRITER_ACTIVE", "EPOCH_MISMATCH", "REVOKED", "CANARY")
+                     "LEASE_NOT_CURRENT", "WRITER_ACTIVE", "EPOCH_MISMATCH", "REVOKED", "CANARY",
+                     "LEASE_ALREADY_WRITTEN", "DESTINATION_MISMATCH")
 ADMISSION_REASONS = ("EMPTY_PROMPT", "PROMPT_TOO_LONG", "CONTEXT_EXCEEDED", "DECODE_POOL_EXCEEDED",
                      "PREFILL_POOL_EXCEEDED", "BAD_MAX_TOKENS", "TOKEN_OUT_OF_VOCAB", "BAD_TEMPERATURE",
                      "BAD_TOP_P", "OVERLOADED", "LAYOUT_MISMATCH", "BAD_DESTINATION")

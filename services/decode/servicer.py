@@ -58,8 +58,10 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
         self.eos = runner.config.eos_token_id
 
     async def register(self, quarantined: list[int] = ()) -> int:
+        region = broker_pb2.PoolRegion(transfer_session=self.session, data_base=self.pool.data_ptr,
+                                       tag_base=self.pool.tag_ptr, layout=self.layout_pb)
         resp = await call(self.broker.RegisterPool(broker_pb2.RegisterPoolRequest(
-            pool_id=self.pool_id, num_pages=self.pool.num_pages, quarantined_pages=quarantined),
+            pool_id=self.pool_id, num_pages=self.pool.num_pages, quarantined_pages=quarantined, region=region),
             timeout=self.rpc_timeout_s), "broker RegisterPool")
         self.epoch = resp.epoch
         return self.epoch

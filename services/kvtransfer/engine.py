@@ -7,15 +7,50 @@ at ~1.1 GB/s on loopback, 64 KiB entries at ~0.7 GB/s).
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from dataclasses import dataclass
+from importlib import metadata
+
+from ..common.faults import FAULTS
 
 log = logging.getLogger(__name__)
 
+# Mooncake reads its transfer timeout from MC_TRANSFER_TIMEOUT (whole seconds) when the engine is built, and
+# raises anything under 5 s to 5 s. Its synchronous batch call gives up after timeout + 1 ns per byte of the
+# batch, and returns while other tasks of the batch may still run: the bound below is what we assume of them.
+MOONCAKE_MIN_TIMEOUT_S = 5
+# TCP writes were reported complete before the peer had them until 0.3.12.post1 (Mooncake #2850): below it a
+# "success" is no proof that the bytes are there.
+MOONCAKE_MIN_VERSION = (0, 3, 12, 1)
+
+
+def landing_bound_s(timeout_s: float, nbytes: int, slack_s: float) -> float:
+    """The longest a write posted in one batch call of nbytes can still land after the call returned."""
+    return timeout_s + nbytes * 1e-9 + slack_s
+
+
+def check_mooncake_version() -> str:
+    for dist in ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine"):
+        try:
+            version = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+        parts = [int(x) for x in version.replace(".post", ".").split(".")[:4] if x.isdigit()]
+        if tuple(parts + [0] * (4 - len(parts))) < MOONCAKE_MIN_VERSION:
+            raise RuntimeError(f"{dist} {version} reports TCP writes complete before the peer has them (#2850); "
+                               "pdserve needs 0.3.12.post1 or later")
+        return version
+    raise RuntimeError("no Mooncake transfer engine package is installed; run `make setup`")
+
 
 class TransferError(Exception):
-    def __init__(self, stage: str, message: str):
+    """posted: whether any byte may have been handed to the transport (then it may still land later)."""
+
+    def __init__(self, stage: str, message: str, posted: bool = True):
         super().__init__(message)
         self.stage = stage
+        self.posted = posted
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,11 +77,19 @@ def coalesce(src_pages: list[int], dst_pages: list[int], src_base: int, dst_base
 
 
 class TransferEngine:
-    def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = ""):
+    def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
+                 timeout_s: int = MOONCAKE_MIN_TIMEOUT_S):
+        if int(timeout_s) != timeout_s or timeout_s < MOONCAKE_MIN_TIMEOUT_S:
+            raise ValueError(f"Mooncake transfer timeout {timeout_s}s: must be whole seconds >= "
+                             f"{MOONCAKE_MIN_TIMEOUT_S} (Mooncake raises anything lower to {MOONCAKE_MIN_TIMEOUT_S})")
+        self.version = check_mooncake_version()
         try:
             from mooncake.engine import TransferEngine as _MooncakeEngine
         except ImportError as e:  # the library needs libibverbs1, librdmacm1, libnuma1 even for tcp
             raise RuntimeError(f"Mooncake transfer engine unavailable ({e}); run `make setup`") from e
+        # set explicitly, never inherited: every timing bound of the lease protocol is derived from it
+        os.environ["MC_TRANSFER_TIMEOUT"] = str(int(timeout_s))
+        self.timeout_s = int(timeout_s)
         self._engine = _MooncakeEngine()
         rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
@@ -67,9 +110,21 @@ class TransferEngine:
         """Writes every run to `session` and waits; returns bytes moved. Raises TransferError."""
         if not runs:
             return 0
-        rc = self._engine.batch_transfer_sync_write(
-            session, [r.src for r in runs], [r.dst for r in runs], [r.nbytes for r in runs])
+        if stage == "data" and (arg := FAULTS.fire("transfer.fail_then_land")) is not None:
+            # as Mooncake does: the call reports failure while a task of its batch still runs and lands later,
+            # reading the source pages as they are then
+            delay_s = int(arg or 200) / 1000
+            timer = threading.Timer(delay_s, self._post, (session, runs))
+            timer.daemon = True
+            timer.start()
+            raise TransferError(stage, f"fault transfer.fail_then_land: {len(runs)} runs to {session} reported "
+                                       f"failed; they land in {delay_s:.3f}s")
+        rc = self._post(session, runs)
         if rc != 0:
             raise TransferError(stage, f"Mooncake write of {len(runs)} runs "
                                        f"({sum(r.nbytes for r in runs)} bytes) to {session} returned {rc}")
         return sum(r.nbytes for r in runs)
+
+    def _post(self, session: str, runs: list[Run]) -> int:
+        return self._engine.batch_transfer_sync_write(
+            session, [r.src for r in runs], [r.dst for r in runs], [r.nbytes for r in runs])

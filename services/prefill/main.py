@@ -16,9 +16,10 @@ from ..common.metrics import init_metrics
 from ..common.proto import broker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
 from ..engine.runner import ModelRunner, set_threads
-from ..kvtransfer.engine import TransferEngine
+from ..kvtransfer.engine import MOONCAKE_MIN_TIMEOUT_S, TransferEngine, landing_bound_s
 from .servicer import PrefillServicer
 from .worker import PrefillWorker
+from .writelease import TimingBoundError, WriteLeases
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +27,14 @@ log = logging.getLogger(__name__)
 def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, "prefill", config.PREFILL_PORT, config.DEFAULT_PREFILL_POOL_TOKENS)
     p.add_argument("--writer-ttl", type=float, default=5.0, help="liveness lease of one write, seconds")
-    p.add_argument("--transfer-timeout", type=float, default=30.0, help="bound on one request's KV transfer")
+    p.add_argument("--transfer-timeout", type=float, default=30.0,
+                   help="bound on one request's KV transfer as the caller sees it; a write still running then is "
+                        "acknowledged (as failed) once its transport call returns")
+    p.add_argument("--mooncake-timeout", type=int, default=MOONCAKE_MIN_TIMEOUT_S,
+                   help="Mooncake's own transfer timeout (MC_TRANSFER_TIMEOUT), whole seconds >= 5; set explicitly")
+    p.add_argument("--landing-slack", type=float, default=1.0,
+                   help="seconds added to Mooncake's timeout + 1 ns/byte to bound how late a posted write can land; "
+                        "the sum must not exceed the broker's --lock-delay (checked at start-up)")
 
 
 async def serve(args) -> None:
@@ -38,18 +46,31 @@ async def serve(args) -> None:
     init_metrics("prefill", [pool_name])
     max_prompt = check_pool_capacity("prefill", pool_name, num_pages * args.page_size, context_length,
                                      args.allow_pool_smaller_than_context)
-    transfer = TransferEngine(args.host, args.protocol)
+    transfer = TransferEngine(args.host, args.protocol, timeout_s=args.mooncake_timeout)
     worker = PrefillWorker(runner, transfer, checksums=not args.no_transfer_checksum)
     channel = grpc.aio.insecure_channel(args.broker, options=GRPC_OPTIONS)
     broker = broker_pb2_grpc.BrokerStub(channel)
-    writer_id = f"prefill-{args.host}-{os.getpid()}-{secrets.token_hex(4)}"
+    writer_prefix = f"prefill-{args.host}-{os.getpid()}-{secrets.token_hex(4)}"
+    # the largest batch call is the data write of a whole pool: Mooncake allows it timeout + 1 ns per byte
+    max_landing = landing_bound_s(transfer.timeout_s, runner.pool.data_nbytes, args.landing_slack)
+    leases = WriteLeases(broker, writer_prefix, max_landing, writer_ttl_s=args.writer_ttl)
     svc = Service("prefill", [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name],
                   args.host, args.port, args.metrics_port)
     prefill_pb2_grpc.add_PrefillServicer_to_server(
-        PrefillServicer(worker, broker, writer_id, context_length, max_prompt,
-                        os.path.basename(os.path.normpath(args.model)), writer_ttl_s=args.writer_ttl,
+        PrefillServicer(worker, leases, context_length, max_prompt, os.path.basename(os.path.normpath(args.model)),
                         transfer_timeout_s=args.transfer_timeout), svc.server)
     await svc.start()
+    while True:  # SERVING only once the broker's lock_delay covers the longest a posted write can still land
+        try:
+            lock_delay = await leases.check_bounds()
+            break
+        except TimingBoundError as e:
+            raise SystemExit(f"prefill: refusing to start: {e}") from None
+        except Exception as e:  # noqa: BLE001
+            log.warning("asking broker %s for its lock_delay failed (%s); retrying", args.broker, e)
+            await asyncio.sleep(0.5)
+    log.info("timing bound holds: a posted write lands within %.3fs <= broker lock_delay %.3fs",
+             max_landing, lock_delay)
     await svc.set_serving()
     await svc.wait_for_termination()
 

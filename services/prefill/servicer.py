@@ -11,34 +11,28 @@ from ..common.admission import check_sampling, check_tokens
 from ..common.config import pages_for
 from ..common.errors import PdError, invalid
 from ..common.faults import FAULTS
-from ..common.metrics import (GUARD_SECONDS, LEASE_VIOLATIONS, TIMEOUTS, TRANSFER_BYTES, TRANSFER_FAILURES,
-                              TRANSFER_SECONDS)
-from ..common.proto import broker_pb2, common_pb2, prefill_pb2, prefill_pb2_grpc
+from ..common.metrics import (GUARD_SECONDS, LEASE_VIOLATIONS, SOURCE_PAGES_HELD, TIMEOUTS, TRANSFER_BYTES,
+                              TRANSFER_FAILURES, TRANSFER_SECONDS)
+from ..common.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from ..common.tasks import spawn
-from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, sampling_from_pb
+from ..common.wire import layout_to_pb, leases_from_pb, leases_to_pb, sampling_from_pb
 from ..engine.tags import TAG_NBYTES
 from ..kvtransfer.engine import TransferError
-from .worker import PrefillWorker, Target
+from .worker import PrefillWorker, Progress, Target
+from .writelease import WriteLeases
 
 log = logging.getLogger(__name__)
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, worker: PrefillWorker, broker, writer_id: str, context_length: int, max_prompt: int,
-                 model_name: str, rpc_timeout_s: float = 10.0, writer_ttl_s: float = 5.0,
-                 transfer_timeout_s: float = 30.0, liveness_margin_s: float = 1.0):
-        if liveness_margin_s >= writer_ttl_s:
-            raise ValueError(f"liveness margin {liveness_margin_s}s must be under the writer ttl {writer_ttl_s}s")
-        self.writer_ttl_s = writer_ttl_s
+    def __init__(self, worker: PrefillWorker, leases: WriteLeases, context_length: int, max_prompt: int,
+                 model_name: str, transfer_timeout_s: float = 30.0):
+        self.leases = leases
         self.transfer_timeout_s = transfer_timeout_s
-        self.liveness_margin_s = liveness_margin_s
         self.worker = worker
-        self.broker = broker
-        self.writer_id = writer_id
         self.context_length = context_length
         self.max_prompt = max_prompt  # capped by the local pool
         self.model_name = model_name
-        self.rpc_timeout_s = rpc_timeout_s
         self._compute = asyncio.Lock()
         self._pages_freed = asyncio.Condition()
         self.layout_pb = layout_to_pb(worker.pool.layout, TAG_NBYTES)
@@ -51,7 +45,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             eos_token_id=cfg.eos_token_id if cfg.eos_token_id is not None else -1,
             layout=self.layout_pb, free_pages=self.worker.alloc.num_free)
 
-    def _admit(self, request) -> Target:
+    def _admit(self, request) -> list[tuple[int, int]]:
+        """The leases the prompt needs, after the admission checks."""
         tokens = request.token_ids
         check_tokens(tokens, self.worker.runner.config.vocab_size)
         check_sampling(request.sampling.max_tokens or 1, request.sampling.temperature, request.sampling.top_p or 1.0)
@@ -72,45 +67,27 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if len(dest.leases) < need:
             raise invalid("BAD_DESTINATION", f"prompt is {n} tokens ({need} pages); destination leases "
                                               f"{len(dest.leases)} pages")
-        return Target(dest.transfer_session, dest.data_base, dest.tag_base, dest.epoch,
-                      leases_from_pb(dest.leases[:need]))
+        return leases_from_pb(dest.leases[:need])
+
+    def _target(self, request, region, leases) -> Target:
+        """Where the bytes go: the pool's region as decode registered it with the broker. The request's own
+        addresses are only compared with it; a caller holding one valid lease could otherwise aim the data at
+        another request's pages while the tags stay intact."""
+        dest = request.destination
+        named = (dest.transfer_session, dest.data_base, dest.tag_base)
+        registered = (region.transfer_session, region.data_base, region.tag_base)
+        if named != registered or region.layout != self.layout_pb:
+            LEASE_VIOLATIONS.labels("prefill", "DESTINATION_MISMATCH").inc()
+            raise PdError(grpc.StatusCode.PERMISSION_DENIED, "DESTINATION_MISMATCH",
+                          f"the request names destination {named[0]} data {named[1]:#x} tags {named[2]:#x}; pool "
+                          f"{dest.pool_id} is registered at {registered[0]} data {registered[1]:#x} tags "
+                          f"{registered[2]:#x}")
+        return Target(*registered, dest.epoch, leases)
 
     async def Prefill(self, request, context) -> prefill_pb2.PrefillResponse:
-        target = self._admit(request)
+        leases = self._admit(request)
         # shielded: a cancelled caller must not stop a write half-way, nor skip its EndWrite
-        return await asyncio.shield(self._prefill(request, target))
-
-    async def _keep_alive(self, writer_id: str, epoch: int) -> float:
-        """Renews this write's liveness lease; returns the monotonic time it now expires (sent time + ttl).
-        Under a new broker epoch the write is dead: its pages are quarantined only for lock_delay there,
-        so it must not post again (found by the formal model)."""
-        sent = time.monotonic()
-        resp = await call(self.broker.KeepAlive(broker_pb2.KeepAliveRequest(
-            holder_id=writer_id, ttl_ms=int(self.writer_ttl_s * 1000)), timeout=self.rpc_timeout_s), "broker KeepAlive")
-        if resp.epoch != epoch:
-            raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED",
-                          f"broker epoch is {resp.epoch:#x}, the write's leases are of {epoch:#x}")
-        return sent + self.writer_ttl_s
-
-    async def _begin_write(self, pool_id: str, owner: bytes, epoch: int, leases_pb,
-                           writer_id: str) -> tuple[list[float], asyncio.Task]:
-        """KeepAlive, then BeginWrite; returns [liveness expiry] and the task that renews it from now on
-        (a long forward pass must not let the write's liveness lease lapse)."""
-        expires = [await self._keep_alive(writer_id, epoch)]
-        try:
-            with GUARD_SECONDS.labels("begin_write_rpc").time():
-                await call(self.broker.BeginWrite(broker_pb2.BeginWriteRequest(
-                    pool_id=pool_id, owner=owner, epoch=epoch, leases=leases_pb, writer_id=writer_id),
-                    timeout=self.rpc_timeout_s), "broker BeginWrite")
-        except PdError as e:
-            TRANSFER_FAILURES.labels("begin_write").inc()
-            if e.reason in ("LEASE_NOT_CURRENT", "WRITER_ACTIVE"):
-                LEASE_VIOLATIONS.labels("prefill", e.reason).inc()
-                raise PdError(grpc.StatusCode.DATA_LOSS, e.reason, e.message) from None
-            if e.reason == "EPOCH_MISMATCH":
-                raise PdError(grpc.StatusCode.UNAVAILABLE, e.reason, e.message) from None
-            raise
-        return expires, asyncio.create_task(self._renew(writer_id, epoch, expires))
+        return await asyncio.shield(self._prefill(request, leases))
 
     @staticmethod
     async def _begun(begin: asyncio.Future) -> asyncio.Task | None:
@@ -121,16 +98,18 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             log.info("BeginWrite failed after the forward pass had failed: %s", e)
             return None
 
-    async def _prefill(self, request, target: Target) -> prefill_pb2.PrefillResponse:
+    async def _prefill(self, request, leases: list[tuple[int, int]]) -> prefill_pb2.PrefillResponse:
         owner = request.request_id
-        pool_id = request.destination.pool_id
-        leases_pb = leases_to_pb(target.leases)
+        dest = request.destination
+        pool_id, epoch = dest.pool_id, dest.epoch
+        leases_pb = leases_to_pb(leases)
         # one liveness lease per write: a stuck write stops being renewed at its timeout, so the broker can
         # presume it dead and drain its pages, while the rest of this process keeps serving
-        writer_id = f"{self.writer_id}/{owner.hex()}"
+        writer_id = f"{self.leases.writer_prefix}/{owner.hex()}"
+        end = (pool_id, owner, epoch, leases_pb, writer_id)
         # KeepAlive and BeginWrite run while the forward pass fills this process's own pool: the pass reads
         # and writes nothing of decode's, and nothing is posted to decode before BeginWrite has succeeded
-        begin = asyncio.ensure_future(self._begin_write(pool_id, owner, target.epoch, leases_pb, writer_id))
+        begin = asyncio.ensure_future(self.leases.begin(pool_id, owner, epoch, leases_pb, writer_id))
         local: list[int] = []
         try:
             n = len(request.token_ids)
@@ -142,29 +121,32 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await self._free_local(local)
             if (renew := await self._begun(begin)) is not None:  # acknowledge the write that never posted
                 renew.cancel()
-                await self._end_write(pool_id, owner, target.epoch, leases_pb, writer_id, False)
+                await self.leases.end(*end, False, nothing_posted=True)
             raise
         waited = time.perf_counter()
         try:
-            expires, renew = await begin
+            expires, renew, region = await begin
         except BaseException:
             await self._free_local(local)
             raise
         # what the lease RPCs still add to time to first token once they overlap the forward pass
         GUARD_SECONDS.labels("begin_write_wait").observe(time.perf_counter() - waited)
+        progress = Progress()
         ok = False
         write = None
         try:
+            target = self._target(request, region, leases)
             if (arg := FAULTS.fire("prefill.delay_before_write")) is not None:
                 await asyncio.sleep(int(arg or 1000) / 1000)
 
             def check_alive(stage: str) -> None:
                 left = expires[0] - time.monotonic()
-                if left < self.liveness_margin_s:
-                    raise TransferError("liveness", f"writer {writer_id}: liveness lease has {left:.2f}s left, "
-                                                    f"under the {self.liveness_margin_s}s margin; not posting {stage}")
+                if left < self.leases.liveness_margin_s:
+                    raise TransferError("liveness", f"writer {writer_id}: liveness lease has {left:.2f}s left, under "
+                                                    f"the {self.leases.liveness_margin_s}s margin; not posting {stage}")
 
-            write = asyncio.ensure_future(asyncio.to_thread(self.worker.write, owner, local, n, target, check_alive))
+            write = asyncio.ensure_future(asyncio.to_thread(self.worker.write, owner, local, n, target, check_alive,
+                                                            progress))
             try:
                 written = await asyncio.wait_for(asyncio.shield(write), self.transfer_timeout_s)
             except asyncio.TimeoutError:
@@ -184,33 +166,36 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             renew.cancel()
             if write is not None and not write.done():
                 # the writer thread still holds the local pages and may still post: ack only once it returns
-                write.add_done_callback(lambda fut: spawn(self._late_finish(
-                    fut, local, pool_id, owner, target.epoch, leases_pb, writer_id)))
+                write.add_done_callback(lambda fut: spawn(self._late_finish(fut, local, progress, end)))
             else:
-                await self._finish(local, pool_id, owner, target.epoch, leases_pb, writer_id, ok)
+                await self._finish(local, progress, end, ok)
 
-    async def _renew(self, writer_id: str, epoch: int, expires: list[float]) -> None:
-        while True:
-            await asyncio.sleep(self.writer_ttl_s / 3)
-            try:
-                expires[0] = await self._keep_alive(writer_id, epoch)
-            except PdError as e:
-                log.warning("KeepAlive of %s failed: %s", writer_id, e)
-                if e.reason == "BROKER_RESTARTED":
-                    expires[0] = 0.0  # check_alive now refuses every further post
-                    return
-
-    async def _late_finish(self, write: asyncio.Future, *args) -> None:
+    async def _late_finish(self, write: asyncio.Future, local: list[int], progress: Progress, end: tuple) -> None:
         """A write that outlived its timeout has returned: count how it ended, then acknowledge it."""
         err = write.exception()
         if isinstance(err, TransferError):
             TRANSFER_FAILURES.labels(err.stage).inc()
-        log.warning("late write of %s ended after its timeout: %s", args[2].hex(), err or "completed")
-        await self._finish(*args, False)
+        log.warning("late write of %s ended after its timeout: %s", end[1].hex(), err or "completed")
+        await self._finish(local, progress, end, False)
 
-    async def _finish(self, local: list[int], pool_id, owner, epoch, leases_pb, writer_id: str, ok: bool) -> None:
-        await self._free_local(local)
-        await self._end_write(pool_id, owner, epoch, leases_pb, writer_id, ok)
+    async def _finish(self, local: list[int], progress: Progress, end: tuple, ok: bool) -> None:
+        """Frees the source pages and acknowledges the write. A failed write that posted anything may still be
+        reading the source pages and landing bytes: the broker holds the destination for lock_delay from its
+        ack, and the source pages stay out of reuse for the landing bound from now (the call has returned)."""
+        if ok or not progress.posted:
+            await self._free_local(local)
+        else:
+            spawn(self._free_local_after(local, self.leases.max_landing_s))
+        await self.leases.end(*end, ok, nothing_posted=not progress.posted)
+
+    async def _free_local_after(self, local: list[int], delay_s: float) -> None:
+        SOURCE_PAGES_HELD.inc(len(local))
+        log.warning("holding %d source pages for %.3fs: a failed write may still read them", len(local), delay_s)
+        try:
+            await asyncio.sleep(delay_s)
+        finally:
+            SOURCE_PAGES_HELD.dec(len(local))
+            await self._free_local(local)
 
     async def _free_local(self, local: list[int]) -> None:
         if local:
@@ -221,20 +206,5 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def _allocate_local(self, need: int) -> list[int]:
         async with self._pages_freed:
             await asyncio.wait_for(self._pages_freed.wait_for(lambda: self.worker.alloc.can_allocate(need)),
-                                   timeout=self.rpc_timeout_s * 3)
+                                   timeout=self.leases.rpc_timeout_s * 3)
             return self.worker.alloc.allocate(need)
-
-    async def _end_write(self, pool_id, owner, epoch, leases_pb, writer_id: str, ok: bool) -> None:
-        if FAULTS.fire("prefill.lose_end_write") is not None:
-            return
-        req = broker_pb2.EndWriteRequest(pool_id=pool_id, owner=owner, epoch=epoch, leases=leases_pb,
-                                         writer_id=writer_id, success=ok)
-        for attempt in range(3):  # the acknowledgement matters: the pages stay quarantined without it
-            try:
-                with GUARD_SECONDS.labels("end_write_rpc").time():
-                    await self.broker.EndWrite(req, timeout=self.rpc_timeout_s)
-                return
-            except grpc.RpcError as e:
-                log.warning("EndWrite attempt %d for %s failed: %s", attempt + 1, owner.hex(), e)
-                await asyncio.sleep(0.2 * (attempt + 1))
-        TRANSFER_FAILURES.labels("end_write").inc()

@@ -36,6 +36,12 @@ class Target:
 
 
 @dataclass(slots=True)
+class Progress:
+    """Shared with the caller while the write runs: once posted, a failure may still land bytes later."""
+    posted: bool = False
+
+
+@dataclass(slots=True)
 class Written:
     num_tokens: int
     num_pages: int
@@ -61,7 +67,7 @@ class PrefillWorker:
         return sample_one(logits[0], sampling, step=0)
 
     def write(self, owner: bytes, local_pages: list[int], num_tokens: int, target: Target,
-              check_alive: Callable[[str], None] = lambda stage: None) -> Written:
+              check_alive: Callable[[str], None] = lambda stage: None, progress: Progress | None = None) -> Written:
         """check_alive(stage) raises unless this writer's liveness lease still holds with a margin: a write
         posted after the broker presumed us dead could land on a page it has re-granted."""
         ps = self.pool.page_size
@@ -85,6 +91,8 @@ class PrefillWorker:
         src = [local_pages[i] for i in idx]
         dst = [target.leases[i][0] for i in idx]
         check_alive("data")
+        if progress is not None:
+            progress.posted = True
         moved = self.transfer.write(target.session, coalesce(src, dst, self.pool.data_ptr, target.data_base,
                                                              self.pool.page_nbytes), stage="data")
         if (arg := FAULTS.fire("prefill.slow_transfer")) is not None:

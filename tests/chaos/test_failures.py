@@ -11,7 +11,7 @@ from services.common.errors import from_rpc_error
 from services.common.proto import broker_pb2, decode_pb2
 from tests.integration.helpers import allocate, collect, decode_stream, prefill, prompt, wait_no_leases
 
-LOCK_DELAY, WRITER_TTL = 1.0, 2.0
+LOCK_DELAY, WRITER_TTL = 5.5, 2.0
 
 
 def state(stack):

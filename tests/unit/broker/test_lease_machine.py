@@ -24,6 +24,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.expiry: dict[str, float] = {}
         self.max_gen = [0] * NUM_PAGES
         self.history: list[tuple[int, int]] = []  # every lease ever granted, for stale requests
+        self.sealed: set[tuple[int, int]] = set()  # leases a write began on: never written again
 
     def held_pages(self) -> set[int]:
         return {p for leases in self.held.values() for p, _ in leases}
@@ -51,29 +52,39 @@ class LeaseMachine(RuleBasedStateMachine):
         owner = data.draw(st.sampled_from(sorted(self.held)))
         choices = st.sampled_from(self.history if stale else self.held[owner])
         leases = data.draw(st.lists(choices, min_size=1, max_size=3, unique_by=lambda lease: lease[0]))
-        ok = all(lease in self.held[owner] and lease[0] not in self.writes for lease in leases)
+        ok = all(lease in self.held[owner] and lease[0] not in self.writes and lease not in self.sealed
+                 for lease in leases)
         try:
-            self.table.begin_write("p", owner, 1, leases, writer)
+            self.table.begin_write("p", owner, 1, leases, writer, 1.0)
         except LeaseError:
             assert not ok
             return
         assert ok
+        self.sealed.update(leases)
         self.writes.update({page: (writer, gen) for page, gen in leases})
         if self.expiry.get(writer, self.clock.now) <= self.clock.now:
             self.expiry[writer] = self.clock.now + TTL
 
     @precondition(lambda self: self.history)
-    @rule(writer=st.sampled_from(WRITERS), epoch=st.sampled_from([1, 1, 2]), data=st.data())
-    def end_write(self, writer, epoch, data):
+    @rule(writer=st.sampled_from(WRITERS), epoch=st.sampled_from([1, 1, 2]), success=st.booleans(),
+          nothing_posted=st.booleans(), data=st.data())
+    def end_write(self, writer, epoch, success, nothing_posted, data):
         # the right acks, and stale, duplicate or foreign ones that must change nothing
         right = [(p, g) for p, (w, g) in self.writes.items() if w == writer]
         leases = data.draw(st.lists(st.sampled_from(right * 3 + self.history), max_size=4))
         held, expected = self.held_pages(), 0
+        # a failed write that posted anything may still land: its pages stay held for lock_delay from the ack
+        draining = None if success or nothing_posted else f"failed/{writer}"
+        if draining is not None and epoch == 1:
+            self.expiry[draining] = max(self.expiry.get(draining, 0.0), self.clock.now)
         for page, gen in leases if epoch == 1 else []:
             if self.writes.get(page) == (writer, gen):
+                if draining is not None:
+                    self.writes[page] = (draining, gen)
+                    continue
                 del self.writes[page]
                 expected += page not in held
-        assert self.table.end_write("p", OWNERS[0], epoch, leases, writer, True) == expected
+        assert self.table.end_write("p", OWNERS[0], epoch, leases, writer, success, nothing_posted) == expected
 
     @rule(owner=st.sampled_from(OWNERS), revoke=st.booleans())
     def release(self, owner, revoke):
@@ -94,7 +105,8 @@ class LeaseMachine(RuleBasedStateMachine):
     @rule(writer=st.sampled_from(WRITERS), ttl=st.sampled_from([0.5, 1.0, 3.0]))
     def keep_alive(self, writer, ttl):
         self.table.keep_alive(writer, ttl)
-        self.expiry[writer] = self.clock.now + ttl
+        # never shortened: a short renewal must not end a live writer's lease mid-write
+        self.expiry[writer] = max(self.expiry.get(writer, self.clock.now), self.clock.now + ttl)
 
     @rule(dt=st.sampled_from([0.25, 0.5, 1.0, 2.5]))
     def advance_clock(self, dt):

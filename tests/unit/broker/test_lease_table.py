@@ -64,24 +64,24 @@ def test_grant_refusals_leave_state_unchanged():
 def test_begin_write_needs_current_leases_and_is_atomic():
     table, _ = make()
     leases = table.grant("p", A, 2, 7)
-    refused("FAILED_PRECONDITION", "LEASE_NOT_CURRENT", table.begin_write, "p", A, 7, [(0, 1), (1, 9)], "w")
-    refused("FAILED_PRECONDITION", "LEASE_NOT_CURRENT", table.begin_write, "p", B, 7, leases, "w")
-    refused("FAILED_PRECONDITION", "EPOCH_MISMATCH", table.begin_write, "p", A, 8, leases, "w")
+    refused("FAILED_PRECONDITION", "LEASE_NOT_CURRENT", table.begin_write, "p", A, 7, [(0, 1), (1, 9)], "w", 1.0)
+    refused("FAILED_PRECONDITION", "LEASE_NOT_CURRENT", table.begin_write, "p", B, 7, leases, "w", 1.0)
+    refused("FAILED_PRECONDITION", "EPOCH_MISMATCH", table.begin_write, "p", A, 8, leases, "w", 1.0)
     assert table.pool_state("p")["num_writing"] == 0  # page 0 was not marked by the refused call
-    table.begin_write("p", A, 7, leases[:1], "w")
+    table.begin_write("p", A, 7, leases[:1], "w", 1.0)
     assert table.page_info("p", 0).active_writer == ("w", 1)
-    refused("FAILED_PRECONDITION", "WRITER_ACTIVE", table.begin_write, "p", A, 7, leases, "w2")
+    refused("FAILED_PRECONDITION", "WRITER_ACTIVE", table.begin_write, "p", A, 7, leases, "w2", 1.0)
     assert table.page_info("p", 1).active_writer is None
 
 
 def test_validate_refuses_while_writing_and_after_release():
     table, _ = make()
     leases = table.grant("p", A, 2, 7)
-    table.validate("p", A, 7, leases)
-    table.begin_write("p", A, 7, leases, "w")
+    table.begin_write("p", A, 7, leases, "w", 1.0)
     refused("FAILED_PRECONDITION", "WRITER_ACTIVE", table.validate, "p", A, 7, leases)
     assert table.end_write("p", A, 7, leases, "w", True) == 0
     table.validate("p", A, 7, leases)
+    table.validate("p", A, 7, leases)  # reading twice is fine; writing twice is not
     refused("FAILED_PRECONDITION", "EPOCH_MISMATCH", table.validate, "p", A, 8, leases)
     table.release("p", A, 7)
     refused("FAILED_PRECONDITION", "LEASE_NOT_CURRENT", table.validate, "p", A, 7, leases)
@@ -90,7 +90,7 @@ def test_validate_refuses_while_writing_and_after_release():
 def test_release_quarantines_written_pages_until_their_end_write_and_revoke_records_an_event():
     table, _ = make(num_pages=3)
     leases = table.grant("p", A, 3, 7)
-    table.begin_write("p", A, 7, leases[1:], "w")
+    table.begin_write("p", A, 7, leases[1:], "w", 1.0)
     assert table.release("p", A, 8) == (0, 0)  # wrong epoch: a no-op
     assert table.release("p", A, 7) == (1, 2)
     assert table.release("p", A, 7) == (0, 0)
@@ -99,8 +99,9 @@ def test_release_quarantines_written_pages_until_their_end_write_and_revoke_reco
     assert table.end_write("p", A, 8, leases[1:], "w", False) == 0  # wrong epoch changes nothing
     assert table.end_write("p", A, 7, leases[1:], "other-writer", False) == 0
     assert table.pool_state("p")["num_quarantined"] == 2
-    assert table.end_write("p", A, 7, leases[1:], "w", False) == 2
-    assert table.end_write("p", A, 7, leases[1:], "w", False) == 0  # duplicate ack
+    # nothing was posted: no byte can still land, so the ack frees at once
+    assert table.end_write("p", A, 7, leases[1:], "w", False, nothing_posted=True) == 2
+    assert table.end_write("p", A, 7, leases[1:], "w", False, nothing_posted=True) == 0  # duplicate ack
     assert table.grant("p", B, 3, 7) == [(0, 2), (1, 2), (2, 2)]
     refused("NOT_FOUND", "UNKNOWN_POOL", table.end_write, "q", A, 7, leases, "w", True)
     assert table.revoke("p", B, "DRAIN") == (0, 3)  # B may still be mid-step: quarantined, not freed
@@ -111,11 +112,11 @@ def test_release_quarantines_written_pages_until_their_end_write_and_revoke_reco
 def test_stale_ack_of_an_old_generation_never_frees_a_newer_one():
     table, _ = make(num_pages=1)
     old = table.grant("p", A, 1, 7)
-    table.begin_write("p", A, 7, old, "w")
+    table.begin_write("p", A, 7, old, "w", 1.0)
     table.release("p", A, 7)
     assert table.end_write("p", A, 7, old, "w", True) == 1
     assert (new := table.grant("p", B, 1, 7)) == [(0, 2)]
-    table.begin_write("p", B, 7, new, "w")
+    table.begin_write("p", B, 7, new, "w", 1.0)
     table.release("p", B, 7)
     assert table.end_write("p", A, 7, old, "w", True) == 0  # the late duplicate of the gen-1 ack
     assert table.page_info("p", 0).state is PageState.QUARANTINED
@@ -127,8 +128,8 @@ def test_sweep_frees_quarantine_only_after_liveness_expiry_plus_lock_delay():
     table.grant("p", A, 1, 7)
     table.grant("p", B, 1, 7)
     table.keep_alive("slow", 30.0)
-    table.begin_write("p", A, 7, [(0, 1)], "slow")
-    table.begin_write("p", B, 7, [(1, 2)], "fast")  # no record yet: expires at now + 10
+    table.begin_write("p", A, 7, [(0, 1)], "slow", 1.0)
+    table.begin_write("p", B, 7, [(1, 2)], "fast", 1.0)  # no record yet: expires at now + 10
     table.release("p", A, 7)
     table.release("p", B, 7)
     clock.now += 11.9
@@ -147,7 +148,7 @@ def test_sweep_frees_quarantine_only_after_liveness_expiry_plus_lock_delay():
 def test_sweep_clears_a_dead_writer_of_a_live_lease_and_begin_write_revives_an_expired_one():
     table, clock = make()
     leases = table.grant("p", A, 1, 7)
-    table.begin_write("p", A, 7, leases, "w")
+    table.begin_write("p", A, 7, leases, "w", 1.0)
     clock.now += 12.0
     assert table.sweep() == 0
     table.validate("p", A, 7, leases)
@@ -155,7 +156,70 @@ def test_sweep_clears_a_dead_writer_of_a_live_lease_and_begin_write_revives_an_e
     refused("INVALID_ARGUMENT", "BAD_KEEP_ALIVE", table.keep_alive, "w2", 0)
     table.keep_alive("w2", 1.0)
     clock.now += 1.5  # expired, but within lock_delay: the record is still there
-    table.begin_write("p", A, 7, leases, "w2")  # must count as a fresh writer: alive until now + 10
+    other = table.grant("p", B, 1, 7)  # a lease generation is written once: a fresh lease for the second writer
+    table.begin_write("p", B, 7, other, "w2", 1.0)  # must count as a fresh writer: alive until now + 10
     clock.now += 3.0
     table.sweep()
+    refused("FAILED_PRECONDITION", "WRITER_ACTIVE", table.validate, "p", B, 7, other)
+
+
+def test_failed_write_holds_its_pages_for_lock_delay_from_the_ack_even_after_release():
+    """Mooncake's batch call returns failure while other tasks of the batch still run: the failed ack is no proof
+    that nothing is in flight, so the pages are neither freed nor grantable until lock_delay after the ack."""
+    table, clock = make(num_pages=2)  # lock_delay 2.0
+    leases = table.grant("p", A, 2, 7)
+    table.keep_alive("w", 30.0)  # the writer itself stays alive: only the failed ack's own bound may free
+    table.begin_write("p", A, 7, leases, "w", 1.0)
+    assert table.end_write("p", A, 7, leases, "w", False) == 0
     refused("FAILED_PRECONDITION", "WRITER_ACTIVE", table.validate, "p", A, 7, leases)
+    assert table.release("p", A, 7) == (0, 2)
+    clock.now += 1.9
+    assert table.sweep() == 0
+    refused("RESOURCE_EXHAUSTED", "POOL_EXHAUSTED", table.grant, "p", B, 1, 7)
+    clock.now += 0.2
+    assert table.sweep() == 2
+    assert table.grant("p", B, 2, 7) == [(0, 2), (1, 2)]
+
+
+def test_a_lease_generation_is_written_at_most_once():
+    table, _ = make(num_pages=2)
+    leases = table.grant("p", A, 2, 7)
+    table.begin_write("p", A, 7, leases[:1], "w", 1.0)
+    table.end_write("p", A, 7, leases[:1], "w", True)
+    # a retry or replay of the same lease would rewrite pages decode may already have checked
+    err = refused("FAILED_PRECONDITION", "LEASE_ALREADY_WRITTEN", table.begin_write, "p", A, 7, leases, "w2", 1.0)
+    assert "page 0 generation 1" in err.message
+    assert table.page_info("p", 1).active_writer is None  # refused whole: page 1 was not marked
+    table.validate("p", A, 7, leases[1:])  # once decode validated, no writer may begin either
+    refused("FAILED_PRECONDITION", "LEASE_ALREADY_WRITTEN", table.begin_write, "p", A, 7, leases[1:], "w", 1.0)
+
+
+def test_writer_must_declare_a_landing_bound_within_lock_delay():
+    table, _ = make()  # lock_delay 2.0
+    leases = table.grant("p", A, 1, 7)
+    err = refused("FAILED_PRECONDITION", "LANDING_BOUND_EXCEEDS_LOCK_DELAY", table.begin_write, "p", A, 7, leases,
+                  "w", 2.5)
+    assert "2.500s" in err.message and "2.000s" in err.message
+    refused("FAILED_PRECONDITION", "LANDING_BOUND_EXCEEDS_LOCK_DELAY", table.begin_write, "p", A, 7, leases, "w", 0)
+    table.begin_write("p", A, 7, leases, "w", 2.0)
+
+
+def test_keep_alive_never_shortens_a_liveness_lease_and_is_capped():
+    table, clock = make()
+    leases = table.grant("p", A, 1, 7)
+    table.keep_alive("w", 10.0)
+    table.begin_write("p", A, 7, leases, "w", 1.0)
+    table.release("p", A, 7)
+    table.keep_alive("w", 0.001)  # a hostile or buggy short renewal must not end the write's lease
+    clock.now += 5.0
+    assert table.sweep() == 0
+    refused("INVALID_ARGUMENT", "BAD_KEEP_ALIVE", table.keep_alive, "w", table.max_ttl_s + 1)
+
+
+def test_pool_region_is_fixed_at_registration_and_handed_to_writers():
+    table, _ = make()
+    table.register_pool("q", 4, region=("decode:1", 0x1000, 0x2000))
+    table.register_pool("q", 4, region=("decode:1", 0x1000, 0x2000))  # idempotent
+    refused("ALREADY_EXISTS", "POOL_REGION_MISMATCH", table.register_pool, "q", 4, (), ("decode:1", 0x9000, 0x2000))
+    leases = table.grant("q", A, 1, 7)
+    assert table.begin_write("q", A, 7, leases, "w", 1.0) == ("decode:1", 0x1000, 0x2000)

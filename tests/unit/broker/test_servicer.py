@@ -12,6 +12,7 @@ from services.common.errors import from_rpc_error
 from services.common.proto import broker_pb2 as pb, broker_pb2_grpc, common_pb2
 
 OWNER = bytes(range(16))
+REGION = pb.PoolRegion(transfer_session="127.0.0.1:9", data_base=0x1000, tag_base=0x2000)
 FAILED_PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -66,7 +67,7 @@ def test_metrics_exist_at_zero_from_start_up():
         async with serving() as (_, stub, registry):
             assert registry.get_sample_value("pdserve_broker_grants_total") == 0
             assert [violations(registry, r) for r in ("LEASE_NOT_CURRENT", "WRITER_ACTIVE")] == [0, 0]
-            await stub.RegisterPool(pb.RegisterPoolRequest(pool_id="d0", num_pages=4))
+            await stub.RegisterPool(pb.RegisterPoolRequest(pool_id="d0", num_pages=4, region=REGION))
             assert pages(registry, "d0") == {"free": 4, "leased": 0, "quarantined": 0}
     asyncio.run(main())
 
@@ -74,16 +75,16 @@ def test_metrics_exist_at_zero_from_start_up():
 def test_write_quarantine_and_abort_ack_round_trip():
     async def main():
         async with serving() as (_, stub, registry):
-            epoch = (await stub.RegisterPool(pb.RegisterPoolRequest(pool_id="d0", num_pages=4))).epoch
+            epoch = (await stub.RegisterPool(pb.RegisterPoolRequest(pool_id="d0", num_pages=4, region=REGION))).epoch
             granted = await stub.Grant(pb.GrantRequest(pool_id="d0", owner=OWNER, num_pages=3, epoch=epoch))
             assert granted.epoch == epoch
             assert [(lease.page, lease.generation) for lease in granted.leases] == [(0, 1), (1, 1), (2, 1)]
             assert pages(registry, "d0") == {"free": 1, "leased": 3, "quarantined": 0}
             assert registry.get_sample_value("pdserve_broker_grants_total") == 1
             leases = granted.leases[:2]
-            await stub.Validate(pb.ValidateRequest(pool_id="d0", owner=OWNER, epoch=epoch, leases=leases))
-            await stub.BeginWrite(pb.BeginWriteRequest(pool_id="d0", owner=OWNER, epoch=epoch, leases=leases,
-                                                       writer_id="prefill-0"))
+            began = await stub.BeginWrite(pb.BeginWriteRequest(pool_id="d0", owner=OWNER, epoch=epoch, leases=leases,
+                                                       writer_id="prefill-0", max_landing_ms=1000))
+            assert began.region == REGION  # the writer gets the registered addresses, whatever it was told
             await refused(stub.Validate(pb.ValidateRequest(pool_id="d0", owner=OWNER, epoch=epoch, leases=leases)),
                           FAILED_PRECONDITION, "WRITER_ACTIVE")
             assert violations(registry, "WRITER_ACTIVE") == 1
@@ -94,10 +95,11 @@ def test_write_quarantine_and_abort_ack_round_trip():
                     state.num_writing) == (epoch, 4, 2, 0, 2, 2)
             assert pages(registry, "d0") == {"free": 2, "leased": 0, "quarantined": 2}
             await refused(stub.BeginWrite(pb.BeginWriteRequest(pool_id="d0", owner=OWNER, epoch=epoch,
-                                                               leases=leases, writer_id="prefill-0")),
+                                                               leases=leases, writer_id="prefill-0", max_landing_ms=1000)),
                           FAILED_PRECONDITION, "LEASE_NOT_CURRENT")
             assert violations(registry, "LEASE_NOT_CURRENT") == 1
-            ack = pb.EndWriteRequest(pool_id="d0", owner=OWNER, epoch=epoch, leases=leases, writer_id="prefill-0")
+            ack = pb.EndWriteRequest(pool_id="d0", owner=OWNER, epoch=epoch, leases=leases, writer_id="prefill-0",
+                                     success=True)
             assert (await stub.EndWrite(ack)).num_unquarantined == 2
             assert (await stub.EndWrite(ack)).num_unquarantined == 0  # a duplicate ack is harmless
             assert pages(registry, "d0") == {"free": 4, "leased": 0, "quarantined": 0}
@@ -107,7 +109,7 @@ def test_write_quarantine_and_abort_ack_round_trip():
 def test_refusals_carry_code_reason_and_numbers():
     async def main():
         async with serving(LeaseTable(epoch=5)) as (_, stub, registry):
-            await stub.RegisterPool(pb.RegisterPoolRequest(pool_id="d0", num_pages=4))
+            await stub.RegisterPool(pb.RegisterPoolRequest(pool_id="d0", num_pages=4, region=REGION))
             err = await refused(stub.Grant(pb.GrantRequest(pool_id="d0", owner=OWNER, num_pages=5, epoch=5)),
                                 grpc.StatusCode.RESOURCE_EXHAUSTED, "POOL_EXHAUSTED")
             assert "4 free pages of 4; 5 requested" in err.message
@@ -117,7 +119,7 @@ def test_refusals_carry_code_reason_and_numbers():
                           grpc.StatusCode.NOT_FOUND, "UNKNOWN_POOL")
             await refused(stub.Grant(pb.GrantRequest(pool_id="d0", owner=b"x", num_pages=1, epoch=5)),
                           grpc.StatusCode.INVALID_ARGUMENT, "BAD_OWNER")
-            await refused(stub.RegisterPool(pb.RegisterPoolRequest(pool_id="d0", num_pages=8)),
+            await refused(stub.RegisterPool(pb.RegisterPoolRequest(pool_id="d0", num_pages=8, region=REGION)),
                           grpc.StatusCode.ALREADY_EXISTS, "POOL_SIZE_MISMATCH")
             await refused(stub.KeepAlive(pb.KeepAliveRequest(holder_id="w", ttl_ms=0)),
                           grpc.StatusCode.INVALID_ARGUMENT, "BAD_KEEP_ALIVE")
@@ -136,7 +138,7 @@ def test_revocations_stream_to_every_watcher_of_the_pool():
     async def main():
         async with serving(LeaseTable(epoch=5)) as (servicer, stub, registry):
             for pool_id in ("d0", "d1"):
-                await stub.RegisterPool(pb.RegisterPoolRequest(pool_id=pool_id, num_pages=4))
+                await stub.RegisterPool(pb.RegisterPoolRequest(pool_id=pool_id, num_pages=4, region=REGION))
             await stub.Grant(pb.GrantRequest(pool_id="d0", owner=OWNER, num_pages=2, epoch=5))
             watchers = [stub.WatchRevocations(pb.WatchRevocationsRequest(pool_id="d0")) for _ in range(2)]
             other = stub.WatchRevocations(pb.WatchRevocationsRequest(pool_id="d1"))
@@ -164,11 +166,11 @@ def test_sweeper_frees_quarantine_after_liveness_expiry_plus_lock_delay():
     async def main():
         clock = FakeClock()
         async with serving(LeaseTable(lock_delay_s=2.0, clock=clock, epoch=5)) as (servicer, stub, registry):
-            await stub.RegisterPool(pb.RegisterPoolRequest(pool_id="d0", num_pages=2))
+            await stub.RegisterPool(pb.RegisterPoolRequest(pool_id="d0", num_pages=2, region=REGION))
             leases = (await stub.Grant(pb.GrantRequest(pool_id="d0", owner=OWNER, num_pages=2, epoch=5))).leases
             await stub.KeepAlive(pb.KeepAliveRequest(holder_id="prefill-0", ttl_ms=1000))
             await stub.BeginWrite(pb.BeginWriteRequest(pool_id="d0", owner=OWNER, epoch=5, leases=leases,
-                                                       writer_id="prefill-0"))
+                                                       writer_id="prefill-0", max_landing_ms=1000))
             await stub.Release(pb.ReleaseRequest(pool_id="d0", owner=OWNER, epoch=5))
             sweeper = asyncio.create_task(servicer.run_sweeper(0.01))
             try:
