@@ -91,3 +91,42 @@ def test_write_to_unregistered_destination_raises(engines, regions):
     assert e.value.stage == "tags"
     assert dst_eng.session in str(e.value) and f"{STRIDE} bytes" in str(e.value)
     assert bool((elsewhere == 0).all())
+
+
+def test_fault_fail_then_land_reports_failure_then_lands_what_the_source_holds_then(engines, regions, monkeypatch):
+    """What a failed batch call can leave behind: the bytes still arrive, and they are whatever the source pages
+    hold when the task runs, so a source page reused after the failure would carry the next request's KV."""
+    import time
+
+    from services.common.faults import FAULTS
+
+    monkeypatch.setenv("PDSERVE_ENABLE_FAULTS", "1")
+    src_eng, dst_eng = engines
+    src, dst = regions
+    dst.fill_(0xFF)
+    FAULTS.arm("transfer.fail_then_land", 1, "300")
+    runs = coalesce([0], [5], src.data_ptr(), dst.data_ptr(), STRIDE)
+    with pytest.raises(TransferError) as e:
+        src_eng.write(dst_eng.session, runs, stage="data")
+    assert e.value.posted and "land in 0.300s" in str(e.value)
+    d = dst.view(NPAGES, STRIDE)
+    assert bool((d[5] == 0xFF).all())  # reported failed, nothing there yet
+    s = src.view(NPAGES, STRIDE)
+    original = s[0].clone()
+    s[0].fill_(0x42)  # the source page reused by the next request before the late write ran
+    try:
+        deadline = time.monotonic() + 5
+        while not bool((d[5] == 0x42).all()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert bool((d[5] == 0x42).all())  # the "failed" write landed, carrying the reused page's bytes
+    finally:
+        s[0].copy_(original)
+
+
+def test_timeout_is_explicit_and_refuses_what_mooncake_would_silently_raise(monkeypatch):
+    monkeypatch.setenv("MC_TRANSFER_TIMEOUT", "300")  # inherited from a shell: must not be what is used
+    with pytest.raises(ValueError, match="whole seconds >= 5"):
+        TransferEngine("127.0.0.1", "tcp", timeout_s=2)
+    eng = TransferEngine("127.0.0.1", "tcp", timeout_s=6)
+    import os
+    assert eng.timeout_s == 6 and os.environ["MC_TRANSFER_TIMEOUT"] == "6"
