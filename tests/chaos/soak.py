@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tests.chaos.conftest import CHAOS_EXTRA
 from tests.chaos.test_failures import drained
-from tests.chaos.test_schedules import FAULTS, run_request
+from tests.chaos.test_schedules import FAULT_ARGS, FAULTS, run_request
 from tests.integration.stack import Stack
 from tests.oracle import Oracle, OracleMismatch
 
@@ -29,6 +29,17 @@ def rss_mib(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def slope_per_min(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (minute, MiB) samples: a slow leak shows as a steady positive slope."""
+    if len(samples) < 2:
+        return float("nan")
+    n = len(samples)
+    mx = sum(t for t, _ in samples) / n
+    my = sum(v for _, v in samples) / n
+    var = sum((t - mx) ** 2 for t, _ in samples)
+    return sum((t - mx) * (v - my) for t, v in samples) / var if var else float("nan")
 
 
 def violations(stack: Stack) -> float:
@@ -57,6 +68,9 @@ def main(argv=None) -> int:
     try:
         rss0 = {p.name: rss_mib(p.popen.pid) for ps in stack.procs.values() for p in ps}
         v0 = violations(stack)
+        started = time.monotonic()
+        rss_series: dict[str, list[tuple[float, float]]] = {name: [(0.0, v)] for name, v in rss0.items()}
+        next_sample = started + 60
         deadline = time.monotonic() + args.minutes * 60
         next_fault = time.monotonic() + 2
         next_report = time.monotonic() + 30
@@ -86,9 +100,16 @@ def main(argv=None) -> int:
                 now = time.monotonic()
                 if now > next_fault:
                     name = rng.choice(FAULTS)
-                    stack.arm("prefill", name, arg="1500" if name.endswith("delay_before_write") else "1",
-                              index=rng.randrange(2))
+                    stack.arm("prefill", name, arg=FAULT_ARGS.get(name, "1"), index=rng.randrange(2))
                     next_fault = now + rng.uniform(0.5, 3)
+                if now > next_sample:  # every minute, so a slow leak shows as a slope, not as noise
+                    minute = (now - started) / 60
+                    for ps in stack.procs.values():
+                        for p in ps:
+                            rss_series[p.name].append((minute, rss_mib(p.popen.pid)))
+                    print("  RSS MiB at minute %.0f: %s" % (minute, {k: round(v[-1][1]) for k, v in
+                                                                   rss_series.items()}), flush=True)
+                    next_sample = now + 60
                 if now > next_report:
                     with lock:
                         print(f"  {sum(outcomes.values())} requests: {dict(outcomes)}", flush=True)
@@ -96,7 +117,7 @@ def main(argv=None) -> int:
                 time.sleep(0.05)
         stack.clear_faults()
         t = time.monotonic()
-        while not drained(stack) and time.monotonic() - t < 30:
+        while not drained(stack) and time.monotonic() - t < 60:
             time.sleep(0.2)
         states = stack.pool_states()
         leaked = sum(s.num_leased + s.num_quarantined for s in states)
@@ -108,7 +129,9 @@ def main(argv=None) -> int:
         print(f"  undetected corruptions: {len(corrupt)} {corrupt[:3]}")
         print(f"  pages leaked after quiescence: {leaked} ({states})".replace("\n", " "))
         for name in rss0:
-            print(f"  {name}: RSS {rss0[name]:.0f} MiB -> {rss1[name]:.0f} MiB ({rss1[name] - rss0[name]:+.0f})")
+            print(f"  {name}: RSS {rss0[name]:.0f} MiB -> {rss1[name]:.0f} MiB ({rss1[name] - rss0[name]:+.0f}); "
+                  f"slope {slope_per_min(rss_series[name]):+.2f} MiB/min over {len(rss_series[name])} samples "
+                  f"{[round(v) for _, v in rss_series[name]]}")
         dead = [p.name for ps in stack.procs.values() for p in ps if not p.alive()]
         print(f"  crashed services: {dead or 'none'}")
         return 1 if leaked or corrupt or dead else 0

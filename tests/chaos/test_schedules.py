@@ -23,7 +23,10 @@ from tests.chaos.test_failures import drained, wait_for
 NUM_SCHEDULES = 20
 REQUESTS_PER_SCHEDULE = 100
 FAULTS = ["prefill.short_transfer", "prefill.skip_page", "prefill.bit_flip", "prefill.skip_tags",
-          "prefill.lose_end_write", "prefill.delay_before_write"]
+          "prefill.lose_end_write", "prefill.delay_before_write", "transfer.fail_then_land", "prefill.slow_transfer"]
+# a late write after a reported failure lands 0.2-5 s later (just under chaos prefill's landing bound of ~5.3 s);
+# a slow transfer outlives prefill's 2 s transfer timeout
+FAULT_ARGS = {"prefill.delay_before_write": "1500", "transfer.fail_then_land": "5000", "prefill.slow_transfer": "3000"}
 DISRUPTIONS = ["kill_prefill", "pause_prefill", "pause_decode", "kill_broker", "pause_broker", "none"]
 TYPED = {"DATA_LOSS", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED"}
 SEEDS = [int(os.environ["PDSERVE_CHAOS_SEED"])] if os.environ.get("PDSERVE_CHAOS_SEED") else range(NUM_SCHEDULES)
@@ -82,8 +85,8 @@ def test_chaos_schedule(chaos, oracle, seed):
             for at, name, which in faults:
                 if at == i:
                     try:
-                        chaos.arm("prefill", name, arg="1500" if name == "prefill.delay_before_write" else "1",
-                                  index=which)
+                        arg = str(rng.choice([200, 2500, 5000])) if name == "transfer.fail_then_land" else None
+                        chaos.arm("prefill", name, arg=arg or FAULT_ARGS.get(name, "1"), index=which)
                     except grpc.RpcError:
                         pass  # that prefill is being restarted; the fault is simply not armed
             if i == disrupt_at:
@@ -111,7 +114,7 @@ def test_chaos_schedule(chaos, oracle, seed):
     chaos.clear_faults()
     # quiescence: nothing leased; quarantine drains within writer ttl + lock_delay (+ sweep slack)
     try:
-        wait_for(lambda: drained(chaos), 15, f"seed {seed}: quiescence")
+        wait_for(lambda: drained(chaos), 20, f"seed {seed}: quiescence")
     except AssertionError:
         raise AssertionError(f"seed {seed}: not quiescent: {chaos.pool_states()}\n{chaos.logs()}") from None
     assert chaos.metric("decode", "pdserve_canary_hits_total") == canaries
