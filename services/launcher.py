@@ -14,6 +14,17 @@ HTTP_READY = re.compile(r"PDSERVE_HTTP port=(\d+)")
 READY = re.compile(r"PDSERVE_READY service=(\w+) port=(\d+) metrics_port=(\d+)")
 
 
+# test-only switches (services/common/faults.py): a child gets them only when the caller names them in `env`, so
+# `pdserve up` run from a shell that happens to export them does not arm fault points
+TEST_ONLY_ENV = ("PDSERVE_ENABLE_FAULTS", "PDSERVE_FAULTS")
+
+
+def child_env(env: dict | None, parent: dict | None = None) -> dict:
+    """The parent's environment without the test-only switches, then `env` on top."""
+    parent = os.environ if parent is None else parent
+    return {**{k: v for k, v in parent.items() if k not in TEST_ONLY_ENV}, **(env or {})}
+
+
 @dataclass(eq=False)
 class Proc:
     name: str
@@ -36,8 +47,7 @@ def start(name: str, args: list[str], env: dict | None = None, timeout: float = 
           log_path: str | None = None) -> Proc:
     """Runs `pdserve <args>` and returns once it prints its ready line; raises with its output otherwise."""
     cmd = [sys.executable, "-u", "-m", "services.cli", *args]
-    full_env = {**os.environ, **(env or {})}
-    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(env),
                              start_new_session=True)
     proc = Proc(name, args, popen)
     ready = threading.Event()

@@ -6,8 +6,10 @@ import asyncio
 import logging
 
 from ..common import config
+from ..common.cli_args import add_service_args
 from ..common.proto import broker_pb2, broker_pb2_grpc
 from ..common.server import Service, setup_logging
+from ..common.unsafe import check_unsafe
 from ..kvtransfer.engine import MOONCAKE_MIN_TIMEOUT_S
 from .lease_table import LeaseTable
 from .servicer import BrokerServicer
@@ -19,6 +21,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=config.BROKER_PORT)
     p.add_argument("--metrics-port", type=int, default=config.METRICS_PORTS["broker"])
+    add_service_args(p)
     p.add_argument("--lock-delay", type=float, default=10.0,
                    help="seconds a page stays held after its writer's liveness expired or it acknowledged a failed "
                         "write; must cover the longest a posted write can still land (every prefill checks it, and "
@@ -45,11 +48,12 @@ def check_bounds(args) -> None:
 
 
 async def serve(args) -> None:
+    check_unsafe("broker", args)
     check_bounds(args)
     table = LeaseTable(lock_delay_s=args.lock_delay, default_writer_ttl_s=args.writer_ttl, max_ttl_s=args.max_ttl)
     servicer = BrokerServicer(table)
     svc = Service("broker", [broker_pb2.DESCRIPTOR.services_by_name["Broker"].full_name],
-                  args.host, args.port, args.metrics_port)
+                  args.host, args.port, args.metrics_port, args.metrics_host)
     broker_pb2_grpc.add_BrokerServicer_to_server(servicer, svc.server)
     await svc.start()
     sweeper = asyncio.create_task(servicer.run_sweeper(args.sweep_interval))

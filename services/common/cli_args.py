@@ -1,15 +1,25 @@
-"""Command-line flags shared by the two engine services (prefill and decode)."""
+"""Command-line flags shared by every service, and those shared by the two engine services (prefill and decode)."""
 from __future__ import annotations
 
 import argparse
 
 from . import config
+from .unsafe import add_unsafe_args
+
+
+def add_service_args(p: argparse.ArgumentParser) -> None:
+    """Flags every service takes."""
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the Prometheus /metrics port binds (Kubernetes deployments pass 0.0.0.0 so the "
+                        "pod can be scraped)")
+    add_unsafe_args(p)
 
 
 def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_tokens: int) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=port)
     p.add_argument("--metrics-port", type=int, default=config.METRICS_PORTS[service])
+    add_service_args(p)
     p.add_argument("--broker", default=f"127.0.0.1:{config.BROKER_PORT}")
     p.add_argument("--model", default=config.DEFAULT_MODEL)
     p.add_argument("--context-length", type=int, default=0, help="default: the model's max_position_embeddings")
@@ -25,5 +35,6 @@ def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_to
                    help="Python's GIL switch interval: how long the model thread may wait for the event loop to "
                         "let go (Python's default 5 ms cost 15-20%% of decode throughput at 16 streams)")
     p.add_argument("--no-transfer-checksum", action="store_true",
-                   help="skip the CRC-32C of transferred pages (tags are still checked); prefill and decode must agree")
+                   help="UNSAFE, needs --allow-unsafe no-transfer-checksum: skip the CRC-32C of transferred pages (tags "
+                        "are still checked, the bytes are not); prefill and decode must agree")
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])

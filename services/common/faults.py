@@ -1,8 +1,10 @@
-"""Named fault points, off by default.
+"""Named fault points, inert unless the test-only switch PDSERVE_ENABLE_FAULTS=1 is on.
 
-Armed by the environment (`PDSERVE_FAULTS="prefill.short_transfer:1,prefill.skip_page:1:2"`, each
-`name[:count[:arg]]`, count 0 = every hit) or, when PDSERVE_ENABLE_FAULTS=1, over the test-only
-`pdserve.v1.Faults` gRPC service. Each point reproduces one known failure.
+With the switch on they are armed by the environment (`PDSERVE_FAULTS="prefill.short_transfer:1,prefill.skip_page:1:2"`,
+each `name[:count[:arg]]`, count 0 = every hit) or over the test-only `pdserve.v1.Faults` gRPC service, and the
+service reports the unsafe mode `faults` (services/common/unsafe.py). With it off, PDSERVE_FAULTS is ignored
+(logged at ERROR), nothing can be armed and no point fires: a stray variable in a production environment must
+never corrupt a transfer. Each point reproduces one known failure.
 """
 from __future__ import annotations
 
@@ -27,12 +29,26 @@ KNOWN = {
 }
 
 
+SWITCH = "PDSERVE_ENABLE_FAULTS"
+
+
+def faults_enabled() -> bool:
+    return os.environ.get(SWITCH) == "1"
+
+
+class FaultsDisabled(RuntimeError):
+    pass
+
+
 class FaultRegistry:
-    def __init__(self):
+    def __init__(self, *, enabled: bool):
+        self.enabled = enabled
         self._armed: dict[str, list] = {}
         self._lock = threading.Lock()
 
     def arm(self, name: str, count: int = 1, arg: str = "") -> None:
+        if not self.enabled:
+            raise FaultsDisabled(f"cannot arm fault point {name!r}: fault points are test-only and {SWITCH} is not 1")
         if name not in KNOWN:
             raise ValueError(f"unknown fault point {name!r}; known: {sorted(KNOWN)}")
         with self._lock:
@@ -45,6 +61,8 @@ class FaultRegistry:
 
     def fire(self, name: str) -> str | None:
         """Returns the fault's argument ('' when none) if it fires on this hit, else None."""
+        if not self.enabled:  # the hot path of every transfer: no lock when the switch is off
+            return None
         with self._lock:
             entry = self._armed.get(name)
             if entry is None:
@@ -58,23 +76,22 @@ class FaultRegistry:
         return arg
 
     def load_env(self, value: str | None) -> None:
+        if value and not self.enabled:
+            log.error("PDSERVE_FAULTS=%r ignored: fault points are test-only and %s is not 1", value, SWITCH)
+            return
         for item in filter(None, (value or "").split(",")):
             name, _, rest = item.partition(":")
             count, _, arg = rest.partition(":")
             self.arm(name.strip(), int(count or 1), arg)
 
 
-FAULTS = FaultRegistry()
+FAULTS = FaultRegistry(enabled=faults_enabled())
 FAULTS.load_env(os.environ.get("PDSERVE_FAULTS"))
-
-
-def faults_enabled() -> bool:
-    return os.environ.get("PDSERVE_ENABLE_FAULTS") == "1"
 
 
 def add_faults_service(server) -> None:
     """Serves pdserve.v1.Faults on `server` when PDSERVE_ENABLE_FAULTS=1; never otherwise."""
-    if not faults_enabled():
+    if not FAULTS.enabled:
         return
     import grpc
 

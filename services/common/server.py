@@ -78,7 +78,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 class Service:
     """One gRPC server with stock health (NOT_SERVING until ready), reflection and a /metrics port."""
 
-    def __init__(self, name: str, full_service_names: list[str], host: str, port: int, metrics_port: int):
+    def __init__(self, name: str, full_service_names: list[str], host: str, port: int, metrics_port: int,
+                 metrics_host: str = "127.0.0.1"):
         self.name = name
         self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=GRPC_OPTIONS)
         self.health = health.aio.HealthServicer()
@@ -90,14 +91,14 @@ class Service:
         self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise RuntimeError(f"{name}: cannot bind gRPC port {host}:{port}")
-        self.metrics_port = metrics_port
+        self.metrics_host, self.metrics_port = metrics_host, metrics_port
         self._stop = asyncio.Event()
 
     async def start(self) -> None:
         for svc in ["", *self.full_service_names]:
             await self.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
-        httpd, _ = start_http_server(self.metrics_port)
+        httpd, _ = start_http_server(self.metrics_port, addr=self.metrics_host)
         self.metrics_port = httpd.server_port
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -108,7 +109,7 @@ class Service:
             await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
         # one parseable line: tests and `pdserve up` start services on port 0 and read it
         print(f"PDSERVE_READY service={self.name} port={self.port} metrics_port={self.metrics_port}", flush=True)
-        log.info("%s serving on port %d, metrics on %d", self.name, self.port, self.metrics_port)
+        log.info("%s serving on port %d, metrics on %s:%d", self.name, self.port, self.metrics_host, self.metrics_port)
 
     async def wait_for_termination(self, grace: float = 5.0,
                                    on_stop: Callable[[], Awaitable[None]] | None = None) -> None:

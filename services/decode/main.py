@@ -15,6 +15,7 @@ from ..common.cli_args import add_engine_args
 from ..common.metrics import init_metrics
 from ..common.proto import broker_pb2_grpc, decode_pb2, decode_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
+from ..common.unsafe import check_unsafe
 from ..engine.runner import ModelRunner, set_threads
 from ..kvtransfer.engine import TransferEngine
 from .servicer import DecodeServicer
@@ -32,6 +33,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 async def serve(args) -> None:
+    check_unsafe("decode", args)  # before the model loads: a refusal is immediate
     num_pages = args.pool_tokens // args.page_size
     set_threads(args.threads, args.switch_interval_ms)
     runner = ModelRunner(args.model, num_pages, args.page_size, args.kv_dtype, args.device)
@@ -50,7 +52,7 @@ async def serve(args) -> None:
                               check_checksums=not args.no_transfer_checksum, canary=args.canary,
                               allocation_timeout_s=args.allocation_timeout)
     svc = Service("decode", [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name],
-                  args.host, args.port, args.metrics_port)
+                  args.host, args.port, args.metrics_port, args.metrics_host)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)
     await svc.start()
     while True:  # SERVING only once the pool is allocated, registered and checked

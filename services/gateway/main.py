@@ -8,10 +8,12 @@ import logging
 import grpc
 
 from ..common import config
+from ..common.cli_args import add_service_args
 from ..common.errors import PdError
 from ..common.metrics import init_metrics
 from ..common.proto import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
+from ..common.unsafe import check_unsafe
 from ..engine.tokenizer import load_tokenizer
 from .router import Backend
 from .http import start_http
@@ -26,6 +28,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=config.GATEWAY_HTTP_PORT,
                    help="OpenAI-compatible HTTP API (POST /v1/completions); -1 disables it")
     p.add_argument("--metrics-port", type=int, default=config.METRICS_PORTS["gateway"])
+    add_service_args(p)
     p.add_argument("--prefill", action="append", default=None, help="prefill HOST:PORT (repeatable)")
     p.add_argument("--decode", action="append", default=None, help="decode HOST:PORT (repeatable)")
     p.add_argument("--model", default=config.DEFAULT_MODEL, help="checkpoint directory (for the tokenizer)")
@@ -58,6 +61,7 @@ def capacity_of(prefills: list[Backend], decodes: list[Backend]) -> Capacity:
 
 
 async def serve(args) -> None:
+    check_unsafe("gateway", args)
     init_metrics("gateway")
     prefill_targets = args.prefill or [f"127.0.0.1:{config.PREFILL_PORT}"]
     decode_targets = args.decode or [f"127.0.0.1:{config.DECODE_PORT}"]
@@ -72,7 +76,7 @@ async def serve(args) -> None:
     servicer = GatewayServicer(prefills, decodes, tokenizer, cap, args.queue_limit, args.queue_timeout,
                                args.prefill_timeout, args.token_timeout)
     svc = Service("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
-                  args.host, args.port, args.metrics_port)
+                  args.host, args.port, args.metrics_port, args.metrics_host)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, svc.server)
     await svc.start()
     if args.http_port >= 0:

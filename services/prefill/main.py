@@ -15,6 +15,7 @@ from ..common.cli_args import add_engine_args
 from ..common.metrics import init_metrics
 from ..common.proto import broker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
+from ..common.unsafe import check_unsafe
 from ..engine.runner import ModelRunner, set_threads
 from ..kvtransfer.engine import MOONCAKE_MIN_TIMEOUT_S, TransferEngine, landing_bound_s
 from .servicer import PrefillServicer
@@ -38,6 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 async def serve(args) -> None:
+    check_unsafe("prefill", args)  # before the model loads: a refusal is immediate
     num_pages = args.pool_tokens // args.page_size
     set_threads(args.threads, args.switch_interval_ms)
     runner = ModelRunner(args.model, num_pages, args.page_size, args.kv_dtype, args.device)
@@ -55,7 +57,7 @@ async def serve(args) -> None:
     max_landing = landing_bound_s(transfer.timeout_s, runner.pool.data_nbytes, args.landing_slack)
     leases = WriteLeases(broker, writer_prefix, max_landing, writer_ttl_s=args.writer_ttl)
     svc = Service("prefill", [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name],
-                  args.host, args.port, args.metrics_port)
+                  args.host, args.port, args.metrics_port, args.metrics_host)
     prefill_pb2_grpc.add_PrefillServicer_to_server(
         PrefillServicer(worker, leases, context_length, max_prompt, os.path.basename(os.path.normpath(args.model)),
                         transfer_timeout_s=args.transfer_timeout), svc.server)

@@ -71,3 +71,14 @@ def test_prometheus_sees_counters_at_zero_then_fires_the_violation_alert(stack, 
     wait_query(prometheus, f'pdserve_lease_violations_total{{service="decode", reason="CHECKSUM"}} > {base}')
     firing = wait_query(prometheus, 'ALERTS{alertname="PdserveLeaseViolation", alertstate="firing"}')
     assert {a["metric"]["reason"] for a in firing} >= {"CHECKSUM"}
+
+
+def test_prometheus_fires_the_unsafe_mode_alert_for_the_test_fault_switch(stack, prometheus):
+    """The test stack runs with PDSERVE_ENABLE_FAULTS=1, an unsafe mode: every service exports it and alerts."""
+    firing = wait_query(prometheus, 'count(ALERTS{alertname="PdserveUnsafeMode", alertstate="firing"}) == 4')
+    assert firing
+    alerts = query(prometheus, 'ALERTS{alertname="PdserveUnsafeMode", alertstate="firing"}')
+    assert {(a["metric"]["service"], a["metric"]["mode"]) for a in alerts} == {
+        (s, "faults") for s in ("gateway", "broker", "prefill", "decode")}
+    off = query(prometheus, 'pdserve_unsafe_mode{mode!="faults"}')
+    assert len(off) >= 8 and {float(r["value"][1]) for r in off} == {0.0}

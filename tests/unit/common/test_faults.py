@@ -11,26 +11,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 
 def test_unarmed_points_never_fire():
-    r = FaultRegistry()
+    r = FaultRegistry(enabled=True)
     assert all(r.fire(name) is None for name in KNOWN)
     assert r.fire("not.a.point") is None
 
 
 def test_default_count_fires_once():
-    r = FaultRegistry()
+    r = FaultRegistry(enabled=True)
     r.arm("prefill.short_transfer")
     assert r.fire("prefill.short_transfer") == ""
     assert r.fire("prefill.short_transfer") is None
 
 
 def test_count_two_fires_twice_then_stops():
-    r = FaultRegistry()
+    r = FaultRegistry(enabled=True)
     r.arm("prefill.skip_page", count=2, arg="3")
     assert [r.fire("prefill.skip_page") for _ in range(4)] == ["3", "3", None, None]
 
 
 def test_count_zero_fires_until_clear():
-    r = FaultRegistry()
+    r = FaultRegistry(enabled=True)
     r.arm("prefill.bit_flip", count=0, arg="1")
     assert [r.fire("prefill.bit_flip") for _ in range(50)] == ["1"] * 50
     r.clear()
@@ -38,7 +38,7 @@ def test_count_zero_fires_until_clear():
 
 
 def test_points_are_independent():
-    r = FaultRegistry()
+    r = FaultRegistry(enabled=True)
     r.arm("prefill.skip_tags", count=1)
     r.arm("prefill.lose_end_write", count=0)
     assert r.fire("prefill.lose_end_write") == ""
@@ -48,7 +48,7 @@ def test_points_are_independent():
 
 
 def test_rearm_replaces_count_and_arg():
-    r = FaultRegistry()
+    r = FaultRegistry(enabled=True)
     r.arm("decode.corrupt_tag", count=0, arg="0")
     r.arm("decode.corrupt_tag", count=1, arg="2")
     assert r.fire("decode.corrupt_tag") == "2"
@@ -56,7 +56,7 @@ def test_rearm_replaces_count_and_arg():
 
 
 def test_unknown_name_raises_and_lists_known():
-    r = FaultRegistry()
+    r = FaultRegistry(enabled=True)
     with pytest.raises(ValueError) as e:
         r.arm("prefill.short_transfers")
     assert "'prefill.short_transfers'" in str(e.value)
@@ -65,7 +65,7 @@ def test_unknown_name_raises_and_lists_known():
 
 
 def test_load_env_parses_name_count_arg():
-    r = FaultRegistry()
+    r = FaultRegistry(enabled=True)
     r.load_env("prefill.short_transfer:1,prefill.skip_page:2:7, prefill.skip_tags,prefill.delay_before_write:0:250")
     assert r.fire("prefill.short_transfer") == ""
     assert r.fire("prefill.short_transfer") is None
@@ -77,7 +77,7 @@ def test_load_env_parses_name_count_arg():
 
 
 def test_load_env_empty_and_trailing_commas():
-    r = FaultRegistry()
+    r = FaultRegistry(enabled=True)
     r.load_env(None)
     r.load_env("")
     r.load_env("prefill.bit_flip::4,,")  # empty count means 1
@@ -86,12 +86,12 @@ def test_load_env_empty_and_trailing_commas():
 
 def test_load_env_unknown_name_raises():
     with pytest.raises(ValueError, match="prefill.nope"):
-        FaultRegistry().load_env("prefill.short_transfer:1,prefill.nope:1")
+        FaultRegistry(enabled=True).load_env("prefill.short_transfer:1,prefill.nope:1")
 
 
 def test_load_env_bad_count_raises():
     with pytest.raises(ValueError):
-        FaultRegistry().load_env("prefill.skip_page:two")
+        FaultRegistry(enabled=True).load_env("prefill.skip_page:two")
 
 
 def _fresh_import(**env):

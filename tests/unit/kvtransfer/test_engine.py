@@ -100,7 +100,7 @@ def test_fault_fail_then_land_reports_failure_then_lands_what_the_source_holds_t
 
     from services.common.faults import FAULTS
 
-    monkeypatch.setenv("PDSERVE_ENABLE_FAULTS", "1")
+    monkeypatch.setattr(FAULTS, "enabled", True)
     src_eng, dst_eng = engines
     src, dst = regions
     dst.fill_(0xFF)
