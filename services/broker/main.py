@@ -8,6 +8,7 @@ import logging
 from ..common import config
 from ..common.proto import broker_pb2, broker_pb2_grpc
 from ..common.server import Service, setup_logging
+from ..common.tls import add_tls_args, tls_from_args
 from .lease_table import LeaseTable
 from .servicer import BrokerServicer
 
@@ -25,13 +26,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="liveness lease of a writer seen only in BeginWrite, and how long an old-epoch writer may still "
                         "post after a restart (match prefill's --writer-ttl)")
     p.add_argument("--sweep-interval", type=float, default=0.5)
+    add_tls_args(p)
 
 
 async def serve(args) -> None:
+    tls = tls_from_args(args, "broker", "broker")
     table = LeaseTable(lock_delay_s=args.lock_delay, default_writer_ttl_s=args.writer_ttl)
     servicer = BrokerServicer(table)
     svc = Service("broker", [broker_pb2.DESCRIPTOR.services_by_name["Broker"].full_name],
-                  args.host, args.port, args.metrics_port)
+                  args.host, args.port, args.metrics_port, tls=tls)
     broker_pb2_grpc.add_BrokerServicer_to_server(servicer, svc.server)
     await svc.start()
     sweeper = asyncio.create_task(servicer.run_sweeper(args.sweep_interval))

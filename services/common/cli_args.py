@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from . import config
+from .tls import add_tls_args
 
 
 def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_tokens: int) -> None:
@@ -27,3 +28,4 @@ def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_to
     p.add_argument("--no-transfer-checksum", action="store_true",
                    help="skip the CRC-32C of transferred pages (tags are still checked); prefill and decode must agree")
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_tls_args(p)
