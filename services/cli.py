@@ -59,6 +59,25 @@ def _up(args) -> int:
     return 0
 
 
+def _health(args) -> int:
+    """Exit 0 when the service answers SERVING over mutual TLS: the kubelet's own gRPC probe cannot
+    present a client certificate, so the deployment probes with this command."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from .common.tls import secure_channel, tls_from_args
+    tls = tls_from_args(args, "health", args.tls_role)
+    options = [("grpc.ssl_target_name_override", args.server_name)] if args.server_name else None
+    try:
+        with secure_channel(f"{args.host}:{args.port}", tls, options, aio=False) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout).status
+    except grpc.RpcError as e:
+        print(f"health: {args.host}:{args.port}: {e.code().name} {e.details()}", file=sys.stderr)
+        return 1
+    print(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def _make_certs(args) -> int:
     from .common.pki import files_for, make_pki
     identities = args.identity or [f"{r}/{r}0" for r in ("broker", "prefill", "decode", "gateway")] + ["operator/local"]
@@ -130,6 +149,17 @@ def main(argv: list[str] | None = None) -> int:
                         "one of each)")
     c.add_argument("--dns", action="append", default=None, help="extra DNS name for every certificate (repeatable)")
     c.set_defaults(fn=_make_certs)
+
+    h = sub.add_parser("health", help="check a service's gRPC health over mutual TLS (exit 0 when SERVING)")
+    h.add_argument("--host", default=os.environ.get("POD_IP", "127.0.0.1"), help="default: $POD_IP, else 127.0.0.1")
+    h.add_argument("--port", type=int, required=True)
+    h.add_argument("--server-name", default=None, help="name to verify the server certificate against")
+    h.add_argument("--tls-role", default="operator", choices=["broker", "prefill", "decode", "gateway", "operator"],
+                   help="role the certificate must have (a pod probes itself with its own certificate)")
+    h.add_argument("--timeout", type=float, default=3.0)
+    from .common.tls import add_tls_args
+    add_tls_args(h, "the probe's channel")
+    h.set_defaults(fn=_health)
 
     b = sub.add_parser("bench", help="benchmarks side by side (see bench/)")
     b.add_argument("--quick", action="store_true")
