@@ -1,10 +1,12 @@
-"""The `pdserve` command: one sub-command per service, plus up, generate, make-model and bench."""
+"""The `pdserve` command: one sub-command per service, plus up, generate, make-model, make-certs and bench."""
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
+import shutil
 import sys
+import tempfile
 
 from .common import config
 
@@ -22,14 +24,22 @@ def _up(args) -> int:
         return 1
     print(f"starting broker, {args.prefill_instances} prefill, {args.decode_instances} decode, gateway ...",
           flush=True)
-    procs = launcher.start_stack(
-        args.model, base_ports=True, context_length=args.context_length, page_size=args.page_size,
-        prefill_pool_tokens=args.prefill_pool_tokens, decode_pool_tokens=args.decode_pool_tokens,
-        allow_small=args.allow_pool_smaller_than_context, num_prefill=args.prefill_instances,
-        num_decode=args.decode_instances, echo=True)
+    # a throwaway CA per run unless the operator keeps one: the internal services always run mutual TLS
+    tls_dir = args.tls_dir or tempfile.mkdtemp(prefix="pdserve-tls-")
+    try:
+        procs = launcher.start_stack(
+            args.model, base_ports=True, context_length=args.context_length, page_size=args.page_size,
+            prefill_pool_tokens=args.prefill_pool_tokens, decode_pool_tokens=args.decode_pool_tokens,
+            allow_small=args.allow_pool_smaller_than_context, num_prefill=args.prefill_instances,
+            num_decode=args.decode_instances, echo=True, tls_dir=tls_dir)
+    except BaseException:
+        if not args.tls_dir:
+            shutil.rmtree(tls_dir, ignore_errors=True)
+        raise
     gw = procs["gateway"][0]
     print(f"\npdserve is up: gateway gRPC {gw.target}, OpenAI HTTP 127.0.0.1:{gw.http_port}; try "
-          f"`pdserve generate \"hello\"`. Ctrl-C stops.", flush=True)
+          f"`pdserve generate \"hello\"`. Internal services use mutual TLS (certificates in {tls_dir}"
+          f"{'' if args.tls_dir else ', removed at exit'}). Ctrl-C stops.", flush=True)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     try:
@@ -44,6 +54,42 @@ def _up(args) -> int:
     finally:
         print("stopping ...", flush=True)
         launcher.stop_stack(procs)
+        if not args.tls_dir:
+            shutil.rmtree(tls_dir, ignore_errors=True)
+    return 0
+
+
+def _health(args) -> int:
+    """Exit 0 when the service answers SERVING over mutual TLS: the kubelet's own gRPC probe cannot
+    present a client certificate, so the deployment probes with this command."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from .common.tls import secure_channel, tls_from_args
+    tls = tls_from_args(args, "health", args.tls_role)
+    options = [("grpc.ssl_target_name_override", args.server_name)] if args.server_name else None
+    try:
+        with secure_channel(f"{args.host}:{args.port}", tls, options, aio=False) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=args.timeout).status
+    except grpc.RpcError as e:
+        print(f"health: {args.host}:{args.port}: {e.code().name} {e.details()}", file=sys.stderr)
+        return 1
+    print(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+    return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _make_certs(args) -> int:
+    from .common.pki import files_for, make_pki
+    identities = args.identity or [f"{r}/{r}0" for r in ("broker", "prefill", "decode", "gateway")] + ["operator/local"]
+    try:
+        make_pki(args.out, identities, tuple(args.dns or ()))
+    except ValueError as e:
+        print(f"make-certs: {e}", file=sys.stderr)
+        return 2
+    print(f"CA: {os.path.join(args.out, 'ca.crt')} (its key ca.key signs further identities; keep it private)")
+    for identity in identities:
+        f = files_for(args.out, identity)
+        print(f"{identity}: --tls-cert {f.cert} --tls-key {f.key} --tls-ca {f.ca}")
     return 0
 
 
@@ -68,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--allow-pool-smaller-than-context", action="store_true")
     up.add_argument("--prefill-instances", type=int, default=1)
     up.add_argument("--decode-instances", type=int, default=1)
+    up.add_argument("--tls-dir", default=None,
+                    help="keep the run's dev CA and certificates here (default: a temporary folder, removed at exit)")
     up.set_defaults(fn=_up)
 
     g = sub.add_parser("generate", help="stream one completion from the gateway")
@@ -92,6 +140,26 @@ def main(argv: list[str] | None = None) -> int:
         print(make_model(a.out, a.preset, a.seed))
         return 0
     m.set_defaults(fn=_make)
+
+    c = sub.add_parser("make-certs", help="write a throwaway dev CA and one mTLS certificate per identity")
+    c.add_argument("--out", required=True, help="folder for ca.crt, ca.key and ROLE-NAME.crt/.key (an existing "
+                                                "CA there is reused)")
+    c.add_argument("--identity", action="append", default=None,
+                   help="ROLE/NAME, ROLE one of broker, prefill, decode, gateway, operator (repeatable; default: "
+                        "one of each)")
+    c.add_argument("--dns", action="append", default=None, help="extra DNS name for every certificate (repeatable)")
+    c.set_defaults(fn=_make_certs)
+
+    h = sub.add_parser("health", help="check a service's gRPC health over mutual TLS (exit 0 when SERVING)")
+    h.add_argument("--host", default=os.environ.get("POD_IP", "127.0.0.1"), help="default: $POD_IP, else 127.0.0.1")
+    h.add_argument("--port", type=int, required=True)
+    h.add_argument("--server-name", default=None, help="name to verify the server certificate against")
+    h.add_argument("--tls-role", default="operator", choices=["broker", "prefill", "decode", "gateway", "operator"],
+                   help="role the certificate must have (a pod probes itself with its own certificate)")
+    h.add_argument("--timeout", type=float, default=3.0)
+    from .common.tls import add_tls_args
+    add_tls_args(h, "the probe's channel")
+    h.set_defaults(fn=_health)
 
     b = sub.add_parser("bench", help="benchmarks side by side (see bench/)")
     b.add_argument("--quick", action="store_true")

@@ -6,12 +6,14 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 
 HTTP_READY = re.compile(r"PDSERVE_HTTP port=(\d+)")
 READY = re.compile(r"PDSERVE_READY service=(\w+) port=(\d+) metrics_port=(\d+)")
+OPERATOR = "operator/local"  # the identity `pdserve up` and the tests use to call services directly
 
 
 # test-only switches (services/common/faults.py): a child gets them only when the caller names them in `env`, so
@@ -100,9 +102,12 @@ def stop(proc: Proc, timeout: float = 10.0) -> int | None:
 def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0, page_size: int = 16,
                 prefill_pool_tokens: int = 8192, decode_pool_tokens: int = 32768, allow_small: bool = False,
                 num_prefill: int = 1, num_decode: int = 1, env: dict | None = None, echo: bool = False,
-                log_dir: str | None = None, extra: dict | None = None) -> dict[str, list[Proc]]:
+                log_dir: str | None = None, extra: dict | None = None, tls_dir: str | None = None,
+                insecure: bool = False) -> dict[str, list[Proc]]:
     """Broker, prefills, decodes, gateway. base_ports=True uses the default ports (pdserve up); otherwise
-    every port is 0 (picked by the OS), as tests need."""
+    every port is 0 (picked by the OS), as tests need. Mutual TLS by default: a throwaway CA and one
+    certificate per service (plus OPERATOR) go to tls_dir, else log_dir/tls, else a new temporary folder;
+    insecure=True passes --insecure instead (loud, unsafe)."""
     from .common import config
 
     def ports(name: str, i: int) -> list[str]:
@@ -116,6 +121,18 @@ def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0
         return os.path.join(log_dir, f"{name}.log") if log_dir else None
 
     extra = extra or {}
+    tls_dir = None if insecure else (tls_dir or (os.path.join(log_dir, "tls") if log_dir
+                                                 else tempfile.mkdtemp(prefix="pdserve-tls-")))
+
+    if tls_dir is not None:
+        from .common.pki import make_pki
+        make_pki(tls_dir, [OPERATOR])
+
+    def tls(role: str, i: int) -> list[str]:
+        if tls_dir is None:
+            return ["--insecure", "--allow-unsafe", "insecure"]
+        f = make_pki(tls_dir, [f"{role}/{role}{i}"])[f"{role}/{role}{i}"]
+        return ["--tls-cert", f.cert, "--tls-key", f.key, "--tls-ca", f.ca]
     common = ["--model", model, "--page-size", str(page_size)]
     if context_length:
         common += ["--context-length", str(context_length)]
@@ -123,20 +140,22 @@ def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0
         common += ["--allow-pool-smaller-than-context"]
     procs: dict[str, list[Proc]] = {"broker": [], "prefill": [], "decode": [], "gateway": []}
     try:
-        broker = start("broker", ["broker", *ports("broker", 0), *extra.get("broker", [])], env, echo=echo,
-                       log_path=log("broker"))
+        broker = start("broker", ["broker", *ports("broker", 0), *tls("broker", 0), *extra.get("broker", [])], env,
+                       echo=echo, log_path=log("broker"))
         procs["broker"].append(broker)
         for i in range(num_prefill):
-            procs["prefill"].append(start(f"prefill{i}", ["prefill", *ports("prefill", i), "--broker", broker.target,
+            procs["prefill"].append(start(f"prefill{i}", ["prefill", *ports("prefill", i), *tls("prefill", i),
+                                                          "--broker", broker.target,
                                                           *common, "--pool-tokens", str(prefill_pool_tokens),
                                                           *extra.get("prefill", [])], env, echo=echo,
                                           log_path=log(f"prefill{i}")))
         for i in range(num_decode):
-            procs["decode"].append(start(f"decode{i}", ["decode", *ports("decode", i), "--broker", broker.target,
+            procs["decode"].append(start(f"decode{i}", ["decode", *ports("decode", i), *tls("decode", i),
+                                                        "--broker", broker.target,
                                                         *common, "--pool-tokens", str(decode_pool_tokens),
                                                         *extra.get("decode", [])], env, echo=echo,
                                          log_path=log(f"decode{i}")))
-        gw = ["gateway", *ports("gateway", 0), "--model", model, *extra.get("gateway", [])]
+        gw = ["gateway", *ports("gateway", 0), *tls("gateway", 0), "--model", model, *extra.get("gateway", [])]
         for p in procs["prefill"]:
             gw += ["--prefill", p.target]
         for p in procs["decode"]:

@@ -9,6 +9,7 @@ from ..common import config
 from ..common.cli_args import add_service_args
 from ..common.proto import broker_pb2, broker_pb2_grpc
 from ..common.server import Service, setup_logging
+from ..common.tls import add_tls_args, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..kvtransfer.engine import MOONCAKE_MIN_TIMEOUT_S
 from .lease_table import LeaseTable
@@ -31,6 +32,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "post after a restart (match prefill's --writer-ttl)")
     p.add_argument("--sweep-interval", type=float, default=0.5)
     p.add_argument("--max-ttl", type=float, default=60.0, help="longest liveness lease a holder may ask for, seconds")
+    add_tls_args(p)
 
 
 def check_bounds(args) -> None:
@@ -50,10 +52,11 @@ def check_bounds(args) -> None:
 async def serve(args) -> None:
     check_unsafe("broker", args)
     check_bounds(args)
+    tls = tls_from_args(args, "broker", "broker")
     table = LeaseTable(lock_delay_s=args.lock_delay, default_writer_ttl_s=args.writer_ttl, max_ttl_s=args.max_ttl)
     servicer = BrokerServicer(table)
     svc = Service("broker", [broker_pb2.DESCRIPTOR.services_by_name["Broker"].full_name],
-                  args.host, args.port, args.metrics_port, args.metrics_host)
+                  args.host, args.port, args.metrics_port, tls=tls, metrics_host=args.metrics_host)
     broker_pb2_grpc.add_BrokerServicer_to_server(servicer, svc.server)
     await svc.start()
     sweeper = asyncio.create_task(servicer.run_sweeper(args.sweep_interval))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from . import config
+from .tls import add_tls_args
 from .unsafe import add_unsafe_args
 
 
@@ -38,3 +39,4 @@ def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_to
                    help="UNSAFE, needs --allow-unsafe no-transfer-checksum: skip the CRC-32C of transferred pages (tags "
                         "are still checked, the bytes are not); prefill and decode must agree")
     p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    add_tls_args(p)

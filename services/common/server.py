@@ -12,8 +12,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Histogram, start_http_server
 
+from .authz import AuthInterceptor
 from .errors import PdError, to_status
 from .faults import add_faults_service
+from .tls import TlsConfig
 
 log = logging.getLogger(__name__)
 
@@ -76,19 +78,28 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
 
 class Service:
-    """One gRPC server with stock health (NOT_SERVING until ready), reflection and a /metrics port."""
+    """One gRPC server with stock health (NOT_SERVING until ready), reflection and a /metrics port.
+    With tls, the port demands a client certificate and every call is authorised by its identity (authz.py);
+    tls=None is plaintext with no authorisation: the gateway's public API, or an explicit --insecure."""
 
-    def __init__(self, name: str, full_service_names: list[str], host: str, port: int, metrics_port: int,
-                 metrics_host: str = "127.0.0.1"):
+    def __init__(self, name: str, full_service_names: list[str], host: str, port: int, metrics_port: int, *,
+                 tls: TlsConfig | None, metrics_host: str = "127.0.0.1"):
         self.name = name
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=GRPC_OPTIONS)
+        interceptors = [ErrorInterceptor()]
+        if tls is not None:  # outermost: a refused caller reaches no handler and no other interceptor
+            interceptors.insert(0, AuthInterceptor(name, full_service_names))
+        self.server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(full_service_names + [reflection.SERVICE_NAME, health.SERVICE_NAME],
                                             self.server)
         add_faults_service(self.server)
         self.full_service_names = full_service_names
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        address = f"{host}:{port}"
+        if tls is None:
+            self.port = self.server.add_insecure_port(address)
+        else:
+            self.port = self.server.add_secure_port(address, tls.server_credentials())
         if self.port == 0:
             raise RuntimeError(f"{name}: cannot bind gRPC port {host}:{port}")
         self.metrics_host, self.metrics_port = metrics_host, metrics_port

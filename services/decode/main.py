@@ -7,14 +7,13 @@ import logging
 import os
 import secrets
 
-import grpc
-
 from ..common import config
 from ..common.capacity import check_pool_capacity
 from ..common.cli_args import add_engine_args
 from ..common.metrics import init_metrics
 from ..common.proto import broker_pb2_grpc, decode_pb2, decode_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
+from ..common.tls import own_identity, secure_channel, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..engine.runner import ModelRunner, set_threads
 from ..kvtransfer.engine import TransferEngine
@@ -34,25 +33,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 async def serve(args) -> None:
     check_unsafe("decode", args)  # before the model loads: a refusal is immediate
+    tls = tls_from_args(args, "decode", "decode")
     num_pages = args.pool_tokens // args.page_size
     set_threads(args.threads, args.switch_interval_ms)
     runner = ModelRunner(args.model, num_pages, args.page_size, args.kv_dtype, args.device)
     context_length = args.context_length or runner.config.max_position_embeddings
-    # unique per incarnation: a restarted decode never inherits leases of its predecessor
-    pool_id = f"decode-{args.host}-{args.port}-{os.getpid()}-{secrets.token_hex(4)}"
+    # unique per incarnation: a restarted decode never inherits leases of its predecessor; under its own
+    # identity, because the broker lets a decode name only pools that start with it
+    pool_id = f"{own_identity(tls, 'decode')}/{args.host}-{args.port}-{os.getpid()}-{secrets.token_hex(4)}"
     init_metrics("decode", [pool_id])
     check_pool_capacity("decode", pool_id, num_pages * args.page_size, context_length,
                         args.allow_pool_smaller_than_context)
     transfer = TransferEngine(args.host, args.protocol)
     transfer.register(runner.pool.data_ptr, runner.pool.data_nbytes)
     transfer.register(runner.pool.tag_ptr, runner.pool.tag_nbytes)
-    channel = grpc.aio.insecure_channel(args.broker, options=GRPC_OPTIONS)
+    channel = secure_channel(args.broker, tls, GRPC_OPTIONS)
     servicer = DecodeServicer(runner, broker_pb2_grpc.BrokerStub(channel), pool_id, transfer.session,
                               context_length, os.path.basename(os.path.normpath(args.model)), args.max_batch,
                               check_checksums=not args.no_transfer_checksum, canary=args.canary,
                               allocation_timeout_s=args.allocation_timeout)
     svc = Service("decode", [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name],
-                  args.host, args.port, args.metrics_port, args.metrics_host)
+                  args.host, args.port, args.metrics_port, tls=tls, metrics_host=args.metrics_host)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)
     await svc.start()
     while True:  # SERVING only once the pool is allocated, registered and checked

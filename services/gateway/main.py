@@ -13,6 +13,7 @@ from ..common.errors import PdError
 from ..common.metrics import init_metrics
 from ..common.proto import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
+from ..common.tls import add_tls_args, secure_channel, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..engine.tokenizer import load_tokenizer
 from .router import Backend
@@ -36,6 +37,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-timeout", type=float, default=30.0, help="bound on waiting for free KV pages, seconds")
     p.add_argument("--prefill-timeout", type=float, default=60.0, help="bound on one Prefill call, seconds")
     p.add_argument("--token-timeout", type=float, default=60.0, help="bound on the gap between two tokens, seconds")
+    add_tls_args(p, "the gateway's channels to prefill and decode (its public gRPC and HTTP APIs stay plaintext)")
 
 
 async def _info(target: str, stub, timeout: float = 120.0) -> common_pb2.EngineInfo:
@@ -62,12 +64,13 @@ def capacity_of(prefills: list[Backend], decodes: list[Backend]) -> Capacity:
 
 async def serve(args) -> None:
     check_unsafe("gateway", args)
+    tls = tls_from_args(args, "gateway", "gateway")
     init_metrics("gateway")
     prefill_targets = args.prefill or [f"127.0.0.1:{config.PREFILL_PORT}"]
     decode_targets = args.decode or [f"127.0.0.1:{config.DECODE_PORT}"]
-    prefills = [Backend(t, prefill_pb2_grpc.PrefillStub(grpc.aio.insecure_channel(t, options=GRPC_OPTIONS)))
+    prefills = [Backend(t, prefill_pb2_grpc.PrefillStub(secure_channel(t, tls, GRPC_OPTIONS)))
                 for t in prefill_targets]
-    decodes = [Backend(t, decode_pb2_grpc.DecodeStub(grpc.aio.insecure_channel(t, options=GRPC_OPTIONS)))
+    decodes = [Backend(t, decode_pb2_grpc.DecodeStub(secure_channel(t, tls, GRPC_OPTIONS)))
                for t in decode_targets]
     for b in prefills + decodes:
         b.info = await _info(b.target, b.stub)
@@ -76,7 +79,8 @@ async def serve(args) -> None:
     servicer = GatewayServicer(prefills, decodes, tokenizer, cap, args.queue_limit, args.queue_timeout,
                                args.prefill_timeout, args.token_timeout)
     svc = Service("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
-                  args.host, args.port, args.metrics_port, args.metrics_host)
+                  args.host, args.port, args.metrics_port, tls=None,  # public API: plaintext by design
+                  metrics_host=args.metrics_host)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, svc.server)
     await svc.start()
     if args.http_port >= 0:

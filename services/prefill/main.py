@@ -7,14 +7,13 @@ import logging
 import os
 import secrets
 
-import grpc
-
 from ..common import config
 from ..common.capacity import check_pool_capacity
 from ..common.cli_args import add_engine_args
 from ..common.metrics import init_metrics
 from ..common.proto import broker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
+from ..common.tls import own_identity, secure_channel, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..engine.runner import ModelRunner, set_threads
 from ..kvtransfer.engine import MOONCAKE_MIN_TIMEOUT_S, TransferEngine, landing_bound_s
@@ -40,6 +39,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 async def serve(args) -> None:
     check_unsafe("prefill", args)  # before the model loads: a refusal is immediate
+    tls = tls_from_args(args, "prefill", "prefill")
     num_pages = args.pool_tokens // args.page_size
     set_threads(args.threads, args.switch_interval_ms)
     runner = ModelRunner(args.model, num_pages, args.page_size, args.kv_dtype, args.device)
@@ -50,14 +50,15 @@ async def serve(args) -> None:
                                      args.allow_pool_smaller_than_context)
     transfer = TransferEngine(args.host, args.protocol, timeout_s=args.mooncake_timeout)
     worker = PrefillWorker(runner, transfer, checksums=not args.no_transfer_checksum)
-    channel = grpc.aio.insecure_channel(args.broker, options=GRPC_OPTIONS)
+    channel = secure_channel(args.broker, tls, GRPC_OPTIONS)
     broker = broker_pb2_grpc.BrokerStub(channel)
-    writer_prefix = f"prefill-{args.host}-{os.getpid()}-{secrets.token_hex(4)}"
+    # the broker lets a prefill name only writer ids under its own identity
+    writer_prefix = f"{own_identity(tls, 'prefill')}/{os.getpid()}-{secrets.token_hex(4)}"
     # the largest batch call is the data write of a whole pool: Mooncake allows it timeout + 1 ns per byte
     max_landing = landing_bound_s(transfer.timeout_s, runner.pool.data_nbytes, args.landing_slack)
     leases = WriteLeases(broker, writer_prefix, max_landing, writer_ttl_s=args.writer_ttl)
     svc = Service("prefill", [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name],
-                  args.host, args.port, args.metrics_port, args.metrics_host)
+                  args.host, args.port, args.metrics_port, tls=tls, metrics_host=args.metrics_host)
     prefill_pb2_grpc.add_PrefillServicer_to_server(
         PrefillServicer(worker, leases, context_length, max_prompt, os.path.basename(os.path.normpath(args.model)),
                         transfer_timeout_s=args.transfer_timeout), svc.server)

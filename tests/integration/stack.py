@@ -1,14 +1,15 @@
 """A real local stack (broker, prefill, decode, gateway processes on OS-picked ports) for tests."""
 from __future__ import annotations
 
+import os
 import re
 import tempfile
 import urllib.request
 
-import grpc
-
 from services import launcher
 from services.client import build_request, generate
+from services.common.pki import files_for, issue
+from services.common.tls import TlsConfig, secure_channel
 from services.common.proto import (broker_pb2, broker_pb2_grpc, decode_pb2_grpc, faults_pb2, faults_pb2_grpc,
                                    gateway_pb2_grpc, prefill_pb2_grpc)
 
@@ -18,15 +19,28 @@ class Stack:
         self.log_dir = tempfile.mkdtemp(prefix="pdserve-stack-")
         self.env = kw.pop("env", {})
         env = {"PDSERVE_ENABLE_FAULTS": "1", **self.env}
-        self.procs = launcher.start_stack(model_dir, env=env, log_dir=self.log_dir, **kw)
+        self.tls_dir = os.path.join(self.log_dir, "tls")
+        self.procs = launcher.start_stack(model_dir, env=env, log_dir=self.log_dir, tls_dir=self.tls_dir, **kw)
         self._channels = []
-        self.gateway = gateway_pb2_grpc.GatewayStub(self._ch(self.procs["gateway"][0].target))
+        self.gateway = gateway_pb2_grpc.GatewayStub(self._ch(self.procs["gateway"][0].target, tls=None))
         self.broker = broker_pb2_grpc.BrokerStub(self._ch(self.procs["broker"][0].target))
         self.prefills = [prefill_pb2_grpc.PrefillStub(self._ch(p.target)) for p in self.procs["prefill"]]
         self.decodes = [decode_pb2_grpc.DecodeStub(self._ch(p.target)) for p in self.procs["decode"]]
 
-    def _ch(self, target: str):
-        ch = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)])
+    def tls(self, identity: str = launcher.OPERATOR) -> TlsConfig:
+        """Credentials signed by this stack's CA for any identity (made on first use; tests may name
+        malformed ones to see them refused)."""
+        files = files_for(self.tls_dir, identity)
+        if not os.path.exists(files.cert):
+            files = issue(self.tls_dir, identity)
+        return TlsConfig(files.cert, files.key, files.ca)
+
+    def _ch(self, target: str, tls: TlsConfig | None | str = launcher.OPERATOR):
+        """A channel to target; internal services get mutual TLS as the operator unless told otherwise
+        (pass tls=None only for the gateway's plaintext public API)."""
+        if isinstance(tls, str):
+            tls = self.tls(tls)
+        ch = secure_channel(target, tls, [("grpc.max_receive_message_length", 64 << 20)], aio=False)
         self._channels.append(ch)
         return ch
 
@@ -67,7 +81,7 @@ class Stack:
         out = []
         for p in self.procs["decode"]:
             for line in p.lines:
-                m = re.search(r"pool (decode-\S+) registered", line)
+                m = re.search(r"pool (\S+) registered:", line)
                 if m:
                     out.append(self.broker.GetPoolState(broker_pb2.GetPoolStateRequest(pool_id=m.group(1)), timeout=5))
                     break

@@ -14,7 +14,8 @@ from services import launcher
 @pytest.mark.parametrize("service", ["prefill", "decode"])
 def test_pool_smaller_than_context_exits_nonzero_with_numbers(model_dir, service):
     r = subprocess.run([sys.executable, "-m", "services.cli", service, "--model", model_dir, "--port", "0",
-                        "--metrics-port", "0", "--pool-tokens", "1024", "--broker", "127.0.0.1:1"],
+                        "--metrics-port", "0", "--pool-tokens", "1024", "--broker", "127.0.0.1:1",
+                        "--insecure", "--allow-unsafe", "insecure"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     err = r.stderr + r.stdout
@@ -28,7 +29,8 @@ def test_decode_is_not_serving_until_its_pool_is_registered(model_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "decode", "--model", model_dir,
-                             "--metrics-port", "0", "--broker", "127.0.0.1:1", "--port", str(port)],
+                             "--metrics-port", "0", "--broker", "127.0.0.1:1", "--port", str(port),
+                             "--insecure", "--allow-unsafe", "insecure"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
