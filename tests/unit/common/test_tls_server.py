@@ -59,7 +59,9 @@ async def _roles_and_pools(pki):
     async with broker(pki) as target:
         async with secure_channel(target, pki["decode/d0"]) as ch:
             d0 = broker_pb2_grpc.BrokerStub(ch)
-            epoch = (await d0.RegisterPool(pb.RegisterPoolRequest(pool_id="decode/d0/a", num_pages=4))).epoch
+            region = pb.PoolRegion(transfer_session="127.0.0.1:9", data_base=0x1000, tag_base=0x2000)
+            epoch = (await d0.RegisterPool(pb.RegisterPoolRequest(pool_id="decode/d0/a", num_pages=4,
+                                                                  region=region))).epoch
             before = Spy.calls
             granted = await d0.Grant(pb.GrantRequest(pool_id="decode/d0/a", owner=b"r" * 16, num_pages=2, epoch=epoch))
             assert [lease.page for lease in granted.leases] and Spy.calls == before + 1
