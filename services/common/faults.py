@@ -22,6 +22,8 @@ KNOWN = {
     "prefill.slow_transfer": "sleep ARG ms between the data writes and the tag writes (a stuck transfer)",
     "prefill.crash_mid_transfer": "exit the process (as SIGKILL would) after the data writes, before the tags",
     "decode.corrupt_tag": "overwrite the tag of page ARG of the next request before its next step",
+    "decode.rogue_data_write": "overwrite the data (not the tag) of prompt page ARG of the newest running request "
+                               "before its first step (a late data-only write)",
 }
 
 
