@@ -50,8 +50,10 @@ def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     probs = torch.softmax((x - x.max()) / params.temperature, dim=-1)
     if params.top_p < 1.0:
         sorted_p, idx = torch.sort(probs, descending=True)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays, as top_p > 0)
+        # keep the smallest prefix whose mass reaches top_p; the first token always stays, stated outright:
+        # "0 < top_p" alone fails for a top_p that rounds to 0 in float32 (3e-293 passes admission as a double)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < params.top_p
+        keep[0] = True
         sorted_p = sorted_p * keep
         probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
     return probs
