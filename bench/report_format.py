@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from .stack import TTFT_KINDS
+from .stack import STEP_KINDS, TTFT_KINDS
 from .workload import Summary
 
 NAN = math.nan
@@ -68,11 +68,13 @@ def _mean_rpc(s: Summary, key: str) -> float:
 
 
 def guard_fractions(s: Summary) -> tuple[float, float]:
-    """(guard time before the first token, per request / TTFT p50; step tag checks / wall time)."""
+    """(guard time before the first token, per request / TTFT p50; per-step guards (tag check and checksum
+    sweep) / wall time)."""
     g = s.extra["guard"]
     if not _ok(s) or not s.ttft_p50 or math.isnan(s.ttft_p50):
         return NAN, NAN
-    return sum(g.get(k, 0.0) for k in TTFT_KINDS) / _ok(s) / s.ttft_p50, g["step_tag_check"] / s.wall_s
+    return (sum(g.get(k, 0.0) for k in TTFT_KINDS) / _ok(s) / s.ttft_p50,
+            sum(g.get(k, 0.0) for k in STEP_KINDS) / s.wall_s)
 
 
 def _ci_verdict(ci: tuple[float, float], limit: float) -> str:

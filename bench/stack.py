@@ -17,9 +17,11 @@ from .pdclient import delta, run_load, scrape
 from .workload import MAX_TOKENS, Record, Summary, summarize
 
 GUARD_KINDS = ("grant_rpc", "begin_write_rpc", "begin_write_wait", "end_write_rpc", "validate_rpc", "release_rpc", "checksum",
-               "prompt_verify", "step_tag_check")
+               "prompt_verify", "step_tag_check", "checksum_sweep")
+# guards decode runs once per step for the whole batch: their time is charged to output throughput
+STEP_KINDS = ("step_tag_check", "checksum_sweep")
 # guards every request waits for between admission and its first token (release runs after the last token,
-# step_tag_check once per decode step for the whole batch); KeepAlive + BeginWrite run during the forward pass,
+# step_tag_check and checksum_sweep once per decode step for the whole batch); KeepAlive + BeginWrite run during the forward pass,
 # so what they add is begin_write_wait, the time prefill still waits for them once the pass is done
 TTFT_KINDS = ("grant_rpc", "begin_write_wait", "checksum", "end_write_rpc", "prompt_verify", "validate_rpc")
 SERVICES = ("gateway", "broker", "prefill", "decode")

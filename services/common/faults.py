@@ -26,6 +26,8 @@ KNOWN = {
     "transfer.fail_then_land": "report the data write failed at once, then really post it ARG ms later (default "
                                "200), reading the source pages as they are then",
     "decode.corrupt_tag": "overwrite the tag of page ARG of the next request before its next step",
+    "decode.rogue_data_write": "overwrite the data (not the tag) of prompt page ARG of the newest running request "
+                               "before its first step (a late data-only write)",
 }
 
 

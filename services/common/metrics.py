@@ -30,7 +30,12 @@ GUARD_SECONDS = Histogram("pdserve_guard_seconds",
 # begin_write_wait: what prefill still waits for KeepAlive + BeginWrite once its forward pass (which they
 # overlap) is done
 GUARD_KINDS = ("grant_rpc", "begin_write_rpc", "begin_write_wait", "end_write_rpc", "validate_rpc", "release_rpc",
-               "checksum", "prompt_verify", "step_tag_check")
+               "checksum", "prompt_verify", "step_tag_check", "checksum_sweep")
+SWEEP_CYCLE_STEPS = Gauge("pdserve_checksum_sweep_cycle_steps",
+                          "Decode steps within which every prompt page of the running batch is re-checksummed "
+                          "(ceil(prompt pages / --checksum-sweep-pages); 0 when the sweep is off or idle)")
+SAMPLING_FAILURES = Counter("pdserve_sampling_failures_total",
+                            "Sequences ended because their own sampling failed (the rest of the step went on)")
 TIMEOUTS = Counter("pdserve_timeouts_total", "Requests ended by the bound on a non-terminal state", ["stage"])
 TIMEOUT_STAGES = ("queue", "prefill", "transfer", "validate", "allocation", "decode")
 CANARY_HITS = Counter("pdserve_canary_hits_total", "Verified pages found carrying a freed page's marker (canary mode)")
@@ -41,7 +46,7 @@ REQUESTS = Counter("pdserve_requests_total", "Finished requests by status code",
 VIOLATION_REASONS = ("COVERAGE_MISMATCH", "TAG_MISSING", "TAG_OWNER", "TAG_EPOCH", "TAG_GENERATION",
                      "TAG_PAGE_INDEX", "TAG_NUM_TOKENS", "CHECKSUM", "STEP_TAG_MISMATCH",
                      "LEASE_NOT_CURRENT", "WRITER_ACTIVE", "EPOCH_MISMATCH", "REVOKED", "CANARY",
-                     "LEASE_ALREADY_WRITTEN", "DESTINATION_MISMATCH")
+                     "LEASE_ALREADY_WRITTEN", "DESTINATION_MISMATCH", "PROMPT_PAGE_CHANGED")
 ADMISSION_REASONS = ("EMPTY_PROMPT", "PROMPT_TOO_LONG", "CONTEXT_EXCEEDED", "DECODE_POOL_EXCEEDED",
                      "PREFILL_POOL_EXCEEDED", "BAD_MAX_TOKENS", "TOKEN_OUT_OF_VOCAB", "BAD_TEMPERATURE",
                      "BAD_TOP_P", "OVERLOADED", "LAYOUT_MISMATCH", "BAD_DESTINATION")

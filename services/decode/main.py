@@ -27,6 +27,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--allocation-timeout", type=float, default=120.0,
                    help="seconds an allocation waits for its Decode call (prefill failed, gateway gone) before release")
+    p.add_argument("--checksum-sweep-pages", type=int, default=8,
+                   help="prompt pages of the running batch whose CRC-32C is re-checked before each step, in rotation "
+                        "(every prompt page at least once every ceil(prompt pages / N) steps); 0 turns it off")
     p.add_argument("--canary", action="store_true",
                    help="tests: fill released pages with a marker and refuse a verified page that carries it")
 
@@ -37,6 +40,12 @@ async def serve(args) -> None:
     num_pages = args.pool_tokens // args.page_size
     set_threads(args.threads, args.switch_interval_ms)
     runner = ModelRunner(args.model, num_pages, args.page_size, args.kv_dtype, args.device)
+    if args.checksum_sweep_pages < 0:
+        raise SystemExit(f"--checksum-sweep-pages must be >= 0, got {args.checksum_sweep_pages}")
+    if args.checksum_sweep_pages == 0 or args.no_transfer_checksum:
+        log.warning("checksum sweep OFF (%s): a late write of page data alone into a running request's prompt "
+                    "page will not be detected", "--checksum-sweep-pages 0" if args.checksum_sweep_pages == 0
+                    else "--no-transfer-checksum leaves no verified checksum to compare with")
     context_length = args.context_length or runner.config.max_position_embeddings
     # unique per incarnation: a restarted decode never inherits leases of its predecessor; under its own
     # identity, because the broker lets a decode name only pools that start with it
@@ -51,7 +60,8 @@ async def serve(args) -> None:
     servicer = DecodeServicer(runner, broker_pb2_grpc.BrokerStub(channel), pool_id, transfer.session,
                               context_length, os.path.basename(os.path.normpath(args.model)), args.max_batch,
                               check_checksums=not args.no_transfer_checksum, canary=args.canary,
-                              allocation_timeout_s=args.allocation_timeout)
+                              allocation_timeout_s=args.allocation_timeout,
+                              sweep_pages=args.checksum_sweep_pages)
     svc = Service("decode", [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name],
                   args.host, args.port, args.metrics_port, tls=tls, metrics_host=args.metrics_host)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)

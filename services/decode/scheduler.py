@@ -1,8 +1,10 @@
 """Continuous batching: requests join and leave the running batch at every step.
 
 Before every step the tags of every page the batch will read are compared with the leases; a
-mismatch ends that request alone (DATA_LOSS) and nothing computed from the page is sent. A request
-leaves the batch only between steps, so its pages are never released while a step still uses them.
+mismatch ends that request alone (DATA_LOSS) and nothing computed from the page is sent. Then the checksum
+sweep (sweep.py) re-checks the bytes of some of the batch's prompt pages, in rotation. A request leaves the
+batch only between steps, so its pages are never released while a step still uses them; a request whose own
+sampling fails ends alone (INTERNAL, SAMPLING_FAILED) while the rest of the step gets its tokens.
 """
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ import torch
 from ..common.errors import PdError
 from ..common.tasks import spawn
 from ..common.faults import FAULTS
-from ..common.metrics import FORWARD_SECONDS, GUARD_SECONDS, LEASE_VIOLATIONS
+from ..common.metrics import FORWARD_SECONDS, GUARD_SECONDS, LEASE_VIOLATIONS, SAMPLING_FAILURES
 from ..engine.runner import ModelRunner
-from ..engine.sampler import SamplingParams, sample
+from ..engine.sampler import SamplingError, SamplingParams, sample
 from ..engine.tags import OWNER_LO, make_tag
+from .sweep import ChecksumSweep, PromptRecord
 from .verify import step_tag_mismatches
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,7 @@ class Sequence:
     cancelled: bool = False
     err: PdError | None = None  # why it was cancelled, when the request must end with an error
     done: bool = False
+    prompt: PromptRecord | None = None  # prompt pages and their verified checksums, for the sweep
 
     @property
     def position(self) -> int:
@@ -65,10 +69,12 @@ class Scheduler:
     finds it in either state; it only marks the sequence, which ends between steps (or, while joining,
     when Decode next looks), so pages are never released while a step may still use them."""
 
-    def __init__(self, runner: ModelRunner, release: Callable[[Sequence], Awaitable[None]], max_batch: int = 64):
+    def __init__(self, runner: ModelRunner, release: Callable[[Sequence], Awaitable[None]], max_batch: int = 64,
+                 sweep_pages: int = 8):
         self.runner = runner
         self.release = release
         self.max_batch = max_batch
+        self.sweep = ChecksumSweep(getattr(runner, "pool", None), sweep_pages)
         self.joining: dict[bytes, Sequence] = {}
         self.running: dict[bytes, Sequence] = {}
         self._wake = asyncio.Event()
@@ -85,6 +91,7 @@ class Scheduler:
         must not await between its last look at the sequence and this call)."""
         self.joining.pop(seq.owner, None)
         raise_if_ended(seq)
+        self.sweep.admit(seq.prompt)
         self.running[seq.owner] = seq
         self._wake.set()
 
@@ -142,9 +149,26 @@ class Scheduler:
                       seq.owner.hex(), len(seq.generated))
             self._end(seq, PdError(grpc.StatusCode.DATA_LOSS, "STEP_TAG_MISMATCH",
                                    "a KV page of this request was overwritten under its lease"))
-        failed = set(bad)
-        keep = [i for i in range(len(batch)) if i not in failed]
-        return [batch[i] for i in keep], [tables[i] for i in keep]
+        return _without(batch, tables, set(bad))
+
+    def _sweep(self, batch: list[Sequence], tables: list[list[int]]) -> tuple[list[Sequence], list[list[int]]]:
+        """Re-checksums the oldest-checked prompt pages of the batch (sweep.py); drops failing sequences."""
+        if (arg := _fresh_fault(batch)) is not None:
+            # a late write of data alone: bytes of one prompt page of the newest request change, its tag does not
+            page = batch[-1].pages[int(arg or 0)]
+            self.runner.pool.kv[page, :, :, 0] = 0.5
+        with GUARD_SECONDS.labels("checksum_sweep").time():
+            bad = self.sweep([s.prompt for s in batch])
+        for m in bad:
+            seq = batch[m.index]
+            LEASE_VIOLATIONS.labels("decode", "PROMPT_PAGE_CHANGED").inc()
+            log.error("request %s: prompt page %d (physical page %d) has CRC-32C %#010x, verified %#010x, before "
+                      "step %d; failing it", seq.owner.hex(), m.page_index, m.page, m.actual, m.expected,
+                      len(seq.generated))
+            self._end(seq, PdError(grpc.StatusCode.DATA_LOSS, "PROMPT_PAGE_CHANGED",
+                                   f"prompt page {m.page_index} (physical page {m.page}) was overwritten after "
+                                   f"verification: CRC-32C {m.actual:#010x}, verified {m.expected:#010x}"))
+        return _without(batch, tables, {m.index for m in bad})
 
     def _step(self, batch: list[Sequence], tables: list[list[int]]) -> list[int]:
         """One forward step and its sampling, in the worker thread (on a GPU, sampling is what waits)."""
@@ -168,6 +192,7 @@ class Scheduler:
                     self.runner.pool.tags[batch[0].pages[int(arg or 0)], OWNER_LO] ^= 1
                 ps = self.runner.page_size
                 batch, tables = self._check(batch, [s.pages[: s.position // ps + 1] for s in batch])
+                batch, tables = self._sweep(batch, tables)
                 if not batch:
                     continue
                 tokens = await asyncio.to_thread(self._step, batch, tables)
@@ -179,11 +204,32 @@ class Scheduler:
             for seq, tok in zip(batch, tokens):
                 if seq.done or seq.cancelled:
                     continue
+                if isinstance(tok, SamplingError):
+                    SAMPLING_FAILURES.inc()
+                    log.error("request %s: sampling failed at step %d: %s", seq.owner.hex(), len(seq.generated), tok)
+                    self._end(seq, PdError(grpc.StatusCode.INTERNAL, "SAMPLING_FAILED", str(tok)))
+                    continue
                 seq.generated.append(tok)
                 finished = seq.is_finished()
                 seq.events.put_nowait((tok, finished))
                 if finished:
                     self._end(seq, None)
+
+
+def _without(batch: list[Sequence], tables: list[list[int]], failed: set[int]
+             ) -> tuple[list[Sequence], list[list[int]]]:
+    if not failed:
+        return batch, tables
+    keep = [i for i in range(len(batch)) if i not in failed]
+    return [batch[i] for i in keep], [tables[i] for i in keep]
+
+
+def _fresh_fault(batch: list[Sequence]) -> str | None:
+    """decode.rogue_data_write fires only on a request not yet stepped (the newest joins last), so a test
+    knows the write came before that request's first step."""
+    if batch and len(batch[-1].generated) == 1:
+        return FAULTS.fire("decode.rogue_data_write")
+    return None
 
 
 def raise_if_ended(seq: Sequence) -> None:

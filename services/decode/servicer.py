@@ -18,6 +18,7 @@ from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, samp
 from ..engine.runner import ModelRunner
 from ..engine.tags import TAG_NBYTES, expected_tags
 from .scheduler import Scheduler, Sequence, raise_if_ended
+from .sweep import PromptRecord
 from .verify import CANARY_BYTE, Violation, check_canaries, verify_prompt_pages
 from .watch import BrokerWatch
 
@@ -38,7 +39,7 @@ class Allocation:
 class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
     def __init__(self, runner: ModelRunner, broker, pool_id: str, transfer_session: str, context_length: int,
                  model_name: str, max_batch: int = 64, rpc_timeout_s: float = 10.0, allocation_timeout_s: float = 120.0,
-                 check_checksums: bool = True, canary: bool = False):
+                 check_checksums: bool = True, canary: bool = False, sweep_pages: int = 8):
         self.check_checksums = check_checksums
         self.canary = canary
         self.runner = runner
@@ -53,7 +54,7 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
         self.epoch = 0
         self._epoch_changed = asyncio.Event()
         self.allocations: dict[bytes, Allocation] = {}
-        self.scheduler = Scheduler(runner, self._release_seq, max_batch)
+        self.scheduler = Scheduler(runner, self._release_seq, max_batch, sweep_pages if check_checksums else 0)
         self.layout_pb = layout_to_pb(self.pool.layout, TAG_NBYTES)
         self.eos = runner.config.eos_token_id
 
@@ -131,6 +132,9 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
         self.scheduler.join(seq)
         try:
             await self._verify(request, owner, alloc)
+            if self.check_checksums:  # verification proved the pages' bytes carry these checksums
+                seq.prompt = PromptRecord.of(alloc.leases, alloc.num_prompt_tokens, self.pool.page_size,
+                                             list(request.coverage.checksums))
             raise_if_ended(seq)
             finished = seq.is_finished()
             yield decode_pb2.DecodeResponse(token_id=request.first_token, finish_reason=self._finish(seq, finished))
