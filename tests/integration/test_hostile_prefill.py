@@ -34,12 +34,13 @@ def test_prefill_refuses_a_destination_that_differs_from_the_registered_pool(sta
     """With one valid lease, a caller aims the write at another request's pages: shifting data_base by the
     distance between the two requests' pages would land its KV there while every tag stays intact."""
     victim = prompt(70, 71)
-    vid, vdest = allocate(stack, len(victim), 30)
-    stream = iter(decode_stream(stack, vid, victim, prefill(stack, vid, victim, vdest, 30), 30))
+    # long enough to still be running when the attack comes (decode does not wait for the client to read)
+    vid, vdest = allocate(stack, len(victim), 400)
+    stream = iter(decode_stream(stack, vid, victim, prefill(stack, vid, victim, vdest, 400), 400))
     first = [next(stream).token_id for _ in range(2)]  # verified and running: its pages hold its own KV now
     attacker = prompt(70, 72)
     aid, adest = allocate(stack, len(attacker), 30)
-    shift = vdest.leases[0].page - adest.leases[0].page
+    shift = vdest.leases[0].page - adest.leases[0].page  # never 0: both requests hold their pages now
     hostile = common_pb2.Destination()
     hostile.CopyFrom(adest)
     if aim == "data_base":
@@ -58,5 +59,5 @@ def test_prefill_refuses_a_destination_that_differs_from_the_registered_pool(sta
     stack.decodes[0].Release(decode_pb2.DecodeReleaseRequest(request_id=aid), timeout=5)
     # the victim's pages never saw the attacker's bytes: its stream is computed from its own prompt alone
     rest, end = collect(stream)
-    assert end is None, end
+    assert end is None and len(first + rest) == 400, end
     oracle.check(victim, first + rest)
