@@ -22,6 +22,8 @@ KNOWN = {
     "prefill.slow_transfer": "sleep ARG ms between the data writes and the tag writes (a stuck transfer)",
     "prefill.crash_mid_transfer": "exit the process (as SIGKILL would) after the data writes, before the tags",
     "decode.corrupt_tag": "overwrite the tag of page ARG of the next request before its next step",
+    "decode.fail_release": "drop the next Release to the broker as if the RPC failed (the pages leak until reconciled)",
+    "broker.lose_grant_reply": "grant the pages, then fail the Grant RPC (the reply is lost)",
 }
 
 

@@ -32,7 +32,7 @@ GUARD_SECONDS = Histogram("pdserve_guard_seconds",
 GUARD_KINDS = ("grant_rpc", "begin_write_rpc", "begin_write_wait", "end_write_rpc", "validate_rpc", "release_rpc",
                "checksum", "prompt_verify", "step_tag_check")
 TIMEOUTS = Counter("pdserve_timeouts_total", "Requests ended by the bound on a non-terminal state", ["stage"])
-TIMEOUT_STAGES = ("queue", "prefill", "transfer", "validate", "allocation", "decode")
+TIMEOUT_STAGES = ("queue", "prefill", "transfer", "validate", "allocation", "decode", "watch_blind")
 CANARY_HITS = Counter("pdserve_canary_hits_total", "Verified pages found carrying a freed page's marker (canary mode)")
 REQUESTS = Counter("pdserve_requests_total", "Finished requests by status code", ["code"])
 
