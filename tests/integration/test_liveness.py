@@ -1,6 +1,8 @@
 """Revocations survive a cut revocation stream, a blind decode stops, and leases end with their holder
 (issue 9, holes 4 and 5). Decode reaches the broker through a TCP proxy that the tests partition for real."""
 import socket
+import subprocess
+import sys
 import time
 
 import grpc
@@ -140,3 +142,13 @@ def test_a_failed_release_is_revoked_and_drains(live, oracle):
     assert state(live).num_leased == pages_needed(70, 6, 16)  # the Release really did not reach the broker
     took = wait_for(lambda: drained(live), GRACE + LOCK_DELAY + 3, "the leaked owner to be revoked and drained")
     assert took >= LOCK_DELAY - 0.3  # through quarantine, never straight back to FREE
+
+
+def test_decode_refuses_to_start_with_a_blind_bound_over_half_the_lock_delay(live, model_dir):
+    r = subprocess.run([sys.executable, "-m", "services.cli", "decode", "--model", model_dir, "--port", "0",
+                        "--metrics-port", "0", "--broker", live.procs["broker"][0].target,
+                        "--max-blind", str(LOCK_DELAY / 2 + 0.5)], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    err = r.stderr + r.stdout
+    assert f"--max-blind {LOCK_DELAY / 2 + 0.5:g}s" in err and f"lock_delay {LOCK_DELAY:g}s" in err, err
+    assert "PDSERVE_READY" not in r.stdout
