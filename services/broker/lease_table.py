@@ -9,15 +9,17 @@ from dataclasses import replace
 from typing import Callable, Iterable
 
 from .pages import OWNER_NBYTES, Lease, LeaseError, Page, PageState, PoolPages, Revocation
+from .reader_liveness import ReaderLiveness
 
 __all__ = ["OWNER_NBYTES", "Lease", "LeaseError", "LeaseTable", "Page", "PageState", "Revocation"]
 
 
-class LeaseTable:
+class LeaseTable(ReaderLiveness):
     """All pools of one broker incarnation; a new table is a new epoch, and nothing of an old one validates."""
 
     def __init__(self, lock_delay_s: float = 2.0, default_writer_ttl_s: float = 30.0,
-                 clock: Callable[[], float] = time.monotonic, epoch: int | None = None, max_ttl_s: float = 60.0):
+                 clock: Callable[[], float] = time.monotonic, epoch: int | None = None, max_ttl_s: float = 60.0,
+                 reader_ttl_s: float = 5.0, reconcile_grace_s: float = 15.0):
         if lock_delay_s < 0 or not 0 < default_writer_ttl_s <= max_ttl_s or (epoch is not None and not 0 < epoch < 2**64):
             raise ValueError(f"need lock_delay_s {lock_delay_s} >= 0, 0 < default_writer_ttl_s "
                              f"{default_writer_ttl_s} <= max_ttl_s {max_ttl_s} and epoch {epoch} in [1, 2**64)")
@@ -29,6 +31,8 @@ class LeaseTable:
         self._clock = clock
         self._pools: dict[str, PoolPages] = {}
         self._liveness: dict[str, float] = {}  # holder id -> monotonic expiry
+        self.reader_ttl_s, self.reconcile_grace_s = reader_ttl_s, reconcile_grace_s
+        self._check_reader_bounds()
 
     def register_pool(self, pool_id: str, num_pages: int, quarantined: Iterable[int] = (), region=None) -> int:
         """`quarantined`: pages a decode held under an earlier epoch (the broker restarted). Writes of that
@@ -63,6 +67,7 @@ class LeaseTable:
             # a second registration must not move where writers aim: leases already granted point there
             raise LeaseError("ALREADY_EXISTS", "POOL_REGION_MISMATCH",
                              f"pool {pool_id} is registered at another transfer session or address")
+        self.renew_reader(pool)
         return self.epoch
 
     def grant(self, pool_id: str, owner: bytes, num_pages: int, epoch: int) -> list[Lease]:
@@ -82,6 +87,7 @@ class LeaseTable:
             page = pool.pages[page_id]
             page.state, page.owner, page.generation = PageState.LEASED, owner, generation
         pool.owners[owner] = taken
+        pool.granted_at[owner] = self._clock()
         return [(page_id, generation) for page_id in taken]
 
     def begin_write(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], writer_id: str,
@@ -164,13 +170,8 @@ class LeaseTable:
         if pool.owners.get(owner):
             self._liveness[holder] = self._clock()  # already expired: only lock_delay remains
         counts = self._end_leases(pool, owner)
-        pool.revocations.append(Revocation(owner, self.epoch, reason))
+        pool.revocations.append(owner, self.epoch, reason)
         return counts
-
-    def drain_revocations(self, pool_id: str) -> list[Revocation]:
-        pool = self._pool(pool_id)
-        events, pool.revocations = pool.revocations, []
-        return events
 
     def keep_alive(self, holder_id: str, ttl_s: float) -> None:
         if not holder_id or not 0 < ttl_s <= self.max_ttl_s:
@@ -182,6 +183,7 @@ class LeaseTable:
 
     def sweep(self) -> int:
         """Ends writes whose writer is presumed dead; returns the pages that left quarantine."""
+        self.expire_readers()  # first: what it revokes waits out lock_delay like any other revocation
         now = self._clock()
         num_freed = 0
         for pool in self._pools.values():
@@ -251,6 +253,7 @@ class LeaseTable:
 
     def _end_leases(self, pool: PoolPages, owner: bytes) -> tuple[int, int]:
         num_freed = num_quarantined = 0
+        pool.granted_at.pop(owner, None)
         for page_id in pool.owners.pop(owner, []):
             page = pool.pages[page_id]
             page.owner = None

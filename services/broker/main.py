@@ -32,6 +32,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "post after a restart (match prefill's --writer-ttl)")
     p.add_argument("--sweep-interval", type=float, default=0.5)
     p.add_argument("--max-ttl", type=float, default=60.0, help="longest liveness lease a holder may ask for, seconds")
+    p.add_argument("--reader-ttl", type=float, default=5.0,
+                   help="seconds a decode's pool keeps its leases without a KeepAlive from that decode; then every "
+                        "lease of the pool is revoked through quarantine (decode renews every 0.5 s)")
+    p.add_argument("--reconcile-grace", type=float, default=15.0,
+                   help="seconds after its grant before an owner missing from its decode's KeepAlive is revoked "
+                        "(a lost Grant reply, a failed Release); must be >= decode's --rpc-timeout")
+    p.add_argument("--heartbeat-interval", type=float, default=0.25,
+                   help="seconds between heartbeats on an idle revocation stream; keep well under decode's --max-blind")
     add_tls_args(p)
 
 
@@ -53,8 +61,9 @@ async def serve(args) -> None:
     check_unsafe("broker", args)
     check_bounds(args)
     tls = tls_from_args(args, "broker", "broker")
-    table = LeaseTable(lock_delay_s=args.lock_delay, default_writer_ttl_s=args.writer_ttl, max_ttl_s=args.max_ttl)
-    servicer = BrokerServicer(table)
+    table = LeaseTable(lock_delay_s=args.lock_delay, default_writer_ttl_s=args.writer_ttl, max_ttl_s=args.max_ttl,
+                       reader_ttl_s=args.reader_ttl, reconcile_grace_s=args.reconcile_grace)
+    servicer = BrokerServicer(table, heartbeat_s=args.heartbeat_interval)
     svc = Service("broker", [broker_pb2.DESCRIPTOR.services_by_name["Broker"].full_name],
                   args.host, args.port, args.metrics_port, tls=tls, metrics_host=args.metrics_host)
     broker_pb2_grpc.add_BrokerServicer_to_server(servicer, svc.server)

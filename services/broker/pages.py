@@ -4,12 +4,12 @@ transitions live in LeaseTable."""
 import enum
 import heapq
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from .revocation_log import Revocation, RevocationLog
 
 OWNER_NBYTES = 16
 Lease = tuple[int, int]  # (page, generation)
 PageState = enum.Enum("PageState", ["FREE", "LEASED", "QUARANTINED"])
-Revocation = NamedTuple("Revocation", [("owner", bytes), ("epoch", int), ("reason", str)])
+__all__ = ["OWNER_NBYTES", "Lease", "LeaseError", "Page", "PageState", "PoolPages", "Revocation"]
 
 
 class LeaseError(Exception):
@@ -42,7 +42,9 @@ class PoolPages:
     quarantined: set[int] = field(default_factory=set)
     writing: set[int] = field(default_factory=set)
     next_generation: int = 1  # 0 is proto3's "unset" and never names a lease
-    revocations: list[Revocation] = field(default_factory=list)
+    revocations: RevocationLog = field(default_factory=RevocationLog)
+    granted_at: dict[bytes, float] = field(default_factory=dict)  # owner -> clock at its grant
+    reader_expiry: float = float("inf")  # the pool's decode renews it; set at registration
     region: object = None  # where decode registered the pool's bytes (opaque here; a PoolRegion message)
 
     def __post_init__(self) -> None:

@@ -8,8 +8,10 @@ from typing import AsyncIterator, Callable, TypeVar
 import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from services.broker.lease_table import LeaseError, LeaseTable, Revocation
+from services.broker.lease_table import LeaseError, LeaseTable
+from services.broker.watch_stream import revocation_stream
 from services.common.errors import PdError, abort
+from services.common.faults import FAULTS
 from services.common.proto import broker_pb2, broker_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
@@ -33,9 +35,12 @@ def _leases(msgs) -> list[tuple[int, int]]:
 
 
 class BrokerServicer(broker_pb2_grpc.BrokerServicer):
-    def __init__(self, table: LeaseTable, registry: CollectorRegistry = REGISTRY):
+    def __init__(self, table: LeaseTable, registry: CollectorRegistry = REGISTRY, heartbeat_s: float = 0.25):
+        if heartbeat_s <= 0:
+            raise ValueError(f"heartbeat interval {heartbeat_s}s must be > 0")
         self._table = table
-        self._watchers: dict[str, set[asyncio.Queue[Revocation]]] = {}
+        self._heartbeat_s = heartbeat_s
+        self._watchers: dict[str, set[asyncio.Event]] = {}  # pool -> one wake-up per open stream
         self._pages = Gauge("pdserve_kv_pages", "KV pages of a decode pool by broker state",
                             ["pool", "state"], registry=registry)
         self._violations = Counter("pdserve_lease_violations_total", "Refused lease checks",
@@ -56,7 +61,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                                  list(request.quarantined_pages), region)
         self._publish(request.pool_id)
         log.info("pool %s registered with %s pages in epoch %s", request.pool_id, request.num_pages, epoch)
-        return broker_pb2.RegisterPoolResponse(epoch=epoch)
+        return broker_pb2.RegisterPoolResponse(epoch=epoch, lock_delay_ms=self._lock_delay_ms())
 
     async def Grant(self, request: broker_pb2.GrantRequest,
                     context: grpc.aio.ServicerContext) -> broker_pb2.GrantResponse:
@@ -64,6 +69,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                                   request.num_pages, request.epoch)
         self._grants.inc()
         self._publish(request.pool_id)
+        if FAULTS.fire("broker.lose_grant_reply") is not None:
+            await abort(context, PdError(grpc.StatusCode.UNAVAILABLE, "FAULT_LOST_REPLY",
+                                         f"fault point: the grant to {request.owner.hex()} happened, its reply is lost"))
         return broker_pb2.GrantResponse(
             epoch=self._table.epoch,
             leases=[common_pb2.PageLease(page=p, generation=g) for p, g in leases])
@@ -103,23 +111,26 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
     async def KeepAlive(self, request: broker_pb2.KeepAliveRequest,
                         context: grpc.aio.ServicerContext) -> broker_pb2.KeepAliveResponse:
         await self._call(context, self._table.keep_alive, request.holder_id, request.ttl_ms / 1000.0)
-        return broker_pb2.KeepAliveResponse(epoch=self._table.epoch,
-                                            lock_delay_ms=int(self._table.lock_delay_s * 1000))
+        # a pool this incarnation does not know (it restarted): the reply's epoch tells decode to re-register
+        if request.pool_id and request.pool_id in self._table.pool_ids():
+            stale = self._table.reader_keep_alive(request.pool_id, request.held_owners)
+            if stale:
+                log.warning("pool %s: revoked %d owners its decode no longer holds", request.pool_id, len(stale))
+                self._after_revoke(request.pool_id)
+        return broker_pb2.KeepAliveResponse(epoch=self._table.epoch, lock_delay_ms=self._lock_delay_ms())
 
     async def WatchRevocations(self, request: broker_pb2.WatchRevocationsRequest,
                                context: grpc.aio.ServicerContext) -> AsyncIterator[broker_pb2.Revocation]:
         await self._call(context, self._table.pool_state, request.pool_id)
-        # unbounded on purpose: dropping a revocation would let decode keep reading pages it no longer owns
-        queue: asyncio.Queue[Revocation] = asyncio.Queue()
+        after_seq = request.after_seq if request.epoch == self._table.epoch else 0
+        wake = asyncio.Event()
         watchers = self._watchers.setdefault(request.pool_id, set())
-        watchers.add(queue)
-        self._fan_out(request.pool_id)  # what was revoked while nobody watched
+        watchers.add(wake)
         try:
-            while True:
-                event = await queue.get()
-                yield broker_pb2.Revocation(owner=event.owner, epoch=event.epoch, reason=event.reason)
+            async for msg in revocation_stream(self._table, request.pool_id, after_seq, wake, self._heartbeat_s):
+                yield msg
         finally:
-            watchers.discard(queue)
+            watchers.discard(wake)
 
     async def Revoke(self, request: broker_pb2.RevokeRequest,
                      context: grpc.aio.ServicerContext) -> broker_pb2.ReleaseResponse:
@@ -135,8 +146,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
     def revoke(self, pool_id: str, owner: bytes, reason: str) -> tuple[int, int]:
         """Ends an owner's leases on the broker's own initiative and tells the pool's watchers."""
         counts = self._table.revoke(pool_id, owner, reason)
-        self._publish(pool_id)
-        self._fan_out(pool_id)
+        self._after_revoke(pool_id)
         return counts
 
     async def run_sweeper(self, interval_s: float) -> None:
@@ -145,9 +155,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             await asyncio.sleep(interval_s)
             try:
                 num_freed = self._table.sweep()
-                for pool_id in self._table.pool_ids():
-                    self._publish(pool_id)
-                    self._fan_out(pool_id)
+                for pool_id in self._table.pool_ids():  # the sweep also revokes the leases of expired readers
+                    self._after_revoke(pool_id)
             except Exception:  # a dead sweeper would leak every quarantined page: log and keep going
                 log.exception("sweep failed")
                 continue
@@ -157,13 +166,13 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
     def num_watchers(self, pool_id: str) -> int:
         return len(self._watchers.get(pool_id, ()))
 
-    def _fan_out(self, pool_id: str) -> None:
-        if not self._watchers.get(pool_id):
-            return  # kept in the table until decode (re)subscribes: a dropped revocation is unsafe
-        for event in self._table.drain_revocations(pool_id):
-            log.info("revoked owner %s in pool %s: %s", event.owner.hex(), pool_id, event.reason)
-            for queue in self._watchers.get(pool_id, ()):
-                queue.put_nowait(event)
+    def _after_revoke(self, pool_id: str) -> None:
+        self._publish(pool_id)
+        for wake in self._watchers.get(pool_id, ()):
+            wake.set()
+
+    def _lock_delay_ms(self) -> int:
+        return round(self._table.lock_delay_s * 1000)
 
     def _publish(self, pool_id: str) -> None:
         if pool_id not in self._table.pool_ids():

@@ -28,6 +28,8 @@ KNOWN = {
     "decode.corrupt_tag": "overwrite the tag of page ARG of the next request before its next step",
     "decode.rogue_data_write": "overwrite the data (not the tag) of prompt page ARG of the newest running request "
                                "before its first step (a late data-only write)",
+    "decode.fail_release": "drop the next Release to the broker as if the RPC failed (the pages leak until reconciled)",
+    "broker.lose_grant_reply": "grant the pages, then fail the Grant RPC (the reply is lost)",
 }
 
 

@@ -37,7 +37,7 @@ SWEEP_CYCLE_STEPS = Gauge("pdserve_checksum_sweep_cycle_steps",
 SAMPLING_FAILURES = Counter("pdserve_sampling_failures_total",
                             "Sequences ended because their own sampling failed (the rest of the step went on)")
 TIMEOUTS = Counter("pdserve_timeouts_total", "Requests ended by the bound on a non-terminal state", ["stage"])
-TIMEOUT_STAGES = ("queue", "prefill", "transfer", "validate", "allocation", "decode")
+TIMEOUT_STAGES = ("queue", "prefill", "transfer", "validate", "allocation", "decode", "watch_blind")
 CANARY_HITS = Counter("pdserve_canary_hits_total", "Verified pages found carrying a freed page's marker (canary mode)")
 SOURCE_PAGES_HELD = Gauge("pdserve_prefill_source_pages_held",
                           "Prefill pages kept out of reuse until a failed write that read them can no longer land")

@@ -30,6 +30,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checksum-sweep-pages", type=int, default=8,
                    help="prompt pages of the running batch whose CRC-32C is re-checked before each step, in rotation "
                         "(every prompt page at least once every ceil(prompt pages / N) steps); 0 turns it off")
+    p.add_argument("--max-blind", type=float, default=1.0,
+                   help="seconds decode keeps stepping without a message (revocation or heartbeat) from the broker's "
+                        "revocation stream; then running requests fail UNAVAILABLE. Must be <= lock_delay / 2")
+    p.add_argument("--rpc-timeout", type=float, default=10.0,
+                   help="timeout of decode's broker RPCs; keep <= the broker's --reconcile-grace")
     p.add_argument("--canary", action="store_true",
                    help="tests: fill released pages with a marker and refuse a verified page that carries it")
 
@@ -60,8 +65,8 @@ async def serve(args) -> None:
     servicer = DecodeServicer(runner, broker_pb2_grpc.BrokerStub(channel), pool_id, transfer.session,
                               context_length, os.path.basename(os.path.normpath(args.model)), args.max_batch,
                               check_checksums=not args.no_transfer_checksum, canary=args.canary,
-                              allocation_timeout_s=args.allocation_timeout,
-                              sweep_pages=args.checksum_sweep_pages)
+                              allocation_timeout_s=args.allocation_timeout, rpc_timeout_s=args.rpc_timeout,
+                              max_blind_s=args.max_blind, sweep_pages=args.checksum_sweep_pages)
     svc = Service("decode", [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name],
                   args.host, args.port, args.metrics_port, tls=tls, metrics_host=args.metrics_host)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)
@@ -73,9 +78,12 @@ async def serve(args) -> None:
         except Exception as e:
             log.warning("registering pool %s with broker %s failed (%s); retrying", pool_id, args.broker, e)
             await asyncio.sleep(0.5)
+    if servicer.bound_error:
+        raise SystemExit(f"decode refuses to start: {servicer.bound_error}")
     log.info("pool %s registered: %d pages of %d tokens, epoch %#x", pool_id, num_pages, args.page_size, epoch)
     tasks = [asyncio.create_task(servicer.scheduler.run()), asyncio.create_task(servicer.expire_allocations()),
              asyncio.create_task(servicer.watch_epoch()), asyncio.create_task(servicer.watch_revocations())]
+    await servicer.watching.wait()  # a request must never run before decode can hear its revocation
     await svc.set_serving()
     await svc.wait_for_termination()
     for t in tasks:

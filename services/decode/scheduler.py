@@ -19,7 +19,7 @@ import torch
 from ..common.errors import PdError
 from ..common.tasks import spawn
 from ..common.faults import FAULTS
-from ..common.metrics import FORWARD_SECONDS, GUARD_SECONDS, LEASE_VIOLATIONS, SAMPLING_FAILURES
+from ..common.metrics import FORWARD_SECONDS, GUARD_SECONDS, LEASE_VIOLATIONS, SAMPLING_FAILURES, TIMEOUTS
 from ..engine.runner import ModelRunner
 from ..engine.sampler import SamplingError, SamplingParams, sample
 from ..engine.tags import OWNER_LO, make_tag
@@ -70,8 +70,9 @@ class Scheduler:
     when Decode next looks), so pages are never released while a step may still use them."""
 
     def __init__(self, runner: ModelRunner, release: Callable[[Sequence], Awaitable[None]], max_batch: int = 64,
-                 sweep_pages: int = 8):
+                 sweep_pages: int = 8, blind: Callable[[], PdError | None] = lambda: None):
         self.runner = runner
+        self.blind = blind  # an error while decode cannot trust its revocation stream: then nothing steps
         self.release = release
         self.max_batch = max_batch
         self.sweep = ChecksumSweep(getattr(runner, "pool", None), sweep_pages)
@@ -91,6 +92,8 @@ class Scheduler:
         must not await between its last look at the sequence and this call)."""
         self.joining.pop(seq.owner, None)
         raise_if_ended(seq)
+        if (err := self.blind()) is not None:
+            raise err
         self.sweep.admit(seq.prompt)
         self.running[seq.owner] = seq
         self._wake.set()
@@ -116,6 +119,20 @@ class Scheduler:
     def fail_all(self, err: PdError) -> None:
         for seq in [*self.running.values(), *self.joining.values()]:
             self._mark(seq, err)
+
+    def _stop_if_blind(self) -> bool:
+        """Fails everything that runs or joins when decode may have missed a revocation: the pages may be
+        freed (and re-granted) lock_delay after it, so no further step may read or write them."""
+        if (err := self.blind()) is None:
+            return False
+        if self.running or self.joining:
+            log.error("%s: failing %d running and %d joining requests", err.message, len(self.running),
+                      len(self.joining))
+            TIMEOUTS.labels("watch_blind").inc()
+        self.fail_all(err)
+        for seq in list(self.running.values()):
+            self._end(seq, seq.err)
+        return True
 
     def _end(self, seq: Sequence, err: PdError | None) -> None:
         if seq.done:
@@ -184,6 +201,8 @@ class Scheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if self._stop_if_blind():
+                continue
             batch = list(self.running.values())[: self.max_batch]
             try:
                 for seq in batch:
@@ -200,6 +219,8 @@ class Scheduler:
                 log.exception("decode step failed")
                 for seq in batch:
                     self._end(seq, PdError(grpc.StatusCode.INTERNAL, "STEP_FAILED", str(e)))
+                continue
+            if self._stop_if_blind():  # went blind during the step: its tokens are not sent
                 continue
             for seq, tok in zip(batch, tokens):
                 if seq.done or seq.cancelled:

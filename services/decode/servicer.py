@@ -11,6 +11,7 @@ import grpc
 from ..common.admission import check_lengths, check_sampling
 from ..common.config import pages_for, pages_needed
 from ..common.errors import PdError, invalid
+from ..common.faults import FAULTS
 from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS, TIMEOUTS
 from ..common.tasks import spawn
 from ..common.proto import broker_pb2, common_pb2, decode_pb2, decode_pb2_grpc
@@ -39,7 +40,7 @@ class Allocation:
 class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
     def __init__(self, runner: ModelRunner, broker, pool_id: str, transfer_session: str, context_length: int,
                  model_name: str, max_batch: int = 64, rpc_timeout_s: float = 10.0, allocation_timeout_s: float = 120.0,
-                 check_checksums: bool = True, canary: bool = False, sweep_pages: int = 8):
+                 check_checksums: bool = True, canary: bool = False, sweep_pages: int = 8, max_blind_s: float = 1.0):
         self.check_checksums = check_checksums
         self.canary = canary
         self.runner = runner
@@ -54,7 +55,9 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
         self.epoch = 0
         self._epoch_changed = asyncio.Event()
         self.allocations: dict[bytes, Allocation] = {}
-        self.scheduler = Scheduler(runner, self._release_seq, max_batch, sweep_pages if check_checksums else 0)
+        self.scheduler = Scheduler(runner, self._release_seq, max_batch, sweep_pages if check_checksums else 0,
+                                   blind=self.blind_error)
+        self.init_watch(max_blind_s)
         self.layout_pb = layout_to_pb(self.pool.layout, TAG_NBYTES)
         self.eos = runner.config.eos_token_id
 
@@ -65,6 +68,7 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             pool_id=self.pool_id, num_pages=self.pool.num_pages, quarantined_pages=quarantined, region=region),
             timeout=self.rpc_timeout_s), "broker RegisterPool")
         self.epoch = resp.epoch
+        self.check_lock_delay(resp.lock_delay_ms)
         return self.epoch
 
     async def GetInfo(self, request, context) -> common_pb2.EngineInfo:
@@ -87,16 +91,25 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
         if request.num_prompt_tokens == 0:
             raise invalid("EMPTY_PROMPT", "prompt is empty (0 tokens)")
         need = pages_needed(request.num_prompt_tokens, request.max_tokens, self.pool.page_size)
+        if (err := self.blind_error()) is not None:
+            raise err
+        if owner in self.held_owners():
+            raise PdError(grpc.StatusCode.ALREADY_EXISTS, "OWNER_HAS_LEASE", f"request {owner.hex()} is already "
+                                                                             f"allocated on pool {self.pool_id}")
+        # held from before the Grant is sent: a KeepAlive racing the reply must not have it revoked
+        self.pending_grants.add(owner)
         try:
             with GUARD_SECONDS.labels("grant_rpc").time():
                 resp = await call(self.broker.Grant(broker_pb2.GrantRequest(
                     pool_id=self.pool_id, owner=owner, num_pages=need, epoch=self.epoch),
                     timeout=self.rpc_timeout_s), "broker Grant")
         except PdError as e:
+            self.pending_grants.discard(owner)
             if e.reason not in ("EPOCH_MISMATCH", "UNKNOWN_POOL"):
                 raise
             self._epoch_changed.set()  # re-register now rather than at the next liveness tick
             raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED", e.message) from None
+        self.pending_grants.discard(owner)  # no await until it is an allocation (or released)
         leases = leases_from_pb(resp.leases)
         if len(leases) != need:  # the broker grants all or nothing: anything else is a broker fault
             spawn(self._release(owner, resp.epoch, leases))
@@ -136,6 +149,8 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
                 seq.prompt = PromptRecord.of(alloc.leases, alloc.num_prompt_tokens, self.pool.page_size,
                                              list(request.coverage.checksums))
             raise_if_ended(seq)
+            if (err := self.blind_error()) is not None:
+                raise err
             finished = seq.is_finished()
             yield decode_pb2.DecodeResponse(token_id=request.first_token, finish_reason=self._finish(seq, finished))
             if finished:
@@ -215,9 +230,12 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             # page that still carries it would prove stale bytes got through
             self.pool.fill([p for p, _ in leases], CANARY_BYTE)
         try:
+            if FAULTS.fire("decode.fail_release") is not None:
+                raise PdError(grpc.StatusCode.UNAVAILABLE, "FAULT", "fault point decode.fail_release")
             with GUARD_SECONDS.labels("release_rpc").time():
                 await self.broker.Release(broker_pb2.ReleaseRequest(pool_id=self.pool_id, owner=owner, epoch=epoch),
                                           timeout=self.rpc_timeout_s)
-        except grpc.RpcError as e:
-            # the broker restarting ends every lease of the old epoch anyway
-            log.warning("Release of %s failed: %s", owner.hex(), e.code())
+        except (grpc.RpcError, PdError) as e:
+            # the broker restarting ends every lease of the old epoch anyway, and a live broker revokes an
+            # owner this decode no longer lists as held
+            log.warning("Release of %s failed: %s", owner.hex(), e)

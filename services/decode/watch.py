@@ -1,5 +1,12 @@
 """The decode servicer's background loops: broker liveness and restarts (a new epoch), revocations, and
-allocations whose Decode call never came. A mixin of DecodeServicer, whose state it reads and changes."""
+allocations whose Decode call never came. A mixin of DecodeServicer, whose state it reads and changes.
+
+Revocations come with a per-pool cursor (seq): decode resumes from the last one it processed, and after
+any reconnect (or a gap the broker reports) re-checks every lease it reads with Validate. It counts as
+blind from the last message of the stream (heartbeats included); blind longer than max_blind, it stops
+stepping and fails what runs (UNAVAILABLE), since a revocation it cannot hear frees the pages after
+lock_delay. Hence the start-up rule max_blind <= lock_delay / 2: the other half covers the step that
+was already running, the network and the recheck."""
 from __future__ import annotations
 
 import asyncio
@@ -11,14 +18,53 @@ import grpc
 from ..common.errors import PdError
 from ..common.metrics import TIMEOUTS
 from ..common.proto import broker_pb2
+from ..common.wire import call, leases_to_pb
 
 log = logging.getLogger(__name__)
 
 
+def blind_bound_error(max_blind_s: float, lock_delay_ms: int) -> str | None:
+    """Why decode must not run with these bounds, or None."""
+    if 0 < max_blind_s and max_blind_s * 1000 <= lock_delay_ms / 2:
+        return None
+    return (f"decode --max-blind {max_blind_s:g}s must be > 0 and <= half the broker's lock_delay "
+            f"{lock_delay_ms / 1000:g}s (= {lock_delay_ms / 2000:g}s): a revocation decode cannot hear frees "
+            f"its pages after lock_delay, and the step already running and the recheck need the other half")
+
+
 class BrokerWatch:
+    def init_watch(self, max_blind_s: float) -> None:
+        self.max_blind_s = max_blind_s
+        self.heard_at: float | None = None  # monotonic time of the last message on the revocation stream
+        self.bound_error: str | None = None  # set when the broker's lock_delay breaks the blind bound
+        self.watch_cursor = (0, 0)  # (epoch, seq) of the last revocation processed
+        self.watching = asyncio.Event()  # set once the stream is first up
+        self.pending_grants: set[bytes] = set()  # owners whose Grant is in flight
+
+    def check_lock_delay(self, lock_delay_ms: int) -> None:
+        self.bound_error = blind_bound_error(self.max_blind_s, lock_delay_ms)
+        if self.bound_error:
+            log.error("%s; refusing to decode", self.bound_error)
+
+    def blind_error(self) -> PdError | None:
+        """The error every running or new request gets while decode cannot trust its revocation stream."""
+        if self.bound_error:
+            return PdError(grpc.StatusCode.UNAVAILABLE, "BAD_BOUNDS", self.bound_error)
+        blind_s = float("inf") if self.heard_at is None else time.monotonic() - self.heard_at
+        if blind_s <= self.max_blind_s:
+            return None
+        return PdError(grpc.StatusCode.UNAVAILABLE, "WATCH_BLIND",
+                       f"decode has not heard from the broker's revocation stream for {blind_s:.2f}s "
+                       f"(bound --max-blind {self.max_blind_s:g}s); it stops rather than miss a revocation")
+
+    def held_owners(self) -> set[bytes]:
+        """Every owner whose pages decode may still use: the broker revokes the others after its grace."""
+        return {*self.pending_grants, *self.allocations, *self.scheduler.joining, *self.scheduler.running}
+
     async def watch_epoch(self, interval_s: float = 0.5, ttl_s: float = 5.0) -> None:
-        """Keeps decode's liveness with the broker and notices a broker restart (a new epoch): in-flight
-        requests fail UNAVAILABLE (retryable) and the pages they held return through quarantine."""
+        """Keeps decode's liveness (and the list of owners it holds) with the broker and notices a broker
+        restart (a new epoch): in-flight requests fail UNAVAILABLE (retryable) and the pages they held
+        return through quarantine."""
         while True:
             try:
                 await asyncio.wait_for(self._epoch_changed.wait(), interval_s)
@@ -27,10 +73,12 @@ class BrokerWatch:
             self._epoch_changed.clear()
             try:
                 resp = await self.broker.KeepAlive(broker_pb2.KeepAliveRequest(
-                    holder_id=self.pool_id, ttl_ms=int(ttl_s * 1000)), timeout=self.rpc_timeout_s)
+                    holder_id=self.pool_id, ttl_ms=int(ttl_s * 1000), pool_id=self.pool_id,
+                    held_owners=sorted(self.held_owners())), timeout=self.rpc_timeout_s)
             except grpc.RpcError as e:
                 log.warning("broker unreachable (%s); running requests continue, new ones wait", e.code())
                 continue
+            self.check_lock_delay(resp.lock_delay_ms)
             if resp.epoch == self.epoch:
                 continue
             # every page, not only those in use: one released just before the restart may still have an
@@ -45,23 +93,65 @@ class BrokerWatch:
             except PdError as e:
                 log.error("re-registering pool %s failed: %s", self.pool_id, e)
 
-    async def watch_revocations(self) -> None:
-        """A revoked request stops before its next step."""
+    async def watch_revocations(self, retry_s: float = 0.2) -> None:
+        """A revoked request stops before its next step; none is lost across a reconnect."""
         while True:
+            epoch, seq = self.watch_cursor
+            is_new_stream = True
             try:
-                async for rev in self.broker.WatchRevocations(
-                        broker_pb2.WatchRevocationsRequest(pool_id=self.pool_id)):
-                    alloc = self.allocations.pop(rev.owner, None)
-                    if alloc is not None:
-                        log.warning("allocation %s revoked before its Decode: %s", rev.owner.hex(), rev.reason)
-                    self.scheduler.revoke(rev.owner, PdError(grpc.StatusCode.DATA_LOSS, "REVOKED",
-                                                             f"the broker revoked this request's leases: {rev.reason}"))
+                async for msg in self.broker.WatchRevocations(broker_pb2.WatchRevocationsRequest(
+                        pool_id=self.pool_id, after_seq=seq, epoch=epoch)):
+                    if msg.heartbeat:
+                        await self._on_heartbeat(msg, is_new_stream)
+                        is_new_stream = False
+                        continue
+                    self.heard_at = time.monotonic()
+                    self._on_revocation(msg)
             except grpc.RpcError as e:
-                log.warning("revocation stream ended (%s); resubscribing", e.code())
-            await asyncio.sleep(0.5)
+                log.warning("revocation stream ended (%s); resubscribing after seq %s", e.code(), self.watch_cursor)
+            await asyncio.sleep(retry_s)
+
+    def _on_revocation(self, msg) -> None:
+        alloc = self.allocations.pop(msg.owner, None)
+        if alloc is not None:
+            log.warning("allocation %s revoked before its Decode: %s", msg.owner.hex(), msg.reason)
+        self.scheduler.revoke(msg.owner, PdError(grpc.StatusCode.DATA_LOSS, "REVOKED",
+                                                 f"the broker revoked this request's leases: {msg.reason}"))
+        self.watch_cursor = (msg.epoch, msg.seq)
+
+    async def _on_heartbeat(self, msg, is_new_stream: bool) -> None:
+        if msg.gap or msg.seq > self.watch_cursor[1] and msg.epoch == self.watch_cursor[0]:
+            # revocations were missed: nothing may be trusted until every lease read is re-checked
+            log.error("revocation stream of pool %s lost revocations (cursor %s, broker at seq %s): "
+                      "re-checking every running lease", self.pool_id, self.watch_cursor, msg.seq)
+            await self.recheck_leases()
+        elif is_new_stream:
+            self.heard_at = time.monotonic()  # the replay brought everything missed
+            await self.recheck_leases()
+        self.heard_at = time.monotonic()
+        self.watch_cursor = (msg.epoch, msg.seq)
+        self.watching.set()
+
+    async def recheck_leases(self) -> None:
+        """Validates every running and joining request's leases; a refused one is failed (DATA_LOSS)."""
+        seqs = [*self.scheduler.running.values(), *self.scheduler.joining.values()]
+        results = await asyncio.gather(*(call(self.broker.Validate(broker_pb2.ValidateRequest(
+            pool_id=self.pool_id, owner=s.owner, epoch=s.epoch, leases=leases_to_pb(s.leases)),
+            timeout=self.rpc_timeout_s), "broker Validate") for s in seqs), return_exceptions=True)
+        for seq, result in zip(seqs, results):
+            if not isinstance(result, PdError):
+                continue
+            if result.code == grpc.StatusCode.FAILED_PRECONDITION:
+                err = PdError(grpc.StatusCode.DATA_LOSS, "REVOKED",
+                              f"re-checked after a revocation-stream outage: {result.reason}: {result.message}")
+            else:  # the check could not be made: fail closed
+                err = PdError(grpc.StatusCode.UNAVAILABLE, "RECHECK_FAILED", str(result))
+            log.warning("request %s failed its lease re-check: %s", seq.owner.hex(), result)
+            self.scheduler.revoke(seq.owner, err)
 
     async def expire_allocations(self, interval_s: float = 1.0) -> None:
-        """Allocations whose Decode never came (prefill failed, gateway gone) end at their deadline."""
+        """Allocations whose Decode never came (prefill failed, gateway gone) end at their deadline; should
+        the Release fail, the broker's reconciliation ends the leases (the owner is no longer held)."""
         while True:
             await asyncio.sleep(interval_s)
             now = time.monotonic()

@@ -17,7 +17,8 @@ class LeaseMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        self.table = LeaseTable(LOCK_DELAY, TTL, self.clock, epoch=1)
+        # no reader renews here: reader liveness has its own tests (test_reader_liveness.py)
+        self.table = LeaseTable(LOCK_DELAY, TTL, self.clock, epoch=1, reader_ttl_s=float("inf"))
         self.table.register_pool("p", NUM_PAGES)
         self.held: dict[bytes, list[tuple[int, int]]] = {}
         self.writes: dict[int, tuple[str, int]] = {}  # page -> (writer, gen), LEASED or QUARANTINED

@@ -15,7 +15,8 @@ class FakeClock:
 
 def make(num_pages: int = 8) -> tuple[LeaseTable, FakeClock]:
     clock = FakeClock()
-    table = LeaseTable(lock_delay_s=2.0, default_writer_ttl_s=10.0, clock=clock, epoch=7)
+    # no reader renews here: reader liveness has its own tests (test_reader_liveness.py)
+    table = LeaseTable(lock_delay_s=2.0, default_writer_ttl_s=10.0, clock=clock, epoch=7, reader_ttl_s=float("inf"))
     table.register_pool("p", num_pages)
     return table, clock
 
@@ -105,7 +106,8 @@ def test_release_quarantines_written_pages_until_their_end_write_and_revoke_reco
     assert table.grant("p", B, 3, 7) == [(0, 2), (1, 2), (2, 2)]
     refused("NOT_FOUND", "UNKNOWN_POOL", table.end_write, "q", A, 7, leases, "w", True)
     assert table.revoke("p", B, "DRAIN") == (0, 3)  # B may still be mid-step: quarantined, not freed
-    assert table.drain_revocations("p") == [(B, 7, "DRAIN")] and table.drain_revocations("p") == []
+    assert table.revocations_since("p", 0) == ([(B, 7, "DRAIN", 1)], False, 1)
+    assert table.revocations_since("p", 1) == ([], False, 1)
     refused("RESOURCE_EXHAUSTED", "POOL_EXHAUSTED", table.grant, "p", A, 1, 7)
 
 

@@ -1,0 +1,45 @@
+"""One WatchRevocations stream: replay from the watcher's cursor, then live revocations and heartbeats.
+Everything is read from the pool's revocation log by cursor, never taken off a queue, so a message that
+was sent into a dead stream is not lost: the watcher resumes from the last seq it processed."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+from ..common.proto import broker_pb2
+from .lease_table import LeaseTable
+
+log = logging.getLogger(__name__)
+
+
+def _pb(event) -> broker_pb2.Revocation:
+    return broker_pb2.Revocation(owner=event.owner, epoch=event.epoch, reason=event.reason, seq=event.seq)
+
+
+async def revocation_stream(table: LeaseTable, pool_id: str, after_seq: int, wake: asyncio.Event,
+                            heartbeat_s: float) -> AsyncIterator[broker_pb2.Revocation]:
+    """`wake` is set whenever the pool's log may have grown. A heartbeat follows the replay at once (the
+    watcher learns the stream is up and whether it missed revocations), then whenever heartbeat_s passed
+    without a message."""
+    loop = asyncio.get_running_loop()
+    cursor, sent_at, first = after_seq, 0.0, True
+    while True:
+        wake.clear()  # before reading: whatever is appended after this read sets it again
+        events, gap, last_seq = table.revocations_since(pool_id, cursor)
+        if gap:
+            log.warning("watcher of pool %s resumed after seq %s but the log starts later (last seq %s): "
+                        "telling it to re-check its leases", pool_id, cursor, last_seq)
+        for event in events:
+            log.info("revoked owner %s in pool %s (seq %s): %s", event.owner.hex(), pool_id, event.seq, event.reason)
+            yield _pb(event)
+        cursor = last_seq  # every seq up to it was just sent (or is the gap just reported)
+        if events:
+            sent_at = loop.time()
+        if first or gap or loop.time() - sent_at >= heartbeat_s:
+            yield broker_pb2.Revocation(epoch=table.epoch, seq=cursor, heartbeat=True, gap=gap)
+            sent_at, first = loop.time(), False
+        try:
+            await asyncio.wait_for(wake.wait(), max(0.0, sent_at + heartbeat_s - loop.time()))
+        except asyncio.TimeoutError:
+            pass
