@@ -71,6 +71,10 @@ def check_call(method: str, cn: str | None) -> tuple[str, str] | None:
     return None
 
 
+# fields that may be left empty, naming nothing: KeepAlive's pool_id is set only on a reader's renewal
+OPTIONAL_FIELDS = {("KeepAlive", "pool_id")}
+
+
 def check_resource(method: str, cn: str, request) -> tuple[str, str] | None:
     """A decode names only its own pools (and KeepAlive holders), a prefill only its own writer ids."""
     fields = OWNED_FIELDS.get(cn.partition("/")[0], ())
@@ -78,6 +82,8 @@ def check_resource(method: str, cn: str, request) -> tuple[str, str] | None:
     for name in fields:
         if name in present:
             value = getattr(request, name)
+            if not value and (method.rsplit("/", 1)[-1], name) in OPTIONAL_FIELDS:
+                continue
             if not value.startswith(cn + "/"):
                 return RESOURCE, f"{method}: {cn} may only name a {name} that starts with {cn + '/'!r}, not {value!r}"
     return None

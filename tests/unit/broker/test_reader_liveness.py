@@ -65,8 +65,8 @@ def test_reader_expiry_revokes_every_lease_through_quarantine_and_the_pool_drain
     table.grant("p", A, 2, 7)
     table.grant("p", B, 3, 7)
     leases_b = table.leases_of("p", B)
-    table.begin_write("p", B, 7, leases_b[:1], "w")  # a writer mid-write keeps its own bound
-    table.keep_alive("w", 100.0)
+    table.begin_write("p", B, 7, leases_b[:1], "w", 1.0)  # a writer mid-write keeps its own bound
+    table.keep_alive("w", 50.0)
     clock.now += READER_TTL - 0.5
     table.reader_keep_alive("p", [A, B])  # renewed: alive until +READER_TTL from here
     clock.now += READER_TTL - 0.1

@@ -20,7 +20,8 @@ async def read_until_heartbeat(call) -> tuple[list, object]:
 
 
 async def setup(stub, num_owners: int) -> None:
-    await stub.RegisterPool(pb.RegisterPoolRequest(pool_id="d0", num_pages=8))
+    await stub.RegisterPool(pb.RegisterPoolRequest(pool_id="d0", num_pages=8, region=pb.PoolRegion(
+        transfer_session="127.0.0.1:9", data_base=0x1000, tag_base=0x2000)))
     for owner in OWNERS[:num_owners]:
         await stub.Grant(pb.GrantRequest(pool_id="d0", owner=owner, num_pages=1, epoch=EPOCH))
 
