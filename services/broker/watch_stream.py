@@ -7,6 +7,10 @@ import asyncio
 import logging
 from typing import AsyncIterator
 
+import grpc
+
+from ..common.errors import PdError
+from ..common.faults import FAULTS
 from ..common.proto import broker_pb2
 from .lease_table import LeaseTable
 
@@ -25,6 +29,9 @@ async def revocation_stream(table: LeaseTable, pool_id: str, after_seq: int, wak
     loop = asyncio.get_running_loop()
     cursor, sent_at, first = after_seq, 0.0, True
     while True:
+        if FAULTS.fire("broker.cut_watch") is not None:
+            raise PdError(grpc.StatusCode.UNAVAILABLE, "FAULT_STREAM_CUT", f"fault point: revocation stream of pool "
+                                                                          f"{pool_id} cut after seq {cursor}")
         wake.clear()  # before reading: whatever is appended after this read sets it again
         events, gap, last_seq = table.revocations_since(pool_id, cursor)
         if gap:

@@ -29,6 +29,8 @@ KNOWN = {
     "decode.rogue_data_write": "overwrite the data (not the tag) of prompt page ARG of the newest running request "
                                "before its first step (a late data-only write)",
     "decode.fail_release": "drop the next Release to the broker as if the RPC failed (the pages leak until reconciled)",
+    "broker.cut_watch": "end the next revocation stream to loop with UNAVAILABLE (a cut stream; decode resumes "
+                        "from its cursor)",
     "broker.lose_grant_reply": "grant the pages, then fail the Grant RPC (the reply is lost)",
 }
 

@@ -18,6 +18,7 @@ import pytest
 
 from services.client import build_request
 from services.common.errors import from_rpc_error
+from tests.chaos.hostile import REFUSED, hostile_calls
 from tests.chaos.test_failures import drained, wait_for
 
 NUM_SCHEDULES = 20
@@ -27,7 +28,11 @@ FAULTS = ["prefill.short_transfer", "prefill.skip_page", "prefill.bit_flip", "pr
 # a late write after a reported failure lands 0.2-5 s later (just under chaos prefill's landing bound of ~5.3 s);
 # a slow transfer outlives prefill's 2 s transfer timeout
 FAULT_ARGS = {"prefill.delay_before_write": "1500", "transfer.fail_then_land": "5000", "prefill.slow_transfer": "3000"}
-DISRUPTIONS = ["kill_prefill", "pause_prefill", "pause_decode", "kill_broker", "pause_broker", "none"]
+# faults armed on the broker or decode: a Grant whose reply is lost, a Release that fails (both reclaimed by the
+# broker's reconciliation), a revocation stream cut (decode resumes from its cursor and re-checks its leases)
+OTHER_FAULTS = [("broker", "broker.lose_grant_reply"), ("decode", "decode.fail_release"), ("broker", "broker.cut_watch")]
+DISRUPTIONS = ["kill_prefill", "pause_prefill", "pause_decode", "kill_broker", "pause_broker", "none", "hostile",
+               "cut_watch"]
 TYPED = {"DATA_LOSS", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED"}
 SEEDS = [int(os.environ["PDSERVE_CHAOS_SEED"])] if os.environ.get("PDSERVE_CHAOS_SEED") else range(NUM_SCHEDULES)
 
@@ -47,8 +52,12 @@ def run_request(stack, kind: str, prompt: list[int], max_tokens: int, cancel_aft
     return kind, prompt, tokens, None
 
 
-def disrupt(stack, what: str, rng: random.Random) -> None:
-    if what == "kill_prefill":
+def disrupt(stack, what: str, rng: random.Random) -> list | None:
+    if what == "hostile":
+        return hostile_calls(stack, rng)
+    if what == "cut_watch":
+        stack.arm("broker", "broker.cut_watch", count=3)
+    elif what == "kill_prefill":
         stack.restart("prefill", rng.randrange(2))
     elif what == "kill_broker":
         stack.restart("broker", 0)
@@ -73,27 +82,33 @@ def test_chaos_schedule(chaos, oracle, seed):
         prompt = [rng.randrange(2, 512) for _ in range(rng.randrange(1, 200))]
         cancel = rng.uniform(0.0, 0.4) if r < 0.25 else None
         jobs.append(("cancelled" if cancel is not None else "normal", prompt, rng.randrange(1, 8), cancel))
-    faults = [(rng.randrange(REQUESTS_PER_SCHEDULE), rng.choice(FAULTS), rng.randrange(2)) for _ in range(6)]
+    choices = [("prefill", f) for f in FAULTS] + OTHER_FAULTS
+    faults = [(rng.randrange(REQUESTS_PER_SCHEDULE), *rng.choice(choices), rng.randrange(2)) for _ in range(6)]
+    late = {i: str(rng.choice([200, 2500, 5000])) for i, _, name, _ in faults if name == "transfer.fail_then_land"}
     disruption = DISRUPTIONS[seed % len(DISRUPTIONS)]
     disrupt_at = rng.randrange(10, 60)
-    print(f"  disruption={disruption} at request {disrupt_at}; faults={[(i, f) for i, f, _ in faults]}", flush=True)
+    print(f"  disruption={disruption} at request {disrupt_at}; faults={[(i, f) for i, _, f, _ in faults]}", flush=True)
     results = []
     start = time.monotonic()
     with ThreadPoolExecutor(16) as pool:
         futures = []
         for i, job in enumerate(jobs):
-            for at, name, which in faults:
+            for at, service, name, which in faults:
                 if at == i:
+                    which = which if service == "prefill" else 0
                     try:
-                        arg = str(rng.choice([200, 2500, 5000])) if name == "transfer.fail_then_land" else None
-                        chaos.arm("prefill", name, arg=arg or FAULT_ARGS.get(name, "1"), index=which)
+                        chaos.arm(service, name, arg=late.get(at) or FAULT_ARGS.get(name, "1"), index=which)
                     except grpc.RpcError:
                         pass  # that prefill is being restarted; the fault is simply not armed
             if i == disrupt_at:
-                futures.append(pool.submit(disrupt, chaos, disruption, rng))
+                disruption_result = pool.submit(disrupt, chaos, disruption, rng)
             futures.append(pool.submit(run_request, chaos, *job))
             time.sleep(0.01)
-        results = [f.result() for f in futures if f.result() is not None]
+        results = [f.result() for f in futures]
+        refusals = disruption_result.result()
+    if refusals is not None:  # every hostile call refused, with a typed reason
+        print(f"  hostile calls: {refusals}", flush=True)
+        assert all(code in REFUSED and reason for _, code, reason in refusals), (seed, refusals)
     print(f"  load done in {time.monotonic() - start:.1f}s", flush=True)
     ok = 0
     to_check = []

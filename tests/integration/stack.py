@@ -52,7 +52,7 @@ class Stack:
         faults_pb2_grpc.FaultsStub(self._ch(target)).Arm(faults_pb2.ArmRequest(name=name, count=count, arg=arg))
 
     def clear_faults(self) -> None:
-        for name in ("prefill", "decode"):
+        for name in ("prefill", "decode", "broker"):
             for p in self.procs[name]:
                 # wait_for_ready: a service that was just restarted may still be binding its port
                 faults_pb2_grpc.FaultsStub(self._ch(p.target)).Clear(faults_pb2.ClearRequest(), timeout=30,
@@ -77,15 +77,19 @@ class Stack:
             raise KeyError(f"{name}{{{want}}} not exported by {service}")
         return total
 
-    def pool_states(self) -> list:
+    def pool_ids(self) -> list[str]:
+        """Each decode's pool id, as it logged it when it registered."""
         out = []
         for p in self.procs["decode"]:
             for line in p.lines:
-                m = re.search(r"pool (\S+) registered:", line)
-                if m:
-                    out.append(self.broker.GetPoolState(broker_pb2.GetPoolStateRequest(pool_id=m.group(1)), timeout=5))
+                if m := re.search(r"pool (\S+) registered:", line):
+                    out.append(m.group(1))
                     break
         return out
+
+    def pool_states(self) -> list:
+        return [self.broker.GetPoolState(broker_pb2.GetPoolStateRequest(pool_id=pool_id), timeout=5)
+                for pool_id in self.pool_ids()]
 
     def restart(self, service: str, index: int = 0, sig: int = 9) -> None:
         """Kills a service (SIGKILL by default) and starts it again on the same ports."""

@@ -15,7 +15,8 @@ from tests.integration.helpers import allocate, decode_stream, prefill, prompt
 from tests.integration.proxy import TcpProxy
 from tests.integration.stack import Stack
 
-LOCK_DELAY, MAX_BLIND, GRACE, RPC_TIMEOUT, READER_TTL = 3.0, 1.5, 2.0, 2.0, 6.0
+# lock_delay 5.5 s: the least that covers Mooncake's shortest timeout (5 s) + 0.3 s slack, as prefill checks
+LOCK_DELAY, MAX_BLIND, GRACE, RPC_TIMEOUT, READER_TTL = 5.5, 1.5, 2.0, 2.0, 6.0
 
 
 def free_port() -> int:
@@ -31,6 +32,7 @@ def live(model_dir):
     s = Stack(model_dir, extra={
         "broker": ["--port", str(port), "--lock-delay", str(LOCK_DELAY), "--reader-ttl", str(READER_TTL),
                    "--reconcile-grace", str(GRACE), "--sweep-interval", "0.2"],
+        "prefill": ["--landing-slack", "0.3"],
         "decode": ["--broker", proxy.target, "--max-blind", str(MAX_BLIND), "--rpc-timeout", str(RPC_TIMEOUT)]})
     s.proxy = proxy
     yield s
@@ -145,8 +147,10 @@ def test_a_failed_release_is_revoked_and_drains(live, oracle):
 
 
 def test_decode_refuses_to_start_with_a_blind_bound_over_half_the_lock_delay(live, model_dir):
+    t = live.tls("decode/decode9")
     r = subprocess.run([sys.executable, "-m", "services.cli", "decode", "--model", model_dir, "--port", "0",
                         "--metrics-port", "0", "--broker", live.procs["broker"][0].target,
+                        "--tls-cert", t.cert_path, "--tls-key", t.key_path, "--tls-ca", t.ca_path,
                         "--max-blind", str(LOCK_DELAY / 2 + 0.5)], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0
     err = r.stderr + r.stdout

@@ -1,0 +1,60 @@
+"""Callers that are not our own code, run in the middle of a chaos schedule (issue 9): a prefill identity
+granting and revoking, a decode identity beginning a write, a Prefill aimed at another request's pages and a
+replayed Prefill of a lease decode already validated. Every call must be refused with its typed reason; the
+schedule's oracle and quiescence checks then show that nothing else changed."""
+from __future__ import annotations
+
+import grpc
+
+from services.common.errors import from_rpc_error
+from services.common.proto import broker_pb2, broker_pb2_grpc, common_pb2, decode_pb2
+from tests.integration.helpers import allocate, collect, decode_stream, prefill
+
+REFUSED = {"PERMISSION_DENIED", "DATA_LOSS", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION"}
+
+
+def _refusal(call) -> tuple[str, str]:
+    try:
+        call()
+    except grpc.RpcError as e:
+        err = from_rpc_error(e)
+        return err.code.name, err.reason
+    raise AssertionError("a hostile call was served")
+
+
+def hostile_calls(stack, rng) -> list[tuple[str, str, str]]:
+    """Returns (what, code, reason) per call; raises if any hostile call was served."""
+    pool_id = stack.pool_ids()[0]
+    out = []
+    evil_prefill = broker_pb2_grpc.BrokerStub(stack._ch(stack.procs["broker"][0].target, "prefill/evil"))
+    evil_decode = broker_pb2_grpc.BrokerStub(stack._ch(stack.procs["broker"][0].target, "decode/evil"))
+    owner = bytes(rng.randrange(256) for _ in range(16))
+    out.append(("prefill identity Grant", *_refusal(lambda: evil_prefill.Grant(broker_pb2.GrantRequest(
+        pool_id=pool_id, owner=owner, num_pages=1), timeout=10))))
+    out.append(("prefill identity Revoke", *_refusal(lambda: evil_prefill.Revoke(broker_pb2.RevokeRequest(
+        pool_id=pool_id, owner=owner, reason="EVIL"), timeout=10))))
+    out.append(("decode identity BeginWrite", *_refusal(lambda: evil_decode.BeginWrite(broker_pb2.BeginWriteRequest(
+        pool_id=pool_id, owner=owner, writer_id="decode/evil/w", max_landing_ms=1), timeout=10))))
+    out.append(("decode identity Release on another pool", *_refusal(lambda: evil_decode.Release(
+        broker_pb2.ReleaseRequest(pool_id=pool_id, owner=owner), timeout=10))))
+    tokens = [rng.randrange(2, 512) for _ in range(40)]
+    try:
+        rid, dest = allocate(stack, len(tokens), 200)
+    except grpc.RpcError as e:  # a full pool or a restarting broker: the calls above still ran
+        out.append(("allocate for replay", from_rpc_error(e).code.name, "SKIPPED"))
+        return out
+    aimed = common_pb2.Destination()
+    aimed.CopyFrom(dest)
+    aimed.data_base += dest.layout.page_nbytes * rng.randrange(1, 8)
+    out.append(("Prefill aimed elsewhere", *_refusal(lambda: prefill(stack, rid, tokens, aimed, 200))))
+    try:
+        resp = prefill(stack, rid, tokens, dest, 200)
+        stream = iter(decode_stream(stack, rid, tokens, resp, 200))
+        next(stream)  # verified and validated by decode
+        replay = [rng.randrange(2, 512) for _ in range(40)]
+        out.append(("replayed Prefill", *_refusal(lambda: prefill(stack, rid, replay, dest, 200))))
+        collect(stream)
+    except grpc.RpcError as e:  # the request itself may fail under the schedule's faults: it is typed
+        out.append(("replay setup", from_rpc_error(e).code.name, from_rpc_error(e).reason))
+        stack.decodes[0].Release(decode_pb2.DecodeReleaseRequest(request_id=rid), timeout=10)
+    return out
