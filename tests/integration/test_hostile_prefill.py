@@ -10,14 +10,15 @@ from tests.integration.helpers import allocate, collect, decode_stream, prefill,
 
 def test_second_prefill_of_a_validated_lease_is_refused_and_the_first_stream_is_intact(stack, oracle):
     tokens = prompt(90, 61)
-    rid, dest = allocate(stack, len(tokens), 40)
-    resp = prefill(stack, rid, tokens, dest, 40)
-    stream = iter(decode_stream(stack, rid, tokens, resp, 40))
+    # long enough to still hold its lease when the replay comes (decode does not wait for the client to read)
+    rid, dest = allocate(stack, len(tokens), 400)
+    resp = prefill(stack, rid, tokens, dest, 400)
+    stream = iter(decode_stream(stack, rid, tokens, resp, 400))
     first = [next(stream).token_id for _ in range(3)]  # decode has verified and validated the prompt pages
     replay = prompt(90, 62)  # other content: a replay that landed would change every later token
     before = stack.metric("prefill", "pdserve_lease_violations_total", {"reason": "LEASE_ALREADY_WRITTEN"})
     with pytest.raises(grpc.RpcError) as info:
-        prefill(stack, rid, replay, dest, 40)
+        prefill(stack, rid, replay, dest, 400)
     err = from_rpc_error(info.value)
     assert (err.code, err.reason) == (grpc.StatusCode.DATA_LOSS, "LEASE_ALREADY_WRITTEN"), err
     assert "written at most once" in err.message
@@ -25,7 +26,7 @@ def test_second_prefill_of_a_validated_lease_is_refused_and_the_first_stream_is_
     assert after == before + 1
     rest, end = collect(stream)
     assert end is None, end
-    assert len(first + rest) == 40
+    assert len(first + rest) == 400
     oracle.check(tokens, first + rest)
 
 
