@@ -8,7 +8,7 @@ import time
 from dataclasses import replace
 from typing import Callable, Iterable
 
-from .pages import OWNER_NBYTES, Lease, LeaseError, Page, PageState, PoolPages, Revocation
+from .pages import OWNER_NBYTES, Lease, LeaseError, Page, PageState, PoolPages, Revocation, check_owner
 from .reader_liveness import ReaderLiveness
 
 __all__ = ["OWNER_NBYTES", "Lease", "LeaseError", "LeaseTable", "Page", "PageState", "Revocation"]
@@ -53,13 +53,7 @@ class LeaseTable(ReaderLiveness):
                 writer = f"earlier-epoch/{pool_id}"
                 # an old-epoch writer renews at most one ttl before it learns the epoch changed and stops
                 self._liveness[writer] = self._clock() + self.default_writer_ttl_s
-                for page_id in held:
-                    page = pool.pages[page_id]
-                    page.state, page.active_writer = PageState.QUARANTINED, (writer, 0)
-                    pool.quarantined.add(page_id)
-                    pool.writing.add(page_id)
-                pool.free = [i for i in pool.free if i not in pool.quarantined]
-                heapq.heapify(pool.free)
+                pool.hold(held, writer)
         elif pool.num_pages != num_pages:
             raise LeaseError("ALREADY_EXISTS", "POOL_SIZE_MISMATCH",
                              f"pool {pool_id} is registered with {pool.num_pages} pages; {num_pages} given")
@@ -71,7 +65,7 @@ class LeaseTable(ReaderLiveness):
         return self.epoch
 
     def grant(self, pool_id: str, owner: bytes, num_pages: int, epoch: int) -> list[Lease]:
-        _check_owner(owner)
+        check_owner(owner)
         if num_pages <= 0:
             raise LeaseError("INVALID_ARGUMENT", "BAD_NUM_PAGES", f"num_pages {num_pages} must be > 0")
         pool = self._pool(pool_id, epoch)
@@ -104,7 +98,7 @@ class LeaseTable(ReaderLiveness):
                              f"lock_delay)")
         leases = list(leases)
         pool = self._pool(pool_id, epoch)
-        pages = self._checked_pages(pool, owner, leases)
+        pages = pool.checked_pages(owner, leases)
         for (page_id, generation), page in zip(leases, pages):
             if page.sealed_generation == generation:
                 raise LeaseError("FAILED_PRECONDITION", "LEASE_ALREADY_WRITTEN",
@@ -149,7 +143,7 @@ class LeaseTable(ReaderLiveness):
 
     def validate(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease]) -> None:
         leases = list(leases)
-        for (_, generation), page in zip(leases, self._checked_pages(self._pool(pool_id, epoch), owner, leases)):
+        for (_, generation), page in zip(leases, self._pool(pool_id, epoch).checked_pages(owner, leases)):
             page.sealed_generation = generation  # decode has checked these bytes: no writer may begin again
 
     def release(self, pool_id: str, owner: bytes, epoch: int) -> tuple[int, int]:
@@ -227,30 +221,6 @@ class LeaseTable(ReaderLiveness):
             raise LeaseError("NOT_FOUND", "UNKNOWN_POOL", f"pool {pool_id!r} is not one of {len(self._pools)} pools")
         return pool
 
-    def _checked_pages(self, pool: PoolPages, owner: bytes, leases: list[Lease]) -> list[Page]:
-        """The pages of leases, if every one is current and has no active writer."""
-        _check_owner(owner)
-        if not leases:
-            raise LeaseError("INVALID_ARGUMENT", "NO_LEASES", "at least 1 lease is required; 0 given")
-        if len({page_id for page_id, _ in leases}) != len(leases):
-            raise LeaseError("INVALID_ARGUMENT", "DUPLICATE_PAGE", f"{len(leases)} leases name a page twice")
-        pages = []
-        for page_id, generation in leases:
-            if not 0 <= page_id < pool.num_pages:
-                raise LeaseError("INVALID_ARGUMENT", "PAGE_OUT_OF_RANGE",
-                                 f"page {page_id} is outside pool {pool.pool_id} of {pool.num_pages} pages")
-            page = pool.pages[page_id]
-            if page.state is not PageState.LEASED or page.owner != owner or page.generation != generation:
-                raise LeaseError("FAILED_PRECONDITION", "LEASE_NOT_CURRENT",
-                                 f"page {page_id} generation {generation} is not leased to {owner.hex()} "
-                                 f"(page is {page.state.name} at generation {page.generation})")
-            pages.append(page)
-        for (page_id, generation), page in zip(leases, pages):
-            if page.active_writer is not None:
-                raise LeaseError("FAILED_PRECONDITION", "WRITER_ACTIVE",
-                                 f"page {page_id} generation {generation} is being written by {page.active_writer}")
-        return pages
-
     def _end_leases(self, pool: PoolPages, owner: bytes) -> tuple[int, int]:
         num_freed = num_quarantined = 0
         pool.granted_at.pop(owner, None)
@@ -267,8 +237,3 @@ class LeaseTable(ReaderLiveness):
                 num_quarantined += 1
         return (num_freed, num_quarantined)
 
-
-def _check_owner(owner: bytes) -> None:
-    if not isinstance(owner, bytes) or len(owner) != OWNER_NBYTES:
-        got = len(owner) if isinstance(owner, bytes) else type(owner).__name__
-        raise LeaseError("INVALID_ARGUMENT", "BAD_OWNER", f"owner must be {OWNER_NBYTES} bytes; got {got}")

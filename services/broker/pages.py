@@ -56,3 +56,43 @@ class PoolPages:
         page.state, page.owner = PageState.FREE, None
         self.quarantined.discard(page_id)
         heapq.heappush(self.free, page_id)
+
+    def hold(self, page_ids: list[int], writer: str) -> None:
+        """Quarantines pages a writer of an earlier epoch may still reach (the broker restarted)."""
+        for page_id in page_ids:
+            page = self.pages[page_id]
+            page.state, page.active_writer = PageState.QUARANTINED, (writer, 0)
+            self.quarantined.add(page_id)
+            self.writing.add(page_id)
+        self.free = [i for i in self.free if i not in self.quarantined]
+        heapq.heapify(self.free)
+
+    def checked_pages(self, owner: bytes, leases: list[Lease]) -> list[Page]:
+        """The pages of leases, if every one is current and has no active writer."""
+        check_owner(owner)
+        if not leases:
+            raise LeaseError("INVALID_ARGUMENT", "NO_LEASES", "at least 1 lease is required; 0 given")
+        if len({page_id for page_id, _ in leases}) != len(leases):
+            raise LeaseError("INVALID_ARGUMENT", "DUPLICATE_PAGE", f"{len(leases)} leases name a page twice")
+        pages = []
+        for page_id, generation in leases:
+            if not 0 <= page_id < self.num_pages:
+                raise LeaseError("INVALID_ARGUMENT", "PAGE_OUT_OF_RANGE",
+                                 f"page {page_id} is outside pool {self.pool_id} of {self.num_pages} pages")
+            page = self.pages[page_id]
+            if page.state is not PageState.LEASED or page.owner != owner or page.generation != generation:
+                raise LeaseError("FAILED_PRECONDITION", "LEASE_NOT_CURRENT",
+                                 f"page {page_id} generation {generation} is not leased to {owner.hex()} "
+                                 f"(page is {page.state.name} at generation {page.generation})")
+            pages.append(page)
+        for (page_id, generation), page in zip(leases, pages):
+            if page.active_writer is not None:
+                raise LeaseError("FAILED_PRECONDITION", "WRITER_ACTIVE",
+                                 f"page {page_id} generation {generation} is being written by {page.active_writer}")
+        return pages
+
+
+def check_owner(owner: bytes) -> None:
+    if not isinstance(owner, bytes) or len(owner) != OWNER_NBYTES:
+        got = len(owner) if isinstance(owner, bytes) else type(owner).__name__
+        raise LeaseError("INVALID_ARGUMENT", "BAD_OWNER", f"owner must be {OWNER_NBYTES} bytes; got {got}")

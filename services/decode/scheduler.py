@@ -19,12 +19,12 @@ import torch
 from ..common.errors import PdError
 from ..common.tasks import spawn
 from ..common.faults import FAULTS
-from ..common.metrics import FORWARD_SECONDS, GUARD_SECONDS, LEASE_VIOLATIONS, SAMPLING_FAILURES, TIMEOUTS
+from ..common.metrics import FORWARD_SECONDS, LEASE_VIOLATIONS, SAMPLING_FAILURES, TIMEOUTS
 from ..engine.runner import ModelRunner
 from ..engine.sampler import SamplingError, SamplingParams, sample
 from ..engine.tags import OWNER_LO, make_tag
 from .sweep import ChecksumSweep, PromptRecord
-from .verify import step_tag_mismatches
+from .guards import StepGuards
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class Sequence:
         return len(self.generated) >= self.sampling.max_tokens
 
 
-class Scheduler:
+class Scheduler(StepGuards):
     """Owns a request from the moment Decode takes its allocation: first as joining (being verified or
     sending its first token, never stepped), then as running. A revocation, Release or broker restart
     finds it in either state; it only marks the sequence, which ends between steps (or, while joining,
@@ -152,41 +152,6 @@ class Scheduler:
             page, gen = seq.leases[i]
             self.runner.pool.tags[page] = torch.tensor(make_tag(seq.owner, seq.epoch, gen, i, 0, 0))
 
-    def _check(self, batch: list[Sequence], tables: list[list[int]]) -> tuple[list[Sequence], list[list[int]]]:
-        """The per-step guard over exactly the page tables the step will read; drops failing sequences."""
-        lengths = [len(t) for t in tables]
-        pages = torch.cat([s.page_ids[:n] for s, n in zip(batch, lengths)])
-        expected = torch.cat([s.expected[:n] for s, n in zip(batch, lengths)])
-        with GUARD_SECONDS.labels("step_tag_check").time():
-            bad = step_tag_mismatches(self.runner.pool.tags, pages, expected, lengths)
-        for i in bad:
-            seq = batch[i]
-            LEASE_VIOLATIONS.labels("decode", "STEP_TAG_MISMATCH").inc()
-            log.error("request %s: a page's tag no longer matches its lease before step %d; failing it",
-                      seq.owner.hex(), len(seq.generated))
-            self._end(seq, PdError(grpc.StatusCode.DATA_LOSS, "STEP_TAG_MISMATCH",
-                                   "a KV page of this request was overwritten under its lease"))
-        return _without(batch, tables, set(bad))
-
-    def _sweep(self, batch: list[Sequence], tables: list[list[int]]) -> tuple[list[Sequence], list[list[int]]]:
-        """Re-checksums the oldest-checked prompt pages of the batch (sweep.py); drops failing sequences."""
-        if (arg := _fresh_fault(batch)) is not None:
-            # a late write of data alone: bytes of one prompt page of the newest request change, its tag does not
-            page = batch[-1].pages[int(arg or 0)]
-            self.runner.pool.kv[page, :, :, 0] = 0.5
-        with GUARD_SECONDS.labels("checksum_sweep").time():
-            bad = self.sweep([s.prompt for s in batch])
-        for m in bad:
-            seq = batch[m.index]
-            LEASE_VIOLATIONS.labels("decode", "PROMPT_PAGE_CHANGED").inc()
-            log.error("request %s: prompt page %d (physical page %d) has CRC-32C %#010x, verified %#010x, before "
-                      "step %d; failing it", seq.owner.hex(), m.page_index, m.page, m.actual, m.expected,
-                      len(seq.generated))
-            self._end(seq, PdError(grpc.StatusCode.DATA_LOSS, "PROMPT_PAGE_CHANGED",
-                                   f"prompt page {m.page_index} (physical page {m.page}) was overwritten after "
-                                   f"verification: CRC-32C {m.actual:#010x}, verified {m.expected:#010x}"))
-        return _without(batch, tables, {m.index for m in bad})
-
     def _step(self, batch: list[Sequence], tables: list[list[int]]) -> list[int]:
         """One forward step and its sampling, in the worker thread (on a GPU, sampling is what waits)."""
         with FORWARD_SECONDS.labels("decode").time():
@@ -235,22 +200,6 @@ class Scheduler:
                 seq.events.put_nowait((tok, finished))
                 if finished:
                     self._end(seq, None)
-
-
-def _without(batch: list[Sequence], tables: list[list[int]], failed: set[int]
-             ) -> tuple[list[Sequence], list[list[int]]]:
-    if not failed:
-        return batch, tables
-    keep = [i for i in range(len(batch)) if i not in failed]
-    return [batch[i] for i in keep], [tables[i] for i in keep]
-
-
-def _fresh_fault(batch: list[Sequence]) -> str | None:
-    """decode.rogue_data_write fires only on a request not yet stepped (the newest joins last), so a test
-    knows the write came before that request's first step."""
-    if batch and len(batch[-1].generated) == 1:
-        return FAULTS.fire("decode.rogue_data_write")
-    return None
 
 
 def raise_if_ended(seq: Sequence) -> None:
