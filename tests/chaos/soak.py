@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tests.chaos.conftest import CHAOS_EXTRA
 from tests.chaos.test_failures import drained
-from tests.chaos.test_schedules import FAULT_ARGS, FAULTS, run_request
+from tests.chaos.test_schedules import FAULT_ARGS, FAULTS, OTHER_FAULTS, run_request
 from tests.integration.stack import Stack
 from tests.oracle import Oracle, OracleMismatch
 
@@ -99,8 +99,9 @@ def main(argv=None) -> int:
                     n += 1
                 now = time.monotonic()
                 if now > next_fault:
-                    name = rng.choice(FAULTS)
-                    stack.arm("prefill", name, arg=FAULT_ARGS.get(name, "1"), index=rng.randrange(2))
+                    service, name = rng.choice([("prefill", f) for f in FAULTS] + OTHER_FAULTS)
+                    index = rng.randrange(2) if service == "prefill" else 0
+                    stack.arm(service, name, arg=FAULT_ARGS.get(name, "1"), index=index)
                     next_fault = now + rng.uniform(0.5, 3)
                 if now > next_sample:  # every minute, so a slow leak shows as a slope, not as noise
                     minute = (now - started) / 60
