@@ -484,6 +484,7 @@ proctype Writer(byte r) {                            /* prefill: servicer._prefi
             :: budget > 0 -> budget--;               /* fault: short transfer reported done */
                pend_data[r] = 1; pend_tag[r] = 1; ptntok[r] = 1; wposted[r] = 1;
                printf("POST      r%d: FAULT short transfer, 1 token + tag num_tokens=1\n", r)
+#ifndef NO_HOSTILE
             :: budget > 0 -> budget--;               /* fault: the request names another page */
 #ifdef MUT_DEST_FROM_REQUEST
                wmis[r] = 1; pend_data[r] = 2; pend_tag[r] = 1; ptntok[r] = 2; wposted[r] = 1;
@@ -493,6 +494,7 @@ proctype Writer(byte r) {                            /* prefill: servicer._prefi
                ok = 0;                               /* addresses come from the pool's registration */
                printf("POST      r%d: FAULT request names page %d as destination; refused (not the pool's)\n",
                       r, (rpage[r] + 1) % NP)
+#endif
 #endif
             :: budget > 0 -> budget--;               /* fault: placeholder, nothing written, done */
                printf("POST      r%d: FAULT placeholder, nothing written, reports done\n", r)
@@ -539,9 +541,11 @@ proctype Reader(byte r) {                            /* decode: Allocate, Decode
   byte i;
   if
   :: atomic { npst[FREE] > 0 -> grant(r) }
+#ifdef LEASE_FAULTS
   :: atomic { npst[FREE] > 0 && budget > 0 -> budget--; grant(r);   /* fault: the reply is lost */
               printf("GRANT     FAULT reply to r%d lost: decode never learns of page %d\n", r, rpage[r]);
               rdone[r] = 1; wfin[r] = 1; goto gone }
+#endif
   :: atomic { rdone[r] = 1; wfin[r] = 1; goto gone } /* rejected or gave up before a grant */
   fi;
   if
@@ -595,8 +599,10 @@ out:
     reading[r] = 0; i = 0;
     if
     :: release(r)
+#ifdef LEASE_FAULTS
     :: budget > 0 && LEASE_CUR(r) -> budget--;       /* fault: Release fails, decode moves on */
        printf("RELEASE   FAULT r%d's Release fails; the lease stays\n", r)
+#endif
     fi;
     rdone[r] = 1
   };
@@ -679,8 +685,11 @@ end:
  * quarantine, a lease its holder no longer holds (a Grant whose reply was lost, a Release that
  * failed): held = the reader has not finished. A reconciliation that hits a lease still held
  * (a KeepAlive racing a Grant) is a revocation, which REVOKE covers. */
-#ifdef MUT_NO_LEASE_EXPIRY
+#if defined(MUT_NO_LEASE_EXPIRY)
 #define RECONCILE(r)
+#define POOL_EXPIRY
+#elif !defined(LEASE_FAULTS)
+#define RECONCILE(r)   /* enabled only after a lost Grant reply or a failed Release */
 #define POOL_EXPIRY
 #else
 #define RECONCILE(r) \
@@ -697,11 +706,15 @@ end:
 
 /* a second Prefill of r's lease (retry, replay, bug) with another prompt: BeginWrite, both
  * writes and EndWrite in one step (its own late landings are the Writer's case) */
+#ifdef NO_HOSTILE
+#define REPLAY(r)
+#else
 #define REPLAY(r) \
   :: atomic { budget > 0 && BEGIN_OK(r) -> budget--; pwrit[rpage[r]] = 1; \
               d0[rpage[r]] = rstamp[r] + OTHER; d1[rpage[r]] = rstamp[r] + OTHER; \
               tstamp[rpage[r]] = rstamp[r] + OTHER; tntok[rpage[r]] = 2; \
               printf("REPLAY    FAULT a second Prefill of r%d's lease writes another prompt's KV to page %d\n", r, rpage[r]) }
+#endif
 
 proctype Broker() {                           /* restart, revoke, liveness, sweeper */
   byte p;

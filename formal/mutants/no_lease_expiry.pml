@@ -6,5 +6,6 @@
  * Counter-example: Grant's reply is lost (or a Release fails); decode never holds that
  *   lease again and the page stays LEASED for ever (P5: invalid end state).
  */
+#define LEASE_FAULTS
 #define MUT_NO_LEASE_EXPIRY
 #include "../pdserve.pml"
