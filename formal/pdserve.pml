@@ -6,12 +6,16 @@
  * others cover.
  *
  *   Broker   LeaseTable: epoch, per-pool generation counter, page states FREE / LEASED /
- *            QUARANTINED, active writer (writer id, generation), writer liveness and
- *            lock_delay, sweep, revoke, restart (new epoch, decode re-registers).
- *   Writer   prefill, one per request: BeginWrite, liveness check, one-sided writes of the
- *            data and of the tag, wait for completion, EndWrite always, re-sent until answered.
+ *            QUARANTINED, active writer (writer id, generation), one write per generation,
+ *            a failed write's hold until the bound, writer liveness and lock_delay, sweep,
+ *            revoke, lease expiry (-DLEASE_FAULTS), restart (new epoch, decode re-registers).
+ *   Writer   prefill, one per request: BeginWrite, liveness check, forward pass into a
+ *            source page, one-sided writes of the data and of the tag to the pool's
+ *            registered addresses, wait for completion or a reported failure, EndWrite
+ *            always (success, nothing_posted), re-sent until answered.
  *   Reader   decode, one per request: Grant, dispatch, verify_prompt_pages, Validate, the
- *            check before every step, Release; cancellable at every stage.
+ *            check before every step (and the blind stop), Release; cancellable at every
+ *            stage.
  *   Net      delivers one-sided writes late and in any order (data and tag of one write too);
  *            reports a transfer failed or timed out while its posted writes may still land
  *            (until the enforced bound), or, as a fault, loses one silently; loses, duplicates
