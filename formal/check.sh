@@ -9,8 +9,8 @@
 # even when it finds errors, so its output is parsed.
 #
 # Environment: FORMAL_OUT (build directory, default formal/out), FORMAL_JOBS (parallel runs,
-# default: number of CPUs), FORMAL_DEEP=1 (also the model with a fault budget of 2: about
-# 38 million states, minutes, 2.6 GiB; and redundant/*_deep.pml), CC (default gcc).
+# default: number of CPUs), FORMAL_DEEP=1 (also the model with a fault budget of 2, the LTL
+# run with the lease faults, and redundant/*_deep.pml; minutes, GiBs), CC (default gcc).
 set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -87,9 +87,11 @@ add model-default            model "$here/pdserve.pml" ""                   "$sa
 add model-writer-per-write   model "$here/pdserve.pml" "-DWRITER_PER_WRITE" "$safety" "-m10000"
 add model-two-prefills       model "$here/pdserve.pml" "-DNW=2"             "$safety" "-m10000"
 add model-three-pages        model "$here/pdserve.pml" "-DNP=3"             "$safety" "-m10000"
+add model-lease-faults      model "$here/pdserve.pml" "-DLEASE_FAULTS"     "$safety" "-m10000"
 add model-ltl-drains         model "$here/pdserve.pml" ""                   "-O1"     "-m10000 -a -N drains"
 if [ "${FORMAL_DEEP:-0}" = 1 ]; then
   add model-two-faults       model "$here/pdserve.pml" "-DFAULTS=2" "$safety -DCOLLAPSE" "-m10000"
+  add model-ltl-drains-lease-faults model "$here/pdserve.pml" "-DLEASE_FAULTS" "-O1" "-m10000 -a -N drains"
 fi
 # guards the model shows to be covered by others: they must not yield a counter-example
 # (FORMAL_DEEP=1 also runs the *_deep.pml ones, which repeat an argument already checked)
@@ -138,7 +140,8 @@ for spec in "${specs[@]}"; do
 done
 
 echo
-echo "counter-examples (r<i>/e<epoch>/g<generation> names a lease; r-1/e0/g0 = a previous tenant's bytes):"
+echo "counter-examples (r<i>/e<epoch>/g<generation> names a lease; r-1/e0/g0 = a previous tenant's bytes;"
+echo "r4/r5 = another prompt's bytes written under r0's/r1's lease):"
 for spec in "${specs[@]}"; do
   IFS='|' read -r name kind _ <<<"$spec"
   [ "$kind" = mutant ] || continue

@@ -6,15 +6,23 @@
  * others cover.
  *
  *   Broker   LeaseTable: epoch, per-pool generation counter, page states FREE / LEASED /
- *            QUARANTINED, active writer (writer id, generation), writer liveness and
- *            lock_delay, sweep, revoke, restart (new epoch, decode re-registers).
- *   Writer   prefill, one per request: BeginWrite, liveness check, one-sided writes of the
- *            data and of the tag, wait for completion, EndWrite always, re-sent until answered.
+ *            QUARANTINED, active writer (writer id, generation), one write per generation,
+ *            a failed write's hold until the bound, writer liveness and lock_delay, sweep,
+ *            revoke, lease expiry (-DLEASE_FAULTS), restart (new epoch, decode re-registers).
+ *   Writer   prefill, one per request: BeginWrite, liveness check, forward pass into a
+ *            source page, one-sided writes of the data and of the tag to the pool's
+ *            registered addresses, wait for completion or a reported failure, EndWrite
+ *            always (success, nothing_posted), re-sent until answered.
  *   Reader   decode, one per request: Grant, dispatch, verify_prompt_pages, Validate, the
- *            check before every step, Release; cancellable at every stage.
- *   Net      delivers one-sided writes late and in any order (data and tag of one write too),
- *            fails them (reported) or, as a fault, loses them silently; loses, duplicates and
- *            delays EndWrite; delivers revocation notices late.
+ *            check before every step (and the blind stop), Release; cancellable at every
+ *            stage.
+ *   Net      delivers one-sided writes late and in any order (data and tag of one write too);
+ *            reports a transfer failed or timed out while its posted writes may still land
+ *            (until the enforced bound), or, as a fault, loses one silently; loses, duplicates
+ *            and delays EndWrite; delays revocation notices (the stream may drop, delay and
+ *            disconnect: with the cursor a dropped notice is replayed, so a drop is a delay).
+ *   Hostile  a second Prefill of a lease (retry, replay) with other content; a request that
+ *            names another request's page as its destination.
  *
  * Properties (every reachable state, exhaustively):
  *   P1 no foreign bytes   a reader consumes a page only if every token cell it reads was
@@ -29,6 +37,8 @@
  *   P5 quarantine drains  faults stop (a budget): no terminal state keeps a page leased or
  *                         quarantined (process Drained), and LTL `drains`:
  *                         [](QUARANTINED(p) -> <> FREE(p)) for every page
+ *   P6 own bytes in transit  a one-sided data write stores the KV of the request whose lease
+ *                         it writes under (prefill's source page was not reused under it)
  */
 
 #ifndef NP
@@ -70,12 +80,18 @@ mtype = { free, leased, quarantined, done, failed }  /* names for the trace only
 #endif
 #define OLDW   (NWID+1) /* active-writer mark of pages quarantined by a broker restart */
 #define REVW   (NWID+2) /* active-writer mark of a revoked reader's pages (revoke())   */
+#define FAILW  (NWID+3) /* active-writer mark of a failed write's pages until the bound */
 #define DONE   1        /* prefill results */
 #define FAILED 2
 
 /* the identity of a lease, also the "bytes" a write under that lease stores */
 #define STAMP(r,e,g)   (((r)+1)*32 + (e)*16 + (g))
-/* for the trace: a stamp printed as owner/epoch/generation ("r-1" = a previous tenant) */
+/* + OTHER: the bytes of another prompt, written under that lease by a replayed Prefill; the
+ * tag's ownership words are the stamp modulo OTHER, its checksum covers the whole stamp */
+#define OTHER          128
+#define WORDS(st)      ((st) % OTHER)
+/* for the trace: a stamp printed as owner/epoch/generation ("r-1" = a previous tenant,
+ * "r4"/"r5" = another prompt's bytes written under r0's/r1's lease) */
 #define SHOW(st)       ((st)/32) - 1, ((st)/16) % 2, (st) % 16
 
 /* ---------------- broker (services/broker/lease_table.py) ---------------- */
@@ -88,6 +104,7 @@ byte paw[NP];                    /* Page.active_writer: 0 none, writer id + 1, O
 byte pawgen[NP];                 /*   ... and its generation */
 byte npst[3];                    /* pool_state / pdserve_kv_pages{state} gauges */
 bit restarted, olddrained;       /* restart happened; old incarnation's writers drained */
+bit pwrit[NP];                   /* a write began on the page's current generation */
 
 /* ---------------- decode's pool memory (never zeroed) ---------------- */
 byte d0[NP], d1[NP];             /* stamp of the write that last stored each token cell */
@@ -105,6 +122,9 @@ bit  rdone[NR], wfin[NR];        /* reader / writer finished */
 byte pend_data[NR];              /* one-sided data write in flight: cells it stores */
 bit  pend_tag[NR];               /* one-sided tag write in flight */
 byte ptntok[NR];                 /*   ... its num_tokens */
+byte wsrc[NR];                   /* what prefill's source page of that write holds now (a stamp) */
+bit  wposted[NR];                /* the writer posted a write (EndWrite's nothing_posted = !this) */
+bit  wmis[NR];                   /* the data write goes to the page the request named (mutant) */
 bit  canpost[NR];                /* BeginWrite answered OK, writes not posted yet */
 bit  werr[NR];                   /* transfer reported an error to the writer */
 byte ackq[NR];                   /* EndWrite copies in flight */
@@ -141,13 +161,42 @@ byte k;                          /* loop index inside atomic sequences only; 0 b
 #endif
 
 /* ground truth: can request r's writer still land a byte in decode's pool? */
-#define INFLIGHT(r) (pend_data[r] > 0 || pend_tag[r] || (canpost[r] && WLIVE(r)))
+#define PENDING(r) (pend_data[r] > 0 || pend_tag[r])
+#define INFLIGHT(r) (PENDING(r) || (canpost[r] && WLIVE(r)))
+
+/* the enforced bound after a failed or timed-out write (EndWrite(success=false) + lock_delay,
+ * with max_landing <= lock_delay checked at start-up and on every BeginWrite): by then every
+ * write posted before it has landed (timing assumption A5): the event waits for them */
+#define BOUND(r) (!PENDING(r))
+
+/* prefill's source page of request x's write is free for the next request's forward pass */
+#ifdef MUT_SOURCE_REUSE
+#define SRCFREE(x) wfin[x]                          /* at once, when the write call returned */
+#else
+#define SRCFREE(x) (wfin[x] && BOUND(x))            /* once no posted write can read it */
+#endif
+
+/* BeginWrite: lease current, no writer active, and one write per lease generation (refused
+ * once a write began on it; decode's Validate comes only after one did, see README) */
+#ifdef MUT_REWRITE
+#define BEGIN_OK(r) (LEASE_CUR(r) && paw[rpage[r]] == 0)
+#else
+#define BEGIN_OK(r) (LEASE_CUR(r) && paw[rpage[r]] == 0 && !pwrit[rpage[r]])
+#endif
+
+/* EndWrite(success=false) of a write that posted something keeps the pages "writing" (FAILW)
+ * until the bound; nothing_posted or success frees them at once */
+#ifdef MUT_FAIL_FREES
+#define HOLD_FAILED(r) 0
+#else
+#define HOLD_FAILED(r) (werr[r] && wposted[r])
+#endif
 
 /* verify_prompt_pages */
 #ifdef MUT_NO_TAG_MATCH
 #define TAGOK(p,r) 1
 #else
-#define TAGOK(p,r) (tstamp[p] == rstamp[r])
+#define TAGOK(p,r) (WORDS(tstamp[p]) == rstamp[r])
 #endif
 #ifdef MUT_NO_COVERAGE
 #define COVERAGE(p) 1
@@ -172,11 +221,11 @@ byte k;                          /* loop index inside atomic sequences only; 0 b
 #if defined(MUT_NO_STEP_CHECK)
 #define GATE(r) 1
 #elif defined(MUT_NO_REVOCATION_STOP)
-#define GATE(r) (tstamp[rpage[r]] == rstamp[r])         /* tags only */
+#define GATE(r) (WORDS(tstamp[rpage[r]]) == rstamp[r])  /* tags only */
 #elif defined(MUT_NO_STEP_TAGS)
 #define GATE(r) (!revoked[r] && EPOK(r))                /* revocation only */
 #else
-#define GATE(r) (!revoked[r] && EPOK(r) && tstamp[rpage[r]] == rstamp[r])
+#define GATE(r) (!revoked[r] && EPOK(r) && WORDS(tstamp[rpage[r]]) == rstamp[r])
 #endif
 
 /* EndWrite matches (writer, generation) */
@@ -212,7 +261,7 @@ inline grant(r) {
 #else
   genctr++; pgen[p] = genctr;
 #endif
-  setpst(p, LEASED); powner[p] = r;
+  setpst(p, LEASED); powner[p] = r; pwrit[p] = 0;
   rpage[r] = p; rgen[r] = pgen[p]; rep[r] = epoch; rstamp[r] = STAMP(r, epoch, pgen[p]);
   printf("GRANT     r%d gets page %d, lease r%d/e%d/g%d\n", r, p, SHOW(rstamp[r]));
   p = 0
@@ -254,13 +303,16 @@ inline release(r) {
 inline end_write(r) {
   p = rpage[r];
   if
-  :: EPOK(r) && ACKMATCH(p, r) ->
+  :: EPOK(r) && ACKMATCH(p, r) && HOLD_FAILED(r) ->
+     paw[p] = FAILW;                                 /* its writes may land until the bound */
+     printf("ENDWRITE  of r%d (g%d, failed after posting): page %d stays writing until the bound\n", r, rgen[r], p)
+  :: EPOK(r) && ACKMATCH(p, r) && !HOLD_FAILED(r) ->
      paw[p] = 0;
      if
      :: pst[p] == QUAR -> setpst(p, FREE)
      :: else
      fi;
-     printf("ENDWRITE  of r%d (g%d) matches page %d: writer cleared, page %e\n", r, rgen[r], p, PSTATE(pst[p]))
+     printf("ENDWRITE  of r%d (g%d, ok=%d) matches page %d: writer cleared, page %e\n", r, rgen[r], !werr[r], p, PSTATE(pst[p]))
   :: else                                            /* late, repeated or old-epoch ack */
      printf("ENDWRITE  of r%d (g%d) changes nothing\n", r, rgen[r])
   fi;
@@ -335,20 +387,60 @@ inline drain(x) {
   k = 0
 }
 
-/* a revoked reader's page: lock_delay after the revocation, by when (assumption) the notice
- * has reached decode, which stops the request before its next step */
-#ifdef MUT_REVOCATION_LOST
-#define REVOKED_DRAINED(p) 1
+/* decode stops stepping every running request (UNAVAILABLE) when it has heard nothing on its
+ * revocation stream (revocations, heartbeats) for longer than a bound under lock_delay */
+inline blind_stop() {
+  printf("BLIND     decode heard nothing on the stream since the revocation for longer than the bound: it stops every running request\n");
+  k = 0;
+  do
+  :: k < NR ->
+     if
+     :: rpage[k] != NONE && !rdone[k] -> revoked[k] = 1
+     :: else
+     fi;
+     k++
+  :: else -> break
+  od;
+  k = 0
+}
+
+/* A revoked reader's page leaves quarantine lock_delay after the revocation, heard or not.
+ * The stream is ordered (a sequence number per revocation, decode resumes from its cursor,
+ * and re-validates its running leases after a gap): a notice still undelivered then means
+ * decode has heard nothing since the revocation, lock_delay > the blind bound, so decode
+ * has stopped every running request by then. Without the cursor a dropped notice is gone
+ * while the stream (heartbeats) stays up: decode is not blind and does not stop. */
+#ifdef MUT_NO_BLIND_STOP
+#define BLIND_STOPS(o) 0
 #else
-#define REVOKED_DRAINED(p) revoked[powner[p]]
+#define BLIND_STOPS(o) (rvq[o] && !revoked[o] && !rdone[o])
 #endif
 #define SWEEPABLE(p) (pst[p] == QUAR && \
         ((paw[p] >= 1 && paw[p] <= NWID && wdrained[paw[p]-1]) || (paw[p] == OLDW && olddrained) \
-         || (paw[p] == REVW && REVOKED_DRAINED(p))))
-/* sweep also ends writes of presumed-dead writers on LEASED pages */
-#define SWEEP_LEASED(p) (pst[p] == LEASED && paw[p] >= 1 && paw[p] <= NWID && wdrained[paw[p]-1])
+         || paw[p] == REVW || (paw[p] == FAILW && BOUND(powner[p]))))
+/* sweep also ends writes of presumed-dead writers, and failed writes past the bound, on LEASED pages */
+#define SWEEP_LEASED(p) (pst[p] == LEASED && \
+        ((paw[p] >= 1 && paw[p] <= NWID && wdrained[paw[p]-1]) || (paw[p] == FAILW && BOUND(powner[p]))))
 
 /* ================================ processes ================================ */
+
+/* the next request's forward pass on prefill process PROC(r) may take the source page of an
+ * earlier write x of that process once SRCFREE(x): if x's write can still read it, x's
+ * late write now carries r's KV */
+inline SRCREUSE(r) {
+  k = 0;
+  do
+  :: k < NR ->
+     if
+     :: k != r && PROC(k) == PROC(r) && SRCFREE(k) && PENDING(k) -> wsrc[k] = rstamp[r];
+        printf("SOURCE    r%d's forward pass reuses the source page that r%d's write still reads\n", r, k)
+     :: else
+     fi;
+     k++
+  :: else -> break
+  od;
+  k = 0
+}
 
 proctype Writer(byte r) {                            /* prefill: servicer._prefill + worker.write */
   byte p;
@@ -363,8 +455,8 @@ proctype Writer(byte r) {                            /* prefill: servicer._prefi
     atomic {                                         /* BeginWrite */
       p = rpage[r];
       if
-      :: LEASE_CUR(r) && paw[p] == 0 ->
-         paw[p] = WID(r)+1; pawgen[p] = rgen[r]; ok = 1;
+      :: BEGIN_OK(r) ->
+         paw[p] = WID(r)+1; pawgen[p] = rgen[r]; pwrit[p] = 1; ok = 1;
          if
          :: canpost[r] = 1;
 #ifdef MUT_NO_ENDWRITE_ON_BEGIN_FAILURE
@@ -386,12 +478,28 @@ proctype Writer(byte r) {                            /* prefill: servicer._prefi
          canpost[r] = 0;
          if
          :: WLIVE(r) ->
+            /* the forward pass fills a source page: one whose earlier write can no longer
+             * read it, or (mutant) any whose write call returned */
+            SRCREUSE(r);
+            wsrc[r] = rstamp[r];
             if
-            :: pend_data[r] = 2; pend_tag[r] = 1; ptntok[r] = 2;
+            :: pend_data[r] = 2; pend_tag[r] = 1; ptntok[r] = 2; wposted[r] = 1;
                printf("POST      r%d: data (2 tokens) and tag to page %d\n", r, rpage[r])
             :: budget > 0 -> budget--;               /* fault: short transfer reported done */
-               pend_data[r] = 1; pend_tag[r] = 1; ptntok[r] = 1;
+               pend_data[r] = 1; pend_tag[r] = 1; ptntok[r] = 1; wposted[r] = 1;
                printf("POST      r%d: FAULT short transfer, 1 token + tag num_tokens=1\n", r)
+#ifndef NO_HOSTILE
+            :: budget > 0 -> budget--;               /* fault: the request names another page */
+#ifdef MUT_DEST_FROM_REQUEST
+               wmis[r] = 1; pend_data[r] = 2; pend_tag[r] = 1; ptntok[r] = 2; wposted[r] = 1;
+               printf("POST      r%d: FAULT request names page %d as destination; data goes there, tag to page %d\n",
+                      r, (rpage[r] + 1) % NP, rpage[r])
+#else
+               ok = 0;                               /* addresses come from the pool's registration */
+               printf("POST      r%d: FAULT request names page %d as destination; refused (not the pool's)\n",
+                      r, (rpage[r] + 1) % NP)
+#endif
+#endif
             :: budget > 0 -> budget--;               /* fault: placeholder, nothing written, done */
                printf("POST      r%d: FAULT placeholder, nothing written, reports done\n", r)
             :: ok = 0;                               /* forward pass fails / prefill aborts */
@@ -401,7 +509,7 @@ proctype Writer(byte r) {                            /* prefill: servicer._prefi
             printf("POST      r%d: own liveness lapsed, writes nothing\n", r)
          fi
        };
-       (pend_data[r] == 0 && !pend_tag[r]);          /* wait for completion */
+       (!PENDING(r) || werr[r]);                     /* completion, or failure / timeout reported */
        if
        :: werr[r] -> ok = 0
        :: else
@@ -437,6 +545,11 @@ proctype Reader(byte r) {                            /* decode: Allocate, Decode
   byte i;
   if
   :: atomic { npst[FREE] > 0 -> grant(r) }
+#ifdef LEASE_FAULTS
+  :: atomic { npst[FREE] > 0 && budget > 0 -> budget--; grant(r);   /* fault: the reply is lost */
+              printf("GRANT     FAULT reply to r%d lost: decode never learns of page %d\n", r, rpage[r]);
+              rdone[r] = 1; wfin[r] = 1; goto gone }
+#endif
   :: atomic { rdone[r] = 1; wfin[r] = 1; goto gone } /* rejected or gave up before a grant */
   fi;
   if
@@ -488,30 +601,51 @@ proctype Reader(byte r) {                            /* decode: Allocate, Decode
 out:
   atomic {
     reading[r] = 0; i = 0;
-    release(r);
+    if
+    :: release(r)
+#ifdef LEASE_FAULTS
+    :: budget > 0 && LEASE_CUR(r) -> budget--;       /* fault: Release fails, decode moves on */
+       printf("RELEASE   FAULT r%d's Release fails; the lease stays\n", r)
+#endif
+    fi;
     rdone[r] = 1
   };
 gone:
   skip
 }
 
+#define DST(r) ((rpage[r] + wmis[r]) % NP)    /* where the data write goes */
 #define NETR(r) \
-  :: atomic { pend_data[r] > 0 -> d0[rpage[r]] = rstamp[r]; \
-              if :: pend_data[r] == 2 -> d1[rpage[r]] = rstamp[r] :: else fi; pend_data[r] = 0; \
-              printf("LAND      data of r%d on page %d\n", r, rpage[r]) } \
+  :: atomic { pend_data[r] > 0 -> \
+              printf("LAND      data of r%d on page %d: r%d/e%d/g%d\n", r, DST(r), SHOW(wsrc[r])); \
+              if :: wsrc[r] != rstamp[r] -> \
+                    printf("VIOLATION P6: a write under r%d's lease carries bytes of r%d/e%d/g%d\n", r, SHOW(wsrc[r])) \
+                 :: else fi; \
+              assert(wsrc[r] == rstamp[r]); \
+              d0[DST(r)] = wsrc[r]; \
+              if :: pend_data[r] == 2 -> d1[DST(r)] = wsrc[r] :: else fi; pend_data[r] = 0 } \
   :: atomic { pend_tag[r] -> tstamp[rpage[r]] = rstamp[r]; tntok[rpage[r]] = ptntok[r]; pend_tag[r] = 0; \
               printf("LAND      tag of r%d on page %d\n", r, rpage[r]) } \
-  :: atomic { pend_data[r] > 0 && budget > 0 -> budget--; pend_data[r] = 0; werr[r] = 1; \
-              printf("NET       FAULT data write of r%d fails (reported)\n", r) } \
+  :: atomic { PENDING(r) && !werr[r] && budget > 0 -> budget--; werr[r] = 1; \
+              printf("NET       FAULT transfer of r%d reports failure / times out; posted writes may still land\n", r) } \
   :: atomic { pend_data[r] > 0 && budget > 0 -> budget--; pend_data[r] = 0; \
               printf("NET       FAULT data write of r%d silently lost\n", r) } \
   :: atomic { ackq[r] > 0 -> ackq[r]--; end_write(r) } \
   :: atomic { ackq[r] > 0 && budget > 0 -> budget--; ackq[r]--; printf("NET       FAULT EndWrite of r%d lost\n", r) } \
   :: atomic { ackq[r] > 0 && budget > 0 -> budget--; ackq[r]++; printf("NET       FAULT EndWrite of r%d duplicated\n", r) } \
-  :: atomic { rvq[r] -> rvq[r] = 0; revoked[r] = 1; printf("NOTICE    r%d learns of its revocation\n", r) }
-/* in order: data lands, tag lands, transfer error (reported), silent loss (fault),
+  :: atomic { rvq[r] -> rvq[r] = 0; revoked[r] = 1; printf("NOTICE    r%d learns of its revocation\n", r) } \
+  NODROP(r)
+#ifdef MUT_NO_CURSOR
+/* no cursor: a notice the stream drops is never sent again; the stream itself stays up */
+#define NODROP(r) \
+  :: atomic { rvq[r] -> rvq[r] = 0; printf("NET       the stream drops r%d's revocation notice; no cursor, never re-sent\n", r) }
+#else
+#define NODROP(r)  /* with the cursor a dropped notice is replayed on resubscribe: a delay */
+#endif
+/* in order: data lands, tag lands, transfer error or timeout reported (fault; its writes
+ * stay in flight), silent loss (fault),
  * EndWrite delivered, EndWrite lost (fault), EndWrite duplicated (fault),
- * revocation notice delivered */
+ * revocation notice delivered (late: the stream delays, disconnects, resumes) */
 
 proctype Net() {
   byte p;
@@ -546,8 +680,45 @@ end:
  * (for a crashed or finished writer the expiry itself is invisible) */
 
 #define SWEEP(p) \
-  :: atomic { SWEEPABLE(p) -> paw[p] = 0; setpst(p, FREE); printf("SWEEP     page %d leaves quarantine\n", p) } \
+  :: atomic { SWEEPABLE(p) -> \
+              if :: paw[p] == REVW && BLIND_STOPS(powner[p]) -> blind_stop() :: else fi; \
+              paw[p] = 0; setpst(p, FREE); printf("SWEEP     page %d leaves quarantine\n", p) } \
   :: atomic { SWEEP_LEASED(p) -> paw[p] = 0; printf("SWEEP     page %d: dead writer cleared\n", p) }
+
+/* lease expiry. KeepAlive of decode lists the owners it holds: the broker revokes, through
+ * quarantine, a lease its holder no longer holds (a Grant whose reply was lost, a Release that
+ * failed): held = the reader has not finished. A reconciliation that hits a lease still held
+ * (a KeepAlive racing a Grant) is a revocation, which REVOKE covers. */
+#if defined(MUT_NO_LEASE_EXPIRY)
+#define RECONCILE(r)
+#define POOL_EXPIRY
+#elif !defined(LEASE_FAULTS)
+#define RECONCILE(r)   /* enabled only after a lost Grant reply or a failed Release */
+#define POOL_EXPIRY
+#else
+#define RECONCILE(r) \
+  :: atomic { rdone[r] && LEASE_CUR(r) -> \
+              if :: paw[rpage[r]] == 0 -> paw[rpage[r]] = REVW :: else fi; end_lease(rpage[r]); \
+              printf("EXPIRE    r%d's lease is no longer held by decode: page %d is now %e\n", r, rpage[r], PSTATE(pst[rpage[r]])) }
+/* decode stopped renewing the pool (partition, stall, crash): every lease of it is revoked */
+#define POOL_EXPIRY \
+  :: atomic { budget > 0 && (LEASE_CUR(0) || LEASE_CUR(1)) -> budget--; \
+              printf("EXPIRE    FAULT decode stops renewing the pool: every lease revoked\n"); \
+              if :: LEASE_CUR(0) -> revoke(0) :: else fi; \
+              if :: LEASE_CUR(1) -> revoke(1) :: else fi }
+#endif
+
+/* a second Prefill of r's lease (retry, replay, bug) with another prompt: BeginWrite, both
+ * writes and EndWrite in one step (its own late landings are the Writer's case) */
+#ifdef NO_HOSTILE
+#define REPLAY(r)
+#else
+#define REPLAY(r) \
+  :: atomic { budget > 0 && BEGIN_OK(r) -> budget--; pwrit[rpage[r]] = 1; \
+              d0[rpage[r]] = rstamp[r] + OTHER; d1[rpage[r]] = rstamp[r] + OTHER; \
+              tstamp[rpage[r]] = rstamp[r] + OTHER; tntok[rpage[r]] = 2; \
+              printf("REPLAY    FAULT a second Prefill of r%d's lease writes another prompt's KV to page %d\n", r, rpage[r]) }
+#endif
 
 proctype Broker() {                           /* restart, revoke, liveness, sweeper */
   byte p;
@@ -560,6 +731,14 @@ end:
 #if NR > 2
   REVOKE(2)
 #endif
+  RECONCILE(0)
+  RECONCILE(1)
+#if NR > 2
+  RECONCILE(2)
+#endif
+  POOL_EXPIRY
+  REPLAY(0)
+  REPLAY(1)
   CRASH(0)
 #if NW > 1
   CRASH(1)
