@@ -9,7 +9,9 @@ import grpc
 import pytest
 
 from services import launcher
+from services.common.pki import issue
 from services.common.proto import faults_pb2, faults_pb2_grpc
+from services.common.tls import TlsConfig, secure_channel
 
 CHECKSUM_OFF = ["--no-transfer-checksum"]
 OPT_IN = ["--allow-unsafe", "no-transfer-checksum"]
@@ -44,6 +46,11 @@ def listening_addresses(port: int) -> set[str]:
 LOOPBACK, ANY = "0100007F", "00000000"
 
 
+def tls_args(tls_dir, identity: str) -> list[str]:
+    f = issue(str(tls_dir), identity)
+    return ["--tls-cert", f.cert, "--tls-key", f.key, "--tls-ca", f.ca]
+
+
 @pytest.mark.parametrize("service", ["prefill", "decode"])
 def test_no_transfer_checksum_without_opt_in_refuses_to_start(model_dir, service):
     r = subprocess.run([sys.executable, "-m", "services.cli", service, "--model", model_dir, "--port", "0",
@@ -56,16 +63,18 @@ def test_no_transfer_checksum_without_opt_in_refuses_to_start(model_dir, service
     assert "PDSERVE_READY" not in r.stdout
 
 
-def test_opt_in_serves_and_exports_the_mode_parent_fault_switches_stay_behind(model_dir, monkeypatch):
+def test_opt_in_serves_and_exports_the_mode_parent_fault_switches_stay_behind(model_dir, monkeypatch, tmp_path):
     # a shell with the test-only switches exported: `pdserve up` from it must not arm anything
     monkeypatch.setenv("PDSERVE_ENABLE_FAULTS", "1")
     monkeypatch.setenv("PDSERVE_FAULTS", "prefill.short_transfer:0")
     procs = []
     try:
-        broker = launcher.start("broker", ["broker", "--port", "0", "--metrics-port", "0"])
+        broker = launcher.start("broker", ["broker", "--port", "0", "--metrics-port", "0",
+                                           *tls_args(tmp_path, "broker/b0")])
         procs.append(broker)
         prefill = launcher.start("prefill", ["prefill", "--model", model_dir, "--port", "0", "--metrics-port", "0",
-                                             "--broker", broker.target, *CHECKSUM_OFF, *OPT_IN])
+                                             "--broker", broker.target, *CHECKSUM_OFF, *OPT_IN,
+                                             *tls_args(tmp_path, "prefill/p0")])
         procs.append(prefill)
         assert unsafe_gauges(prefill) == {"no-transfer-checksum": 1.0, "insecure": 0.0, "faults": 0.0}
         assert unsafe_gauges(broker) == {"no-transfer-checksum": 0.0, "insecure": 0.0, "faults": 0.0}
@@ -73,7 +82,9 @@ def test_opt_in_serves_and_exports_the_mode_parent_fault_switches_stay_behind(mo
         assert re.search(r"ERROR services\.common\.unsafe: prefill: UNSAFE MODE no-transfer-checksum", log), log
         assert "PDSERVE_FAULTS" not in log and "fault point" not in log, log
         # the test-only Faults service is not served: only a switch passed explicitly turns it on
-        with grpc.insecure_channel(prefill.target) as ch, pytest.raises(grpc.RpcError) as e:
+        op = issue(str(tmp_path), "operator/t")
+        with secure_channel(prefill.target, TlsConfig(op.cert, op.key, op.ca), aio=False) as ch, \
+                pytest.raises(grpc.RpcError) as e:
             faults_pb2_grpc.FaultsStub(ch).Arm(faults_pb2.ArmRequest(name="prefill.short_transfer"), timeout=10)
         assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
         for p in procs:
@@ -83,10 +94,10 @@ def test_opt_in_serves_and_exports_the_mode_parent_fault_switches_stay_behind(mo
             launcher.stop(p)
 
 
-def test_fault_switch_passed_explicitly_is_exported(monkeypatch):
+def test_fault_switch_passed_explicitly_is_exported(monkeypatch, tmp_path):
     monkeypatch.delenv("PDSERVE_ENABLE_FAULTS", raising=False)
-    broker = launcher.start("broker", ["broker", "--port", "0", "--metrics-port", "0", "--metrics-host", "0.0.0.0"],
-                            env={"PDSERVE_ENABLE_FAULTS": "1"})
+    broker = launcher.start("broker", ["broker", "--port", "0", "--metrics-port", "0", "--metrics-host", "0.0.0.0",
+                                       *tls_args(tmp_path, "broker/b0")], env={"PDSERVE_ENABLE_FAULTS": "1"})
     try:
         assert unsafe_gauges(broker) == {"no-transfer-checksum": 0.0, "insecure": 0.0, "faults": 1.0}
         assert re.search(r"ERROR services\.common\.unsafe: broker: UNSAFE MODE faults", "".join(broker.lines))
