@@ -3,15 +3,10 @@ all leases of a pool whose decode stopped renewing are revoked, and both go thro
 from services.broker.lease_table import LeaseTable, PageState
 from services.broker.revocation_log import RevocationLog
 
+from .test_lease_table import FakeClock
+
 A, B, C = b"a" * 16, b"b" * 16, b"c" * 16
 LOCK_DELAY, READER_TTL, GRACE = 2.0, 5.0, 3.0
-
-
-class FakeClock:
-    now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def make(num_pages: int = 8) -> tuple[LeaseTable, FakeClock]:
