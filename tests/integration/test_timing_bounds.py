@@ -1,0 +1,49 @@
+"""The one timing inequality of the lease protocol (issue 9, hole 2): a page is held lock_delay after a failed
+write's ack or its writer's liveness expiry, so lock_delay must cover the longest a posted write can still land
+(Mooncake's explicit timeout + 1 ns/byte + slack). Services refuse to start when the numbers break it."""
+import re
+import subprocess
+import sys
+
+from services import launcher
+from services.common.pki import issue
+
+
+def tls_args(tls_dir, identity: str) -> list[str]:
+    f = issue(str(tls_dir), identity)
+    return ["--tls-cert", f.cert, "--tls-key", f.key, "--tls-ca", f.ca]
+
+
+def test_broker_refuses_a_lock_delay_under_mooncakes_shortest_timeout(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "services.cli", "broker", "--port", "0", "--metrics-port", "0",
+                        "--lock-delay", "3", *tls_args(tmp_path, "broker/b0")],
+                       capture_output=True, text=True, timeout=60)
+    err = r.stderr + r.stdout
+    assert r.returncode != 0 and "PDSERVE_READY" not in r.stdout, err
+    assert "--lock-delay 3.0s is under Mooncake's shortest transfer timeout (5s)" in err, err
+
+
+def test_prefill_refuses_to_start_when_its_landing_bound_exceeds_the_brokers_lock_delay(tmp_path, model_dir):
+    broker = launcher.start("broker", ["broker", "--port", "0", "--metrics-port", "0", "--lock-delay", "5.5",
+                                       *tls_args(tmp_path, "broker/b0")])
+    prefill = ["prefill", "--model", model_dir, "--port", "0", "--metrics-port", "0", "--pool-tokens", "4096",
+               "--broker", broker.target, *tls_args(tmp_path, "prefill/p0")]
+    try:
+        # default slack 1 s: 5 s Mooncake timeout + 1 ns/byte of the pool + 1 s > 5.5 s
+        r = subprocess.run([sys.executable, "-m", "services.cli", *prefill], capture_output=True, text=True,
+                           timeout=120)
+        err = r.stderr + r.stdout
+        assert r.returncode != 0 and "PDSERVE_READY" not in r.stdout, err
+        m = re.search(r"refusing to start: a write this prefill posts may land up to ([0-9.]+)s after its call "
+                      r"returned .* \(lock_delay\)", err)
+        assert m and 6.0 < float(m.group(1)) < 6.1, err
+        assert "5.500s" in err and "--lock-delay to at least" in err, err
+        # the same prefill with less slack fits under the bound and serves
+        ok = launcher.start("prefill", [*prefill, "--landing-slack", "0.3"])
+        try:
+            assert any(re.search(r"a posted write lands within 5\.[0-9]+s <= broker lock_delay 5\.500s", line)
+                       for line in ok.lines), "".join(ok.lines[-20:])
+        finally:
+            launcher.stop(ok)
+    finally:
+        launcher.stop(broker)
