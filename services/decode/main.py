@@ -29,7 +29,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds an allocation waits for its Decode call (prefill failed, gateway gone) before release")
     p.add_argument("--checksum-sweep-pages", type=int, default=8,
                    help="prompt pages of the running batch whose CRC-32C is re-checked before each step, in rotation "
-                        "(every prompt page at least once every ceil(prompt pages / N) steps); 0 turns it off")
+                        "(every prompt page at least once every E * ceil(prompt pages / N) steps); 0 turns it off")
+    p.add_argument("--checksum-sweep-every", type=int, default=4,
+                   help="the sweep runs before every E-th step: its cost, mostly fixed per call, divided by E")
     p.add_argument("--max-blind", type=float, default=1.0,
                    help="seconds decode keeps stepping without a message (revocation or heartbeat) from the broker's "
                         "revocation stream; then running requests fail UNAVAILABLE. Must be <= lock_delay / 2")
@@ -45,8 +47,9 @@ async def serve(args) -> None:
     num_pages = args.pool_tokens // args.page_size
     set_threads(args.threads, args.switch_interval_ms)
     runner = ModelRunner(args.model, num_pages, args.page_size, args.kv_dtype, args.device)
-    if args.checksum_sweep_pages < 0:
-        raise SystemExit(f"--checksum-sweep-pages must be >= 0, got {args.checksum_sweep_pages}")
+    if args.checksum_sweep_pages < 0 or args.checksum_sweep_every < 1:
+        raise SystemExit(f"--checksum-sweep-pages must be >= 0 and --checksum-sweep-every >= 1, got "
+                         f"{args.checksum_sweep_pages} and {args.checksum_sweep_every}")
     if args.checksum_sweep_pages == 0 or args.no_transfer_checksum:
         log.warning("checksum sweep OFF (%s): a late write of page data alone into a running request's prompt "
                     "page will not be detected", "--checksum-sweep-pages 0" if args.checksum_sweep_pages == 0
@@ -66,7 +69,8 @@ async def serve(args) -> None:
                               context_length, os.path.basename(os.path.normpath(args.model)), args.max_batch,
                               check_checksums=not args.no_transfer_checksum, canary=args.canary,
                               allocation_timeout_s=args.allocation_timeout, rpc_timeout_s=args.rpc_timeout,
-                              max_blind_s=args.max_blind, sweep_pages=args.checksum_sweep_pages)
+                              max_blind_s=args.max_blind, sweep_pages=args.checksum_sweep_pages,
+                              sweep_every=args.checksum_sweep_every)
     svc = Service("decode", [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name],
                   args.host, args.port, args.metrics_port, tls=tls, metrics_host=args.metrics_host)
     decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)

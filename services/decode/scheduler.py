@@ -70,12 +70,12 @@ class Scheduler(StepGuards):
     when Decode next looks), so pages are never released while a step may still use them."""
 
     def __init__(self, runner: ModelRunner, release: Callable[[Sequence], Awaitable[None]], max_batch: int = 64,
-                 sweep_pages: int = 8, blind: Callable[[], PdError | None] = lambda: None):
+                 sweep_pages: int = 8, blind: Callable[[], PdError | None] = lambda: None, sweep_every: int = 1):
         self.runner = runner
         self.blind = blind  # an error while decode cannot trust its revocation stream: then nothing steps
         self.release = release
         self.max_batch = max_batch
-        self.sweep = ChecksumSweep(getattr(runner, "pool", None), sweep_pages)
+        self.sweep = ChecksumSweep(getattr(runner, "pool", None), sweep_pages, sweep_every)
         self.joining: dict[bytes, Sequence] = {}
         self.running: dict[bytes, Sequence] = {}
         self._wake = asyncio.Event()

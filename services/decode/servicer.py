@@ -40,7 +40,8 @@ class Allocation:
 class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
     def __init__(self, runner: ModelRunner, broker, pool_id: str, transfer_session: str, context_length: int,
                  model_name: str, max_batch: int = 64, rpc_timeout_s: float = 10.0, allocation_timeout_s: float = 120.0,
-                 check_checksums: bool = True, canary: bool = False, sweep_pages: int = 8, max_blind_s: float = 1.0):
+                 check_checksums: bool = True, canary: bool = False, sweep_pages: int = 8, max_blind_s: float = 1.0,
+                 sweep_every: int = 1):
         self.check_checksums = check_checksums
         self.canary = canary
         self.runner = runner
@@ -56,7 +57,7 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
         self._epoch_changed = asyncio.Event()
         self.allocations: dict[bytes, Allocation] = {}
         self.scheduler = Scheduler(runner, self._release_seq, max_batch, sweep_pages if check_checksums else 0,
-                                   blind=self.blind_error)
+                                   blind=self.blind_error, sweep_every=sweep_every)
         self.init_watch(max_blind_s)
         self.layout_pb = layout_to_pb(self.pool.layout, TAG_NBYTES)
         self.eos = runner.config.eos_token_id

@@ -11,6 +11,7 @@ from tests.integration.helpers import allocate, collect, decode_stream, prefill,
 
 PAGE_SIZE = 16        # the default stack's
 SWEEP_PAGES = 8       # decode's default --checksum-sweep-pages
+SWEEP_EVERY = 4       # decode's default --checksum-sweep-every
 
 
 def _pages(n: int) -> int:
@@ -37,8 +38,8 @@ def test_data_only_write_into_a_prompt_page_fails_that_request_within_the_sweep_
     assert err is not None and (err.code, err.reason) == (grpc.StatusCode.DATA_LOSS, "PROMPT_PAGE_CHANGED"), (err, got)
     assert "prompt page 1" in err.message, err.message
     # the write came before the victim's first step, so every token but prefill's first came after it; the
-    # sweep re-checks every prompt page of the batch within ceil(P / N) steps, so at most that minus one
-    bound = math.ceil((sum(_pages(len(p)) for p in others) + _pages(len(victim))) / SWEEP_PAGES)
+    # sweep re-checks every prompt page of the batch within E * ceil(P / N) steps, so at most that minus one
+    bound = SWEEP_EVERY * math.ceil((sum(_pages(len(p)) for p in others) + _pages(len(victim))) / SWEEP_PAGES)
     assert 1 <= len(got) and len(got) - 1 <= bound - 1, (len(got), bound)
     pairs = []
     for p, head, (tail, e) in zip(others, heads, rest):

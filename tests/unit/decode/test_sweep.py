@@ -58,14 +58,14 @@ def test_no_false_positive_over_many_cycles_while_decode_writes():
         assert sweep(records) == []
 
 
-@pytest.mark.parametrize("budget", [1, 2, 3, 8, 100])
+@pytest.mark.parametrize("budget,every", [(1, 1), (2, 1), (3, 1), (8, 1), (100, 1), (2, 3), (8, 4)])
 @pytest.mark.parametrize("victim,page", [(0, 0), (0, 2), (1, 1), (2, 3), (2, 0)])
-def test_data_only_change_is_found_within_the_bound(budget, victim, page):
+def test_data_only_change_is_found_within_the_bound(budget, every, victim, page):
     pool, records = _batch()
-    sweep = ChecksumSweep(pool, budget)
+    sweep = ChecksumSweep(pool, budget, every)
     for r in records:
         sweep.admit(r)
-    bound = math.ceil(NUM_PAGES / budget)
+    bound = every * math.ceil(NUM_PAGES / budget)
     # some rotation first, so the corrupted page is not simply first in line
     for step in range(bound + 1):
         _decode_writes(pool, step)
@@ -80,7 +80,8 @@ def test_data_only_change_is_found_within_the_bound(budget, victim, page):
         found = sweep(records)
         if found:
             break
-    assert [(m.index, m.page_index, m.page) for m in found] == [(victim, page, phys)], (budget, k)
+    assert [(m.index, m.page_index, m.page) for m in found] == [(victim, page, phys)], (budget, every, k)
+    assert sweep.step % every == 0  # only the steps the sweep runs before find anything
     assert found[0].expected == int(records[victim].table[page, 2]) != found[0].actual
     assert torch.equal(pool.tags[phys], tag_before)
 
