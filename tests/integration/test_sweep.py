@@ -11,7 +11,7 @@ from tests.integration.helpers import allocate, collect, decode_stream, prefill,
 
 PAGE_SIZE = 16        # the default stack's
 SWEEP_PAGES = 8       # decode's default --checksum-sweep-pages
-SWEEP_EVERY = 4       # decode's default --checksum-sweep-every
+SWEEP_EVERY = 8       # decode's default --checksum-sweep-every
 
 
 def _pages(n: int) -> int:
