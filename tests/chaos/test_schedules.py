@@ -109,6 +109,9 @@ def test_chaos_schedule(chaos, oracle, seed):
     if refusals is not None:  # every hostile call refused, with a typed reason
         print(f"  hostile calls: {refusals}", flush=True)
         assert all(code in REFUSED and reason for _, code, reason in refusals), (seed, refusals)
+    cuts = sum("revocation stream ended" in line for p in chaos.procs["decode"] for line in p.lines)
+    if disruption == "cut_watch" or any(name == "broker.cut_watch" for _, _, name, _ in faults):
+        print(f"  revocation stream cuts seen by decode so far: {cuts}", flush=True)
     print(f"  load done in {time.monotonic() - start:.1f}s", flush=True)
     ok = 0
     to_check = []
