@@ -76,12 +76,18 @@ def request(servicer, owner: bytes, marker: int, pages: list[int]) -> prefill_pb
             leases=[common_pb2.PageLease(page=p, generation=1) for p in pages], layout=servicer.layout_pb))
 
 
+def serving(registered_session: str = "d:1") -> tuple[FakeWorker, FakeLeases, PrefillServicer]:
+    """A servicer whose broker hands out the pool registered at `registered_session` (requests name "d:1")."""
+    worker, leases = FakeWorker(), FakeLeases()
+    servicer = PrefillServicer(worker, leases, context_length=64, max_prompt=32, model_name="fake")
+    leases.region = broker_pb2.PoolRegion(transfer_session=registered_session, data_base=0x1000, tag_base=0x2000,
+                                          layout=servicer.layout_pb)
+    return worker, leases, servicer
+
+
 def test_a_failed_write_that_lands_late_carries_only_its_own_kv():
     async def main():
-        worker, leases = FakeWorker(), FakeLeases()
-        servicer = PrefillServicer(worker, leases, context_length=64, max_prompt=32, model_name="fake")
-        leases.region = broker_pb2.PoolRegion(transfer_session="d:1", data_base=0x1000, tag_base=0x2000,
-                                              layout=servicer.layout_pb)
+        worker, leases, servicer = serving()
         a, b = bytes([1]) * 16, bytes([2]) * 16
         worker.fail_next = True
         with pytest.raises(PdError) as info:
@@ -106,10 +112,7 @@ def test_a_failed_write_that_lands_late_carries_only_its_own_kv():
 
 def test_a_write_refused_before_posting_frees_at_once_and_says_nothing_was_posted():
     async def main():
-        worker, leases = FakeWorker(), FakeLeases()
-        servicer = PrefillServicer(worker, leases, context_length=64, max_prompt=32, model_name="fake")
-        leases.region = broker_pb2.PoolRegion(transfer_session="elsewhere:9", data_base=0x1000, tag_base=0x2000,
-                                              layout=servicer.layout_pb)
+        worker, leases, servicer = serving(registered_session="elsewhere:9")
         with pytest.raises(PdError) as info:
             await servicer.Prefill(request(servicer, bytes([3]) * 16, 33, [0]), None)
         assert info.value.reason == "DESTINATION_MISMATCH"
