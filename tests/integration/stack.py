@@ -22,10 +22,12 @@ class Stack:
         self.tls_dir = os.path.join(self.log_dir, "tls")
         self.procs = launcher.start_stack(model_dir, env=env, log_dir=self.log_dir, tls_dir=self.tls_dir, **kw)
         self._channels = []
+        self._pool_ids: dict[int, str] = {}
         self.gateway = gateway_pb2_grpc.GatewayStub(self._ch(self.procs["gateway"][0].target, tls=None))
         self.broker = broker_pb2_grpc.BrokerStub(self._ch(self.procs["broker"][0].target))
         self.prefills = [prefill_pb2_grpc.PrefillStub(self._ch(p.target)) for p in self.procs["prefill"]]
         self.decodes = [decode_pb2_grpc.DecodeStub(self._ch(p.target)) for p in self.procs["decode"]]
+        self.pool_ids()  # remembered now, while each decode's registration line is still in its output
 
     def tls(self, identity: str = launcher.OPERATOR) -> TlsConfig:
         """Credentials signed by this stack's CA for any identity (made on first use; tests may name
@@ -78,14 +80,14 @@ class Stack:
         return total
 
     def pool_ids(self) -> list[str]:
-        """Each decode's pool id, as it logged it when it registered."""
-        out = []
-        for p in self.procs["decode"]:
+        """Each decode's pool id, as it logged it when it registered. Remembered: a process keeps only its last
+        400 lines, so after a long run (the soak) the registration line is gone."""
+        for i, p in enumerate(self.procs["decode"]):
             for line in p.lines:
                 if m := re.search(r"pool (\S+) registered:", line):
-                    out.append(m.group(1))
+                    self._pool_ids[i] = m.group(1)
                     break
-        return out
+        return [self._pool_ids[i] for i in range(len(self.procs["decode"])) if i in self._pool_ids]
 
     def pool_states(self) -> list:
         return [self.broker.GetPoolState(broker_pb2.GetPoolStateRequest(pool_id=pool_id), timeout=5)
