@@ -107,6 +107,8 @@ class ChecksumSweep:
     def __call__(self, records: list[PromptRecord | None]) -> list[Mismatch]:
         """Checks the `budget` oldest prompt pages of the batch; records[i] belongs to the batch's sequence i."""
         self.step += 1
+        if self.step % self.every:  # the steps in between do no sweep work at all
+            return []
         present = [i for i, r in enumerate(records) if r is not None]
         if self.budget == 0 or not present:
             SWEEP_CYCLE_STEPS.set(0)
@@ -114,8 +116,6 @@ class ChecksumSweep:
         tables = [records[i].table for i in present]
         counts = [len(t) for t in tables]
         SWEEP_CYCLE_STEPS.set(self.every * math.ceil(sum(counts) / self.budget))
-        if self.step % self.every:
-            return []
         flat = np.concatenate(tables)
         pick = np.argsort(flat[:, CHECKED], kind="stable")[: self.budget]
         chosen = flat[pick]

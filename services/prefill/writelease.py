@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 import grpc
@@ -29,6 +30,9 @@ class WriteLeases:
         self.broker = broker
         self.writer_prefix = writer_prefix
         self.max_landing_s = max_landing_s
+        # the start-up check and every BeginWrite use the same whole milliseconds, so a bound that passes the one
+        # can never be refused by the other
+        self.max_landing_ms = math.ceil(max_landing_s * 1000)
         self.rpc_timeout_s = rpc_timeout_s
         self.writer_ttl_s = writer_ttl_s
         self.liveness_margin_s = liveness_margin_s
@@ -39,7 +43,7 @@ class WriteLeases:
         resp = await call(self.broker.KeepAlive(broker_pb2.KeepAliveRequest(
             holder_id=f"{self.writer_prefix}/startup", ttl_ms=1000), timeout=self.rpc_timeout_s), "broker KeepAlive")
         lock_delay = resp.lock_delay_ms / 1000
-        if self.max_landing_s > lock_delay:
+        if self.max_landing_ms > resp.lock_delay_ms:
             raise TimingBoundError(
                 f"a write this prefill posts may land up to {self.max_landing_s:.3f}s after its call returned "
                 f"(Mooncake timeout + 1 ns/byte of the pool + slack), but the broker frees a page {lock_delay:.3f}s "
@@ -67,7 +71,7 @@ class WriteLeases:
             with GUARD_SECONDS.labels("begin_write_rpc").time():
                 resp = await call(self.broker.BeginWrite(broker_pb2.BeginWriteRequest(
                     pool_id=pool_id, owner=owner, epoch=epoch, leases=leases_pb, writer_id=writer_id,
-                    max_landing_ms=int(self.max_landing_s * 1000) + 1), timeout=self.rpc_timeout_s),
+                    max_landing_ms=self.max_landing_ms), timeout=self.rpc_timeout_s),
                     "broker BeginWrite")
         except PdError as e:
             TRANSFER_FAILURES.labels("begin_write").inc()

@@ -9,7 +9,8 @@ import pytest
 
 from services.common.errors import from_rpc_error
 from services.common.proto import broker_pb2, decode_pb2
-from tests.integration.helpers import allocate, collect, decode_stream, prefill, prompt, wait_no_leases
+from tests.integration.helpers import (allocate, collect, decode_stream, generate_when_served, prefill, prompt,
+                                      wait_no_leases)
 
 LOCK_DELAY, WRITER_TTL = 5.5, 2.0
 
@@ -146,13 +147,8 @@ def test_broker_restart_under_load(chaos, oracle):
         if out["token_ids"]:
             oracle.check(p, out["token_ids"])
     # new requests succeed on the new epoch (decode re-registers within a second)
-    deadline = time.monotonic() + 15
-    while True:
-        q = prompt(50, 300)
-        out = chaos.generate(prompt_token_ids=q, max_tokens=6, ignore_eos=True)
-        if "error" not in out or time.monotonic() > deadline:
-            break
-        time.sleep(0.3)
+    q = prompt(50, 300)
+    out = generate_when_served(chaos, q, 6)
     assert "error" not in out, out
     oracle.check(q, out["token_ids"])
     wait_for(lambda: drained(chaos), LOCK_DELAY + 5, "old-epoch pages to leave quarantine")

@@ -57,3 +57,17 @@ def wait_no_leases(stack, timeout: float = 10.0):
         if all(s.num_leased == 0 for s in states) or time.monotonic() > deadline:
             return states
         time.sleep(0.1)
+
+
+def generate_when_served(stack, prompt_ids: list[int], max_tokens: int, timeout: float = 15.0,
+                         refused_code: str | None = None) -> dict:
+    """Asks the gateway until it serves again (after a partition or a restart) and returns the last answer;
+    refused_code: the only error code allowed meanwhile."""
+    deadline = time.monotonic() + timeout
+    while True:
+        out = stack.generate(prompt_token_ids=prompt_ids, max_tokens=max_tokens, ignore_eos=True)
+        if "error" not in out or time.monotonic() > deadline:
+            return out
+        if refused_code is not None:
+            assert out["error"]["code"] == refused_code, out
+        time.sleep(0.2)

@@ -11,7 +11,7 @@ import pytest
 from services.common.config import pages_needed
 from services.common.errors import from_rpc_error
 from services.common.proto import broker_pb2
-from tests.integration.helpers import allocate, decode_stream, prefill, prompt
+from tests.integration.helpers import allocate, decode_stream, generate_when_served, prefill, prompt
 from tests.integration.proxy import TcpProxy
 from tests.integration.stack import Stack
 
@@ -109,14 +109,8 @@ def test_a_watch_down_longer_than_the_bound_stops_running_requests(live, oracle)
     assert late == [] and ended < cut + MAX_BLIND + 1.0, (len(late), ended - cut)
     oracle.check(tokens, first + [t for _, t in rest])
     # new requests are refused while blind, and served again once the stream is back
-    deadline = time.monotonic() + 15
-    while True:
-        p = prompt(40, 13)
-        out = live.generate(prompt_token_ids=p, max_tokens=8, ignore_eos=True)
-        if "error" not in out or time.monotonic() > deadline:
-            break
-        assert out["error"]["code"] == "UNAVAILABLE", out
-        time.sleep(0.2)
+    p = prompt(40, 13)
+    out = generate_when_served(live, p, 8, refused_code="UNAVAILABLE")
     assert "error" not in out, out
     oracle.check(p, out["token_ids"])
     wait_for(lambda: drained(live), READER_TTL + LOCK_DELAY + 3, "the failed request's pages to drain")
