@@ -16,7 +16,7 @@ from services.engine.page_allocator import PageAllocator
 from services.kvtransfer.engine import TransferError
 from services.prefill.servicer import PrefillServicer
 
-PAGE, LAND_S, BOUND_S = 4, 0.2, 0.6
+PAGE, LAND_S, BOUND_S = 4, 0.2, 1.5
 
 
 class FakeWorker:
@@ -95,13 +95,15 @@ def test_a_failed_write_that_lands_late_carries_only_its_own_kv():
         failed = time.monotonic()
         assert (info.value.code, info.value.reason) == (grpc.StatusCode.UNAVAILABLE, "TRANSFER_FAILED")
         assert leases.acks == [(a, False, False)]  # posted: the broker must hold the destination
-        assert worker.alloc.num_free == 6  # A's two source pages are out of reuse
+        free = worker.alloc.num_free  # read before the clock: pages back now were back before that reading
+        assert free == 6 or time.monotonic() - failed >= BOUND_S  # A's two source pages are out of reuse
         # the next request runs at once, on other source pages, into other destination pages
         await servicer.Prefill(request(servicer, b, 22, [2, 3]), None)
         assert leases.acks[-1] == (b, True, False)
         await asyncio.sleep(LAND_S + 0.1)
         assert worker.dest == {0: 11, 1: 11, 2: 22, 3: 22}  # the late write carried A's KV, not B's
-        assert worker.alloc.num_free == 6 and time.monotonic() - failed < BOUND_S
+        free = worker.alloc.num_free
+        assert free == 6 or time.monotonic() - failed >= BOUND_S  # a loaded machine may get here late
         while worker.alloc.num_free != 8:
             assert time.monotonic() - failed < BOUND_S + 1, "source pages never came back"
             await asyncio.sleep(0.02)
