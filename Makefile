@@ -2,38 +2,29 @@
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(VENV)/bin/pip
 MODEL ?= models/pdserve-tiny
-APT_PKGS := libibverbs1 librdmacm1 libnuma1 spin prometheus
+INSTALL := deploy/install.sh
+VARIANT ?= cpu
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 STUBS := services/common/gen/pdserve/v1/.stamp
 PROTOS := $(wildcard protos/pdserve/v1/*.proto)
 
-.PHONY: setup run test unit integration chaos formal bench bench-quick soak clean deps stubs model
+.PHONY: setup run test unit integration chaos formal bench bench-quick soak clean deps stubs model image
 
 setup: .deps-apt $(VENV)/.installed $(STUBS) $(MODEL)/config.json
 
-# Debian packages that Mooncake needs even for tcp, and SPIN for the formal model.
+# Debian packages that Mooncake needs even for tcp, SPIN for the formal model, Prometheus for its tests; the
+# lists and pip steps live in $(INSTALL), which the images (deploy/docker) run too
 .deps-apt:
-	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
-	if [ -n "$$missing" ]; then \
-	  echo "installing Debian packages:$$missing"; \
-	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO=sudo; \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
-	fi
+	$(INSTALL) apt dev
 	@touch $@
 
 $(VENV)/.installed: pyproject.toml
-	@test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	@# the CUDA build of Mooncake needs libcudart; hosts without CUDA take the non-cuda build
-	$(PIP) install -q torch==2.13.0
-	@if command -v nvidia-smi >/dev/null 2>&1; then extra="test,bench"; $(PIP) install -q mooncake-transfer-engine; else extra="cpu,test,bench"; fi; \
-	$(PIP) install -q -e ".[$$extra]"
+	$(INSTALL) python $(VENV) auto test,bench
 	@touch $@
 
 $(STUBS): $(PROTOS) $(VENV)/.installed
-	@mkdir -p services/common/gen
-	$(PY) -m grpc_tools.protoc -Iprotos --python_out=services/common/gen --grpc_python_out=services/common/gen --pyi_out=services/common/gen $(PROTOS)
+	$(INSTALL) stubs $(PY)
 	@touch $@
 
 $(MODEL)/config.json: $(VENV)/.installed
@@ -63,6 +54,16 @@ bench: setup
 
 bench-quick: setup
 	$(VENV)/bin/pdserve bench --quick
+
+# pdserve:VERSION-VARIANT (VARIANT=cpu or cuda), with podman where present, else docker
+image:
+	@case "$(VARIANT)" in cpu|cuda) ;; *) echo "make image: VARIANT must be cpu or cuda, got '$(VARIANT)'" >&2; exit 2;; esac; \
+	engine=$${CONTAINER_ENGINE:-$$(command -v podman || command -v docker || true)}; \
+	if [ -z "$$engine" ]; then echo "make image: no container engine: install podman or docker" >&2; exit 1; fi; \
+	if ! "$$engine" info >/dev/null 2>&1; then \
+	  echo "make image: $$engine is installed but no engine answers ($$engine info failed): start its daemon" \
+	       "(e.g. systemctl start docker) or build where one runs" >&2; exit 1; fi; \
+	set -x; "$$engine" build -f deploy/docker/Dockerfile.$(VARIANT) -t pdserve:$(VERSION)-$(VARIANT) .
 
 clean:
 	rm -rf services/common/gen .deps-apt
