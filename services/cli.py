@@ -28,7 +28,7 @@ def _up(args) -> int:
     tls_dir = args.tls_dir or tempfile.mkdtemp(prefix="pdserve-tls-")
     try:
         procs = launcher.start_stack(
-            args.model, base_ports=True, context_length=args.context_length, page_size=args.page_size,
+            args.model, base_ports=not args.free_ports, context_length=args.context_length, page_size=args.page_size,
             prefill_pool_tokens=args.prefill_pool_tokens, decode_pool_tokens=args.decode_pool_tokens,
             allow_small=args.allow_pool_smaller_than_context, num_prefill=args.prefill_instances,
             num_decode=args.decode_instances, echo=True, tls_dir=tls_dir)
@@ -94,6 +94,8 @@ def _make_certs(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .common.lifeline import watch_from_env
+    watch_from_env()  # started by services/launcher.py: stop when it dies
     p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
     argv = sys.argv[1:] if argv is None else argv
@@ -114,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     up.add_argument("--allow-pool-smaller-than-context", action="store_true")
     up.add_argument("--prefill-instances", type=int, default=1)
     up.add_argument("--decode-instances", type=int, default=1)
+    up.add_argument("--free-ports", action="store_true",
+                    help="every port picked by the OS instead of the defaults (a second stack on one host, tests)")
     up.add_argument("--tls-dir", default=None,
                     help="keep the run's dev CA and certificates here (default: a temporary folder, removed at exit)")
     up.set_defaults(fn=_up)

@@ -11,6 +11,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from .common import lifeline
+
 HTTP_READY = re.compile(r"PDSERVE_HTTP port=(\d+)")
 READY = re.compile(r"PDSERVE_READY service=(\w+) port=(\d+) metrics_port=(\d+)")
 OPERATOR = "operator/local"  # the identity `pdserve up` and the tests use to call services directly
@@ -36,6 +38,7 @@ class Proc:
     metrics_port: int = 0
     http_port: int = 0
     lines: list[str] = field(default_factory=list)
+    lifeline_fd: int = -1  # the write end of the child's lifeline: only this process holds it
 
     @property
     def target(self) -> str:
@@ -49,9 +52,19 @@ def start(name: str, args: list[str], env: dict | None = None, timeout: float = 
           log_path: str | None = None) -> Proc:
     """Runs `pdserve <args>` and returns once it prints its ready line; raises with its output otherwise."""
     cmd = [sys.executable, "-u", "-m", "services.cli", *args]
-    popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(env),
-                             start_new_session=True)
-    proc = Proc(name, args, popen)
+    # the child stops when this process dies, even by SIGKILL (services/common/lifeline.py); its own session
+    # keeps a terminal's Ctrl-C from reaching it before `pdserve up` stops it in order
+    read_end, write_end = lifeline.parent_end()
+    try:
+        popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                 env={**child_env(env), lifeline.ENV: str(read_end)}, start_new_session=True,
+                                 pass_fds=(read_end,))
+    except BaseException:
+        os.close(write_end)
+        raise
+    finally:
+        os.close(read_end)
+    proc = Proc(name, args, popen, lifeline_fd=write_end)
     ready = threading.Event()
     sink = open(log_path, "a") if log_path else None
 
@@ -81,6 +94,7 @@ def start(name: str, args: list[str], env: dict | None = None, timeout: float = 
             raise RuntimeError(f"{name} not ready after {timeout:.0f}s:\n{''.join(proc.lines[-40:])}")
     if not proc.port:
         popen.wait(5)
+        stop(proc)  # closes its lifeline
         raise RuntimeError(f"{name} exited with {popen.returncode} before it was ready:\n{''.join(proc.lines[-40:])}")
     return proc
 
@@ -96,6 +110,9 @@ def stop(proc: Proc, timeout: float = 10.0) -> int | None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.popen.pid, signal.SIGKILL)
             proc.popen.wait(5)
+    if proc.lifeline_fd >= 0 and not proc.alive():
+        os.close(proc.lifeline_fd)
+        proc.lifeline_fd = -1
     return proc.popen.returncode
 
 
