@@ -61,15 +61,24 @@ def bindable(port: int) -> bool:
     return True
 
 
-def listening(port: int) -> bool:
-    """Whether any socket on this host listens on port (IPv4 or IPv6)."""
+def listeners(port: int) -> dict[int, str]:
+    """pid -> command line of every process with a socket listening on port (IPv4 or IPv6)."""
+    inodes = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         with open(table) as f:
             for row in f.read().splitlines()[1:]:
                 cols = row.split()
                 if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                    return True
-    return False
+                    inodes.add(f"socket:[{cols[9]}]")
+    owners = {}
+    for pid in filter(str.isdigit, os.listdir("/proc") if inodes else []):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    owners[int(pid)] = f.read().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+    return owners
 
 
 def complete(http_port: int, ids: list[int]) -> list[int]:
@@ -112,9 +121,11 @@ def test_sigkilled_up_leaves_no_service_and_frees_its_ports(model_dir, oracle, t
             time.sleep(0.2)
         left = {pid: cmd for pid, cmd in services.items() if alive(pid)}
         assert not left, f"still running {GONE_WITHIN_S:.0f}s after `pdserve up` was SIGKILLed: {left}"
-        # a port another test's connection took over in the meantime cannot be bound either: only a listener counts
-        held = [port for port in ports + [http_port] if not bindable(port) and listening(port)]
-        assert not held, f"ports still held after every service exited: {held}"
+        # other tests run stacks on OS-picked ports too: a port one of them took over in the meantime is theirs,
+        # a listener of this stack is one whose command line names this test's certificates
+        held = {port: owners for port in ports + [http_port] if not bindable(port)
+                and (owners := listeners(port)) and any(str(tmp_path) in cmd for cmd in owners.values())}
+        assert not held, f"ports still listened on after every service exited: {held}"
     finally:
         if up.poll() is None:
             up.kill()
