@@ -16,6 +16,18 @@ def add_service_args(p: argparse.ArgumentParser) -> None:
     add_unsafe_args(p)
 
 
+def _transfer_port(text: str) -> int:
+    """Checked when the flags are read: a port Mooncake would ignore is refused before the model loads."""
+    from ..kvtransfer.engine import transfer_ports
+    port = int(text)
+    if port:
+        try:
+            transfer_ports(port)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return port
+
+
 def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_tokens: int) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=port)
@@ -29,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_to
     p.add_argument("--allow-pool-smaller-than-context", action="store_true",
                    help="serve with admission capped at the pool (the shortfall is exported for an alert)")
     p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
+    p.add_argument("--transfer-port", type=_transfer_port, default=0,
+                   help="Mooncake listens on this port and the next (its handshake RPC and its tcp data port, in "
+                        "either order), e.g. for a NetworkPolicy; 0: two random ports in 15000-17000")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for the model (default: half the cores, prefill and decode share a host)")

@@ -61,7 +61,7 @@ async def serve(args) -> None:
     init_metrics("decode", [pool_id])
     check_pool_capacity("decode", pool_id, num_pages * args.page_size, context_length,
                         args.allow_pool_smaller_than_context)
-    transfer = TransferEngine(args.host, args.protocol)
+    transfer = TransferEngine(args.host, args.protocol, port=args.transfer_port)
     transfer.register(runner.pool.data_ptr, runner.pool.data_nbytes)
     transfer.register(runner.pool.tag_ptr, runner.pool.tag_nbytes)
     channel = secure_channel(args.broker, tls, GRPC_OPTIONS)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from importlib import metadata
@@ -23,6 +24,35 @@ MOONCAKE_MIN_TIMEOUT_S = 5
 # TCP writes were reported complete before the peer had them until 0.3.12.post1 (Mooncake #2850): below it a
 # "success" is no proof that the bytes are there.
 MOONCAKE_MIN_VERSION = (0, 3, 12, 1)
+
+
+# Mooncake opens two listening ports, both drawn at random from [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT] (default
+# 15000-17000): the P2P handshake's RPC port (TransferEngineImpl::init, the session's port) and the tcp
+# transport's data port (TcpTransport::install), both via findAvailableTcpPort. A range of exactly two ports
+# therefore fixes both, in either order. Mooncake reads the range once, when its module is imported, and
+# silently falls back to its default for a range that touches 32768-60999 (ValidatePortRange in config.cpp).
+MOONCAKE_EPHEMERAL = range(32768, 61000)
+
+
+def transfer_ports(port: int) -> tuple[int, int]:
+    """The two ports Mooncake listens on for --transfer-port PORT; raises ValueError for one it would ignore."""
+    pair = (port, port + 1)
+    if port < 1024 or port + 1 > 65535 or any(p in MOONCAKE_EPHEMERAL for p in pair):
+        raise ValueError(f"--transfer-port {port}: Mooncake needs {port} and {port + 1} in 1024-65535 outside "
+                         f"{MOONCAKE_EPHEMERAL.start}-{MOONCAKE_EPHEMERAL.stop - 1} (it would silently pick "
+                         "random ports instead)")
+    return pair
+
+
+def _pin_ports(port: int) -> tuple[int, int]:
+    pair = transfer_ports(port)
+    want = {"MC_MIN_RPC_PORT": str(pair[0]), "MC_MAX_RPC_PORT": str(pair[1])}
+    if "mooncake.engine" in sys.modules and any(os.environ.get(k) != v for k, v in want.items()):
+        raise RuntimeError(f"--transfer-port {port}: Mooncake was imported before its port range was set "
+                           f"(MC_MIN_RPC_PORT={os.environ.get('MC_MIN_RPC_PORT')}, "
+                           f"MC_MAX_RPC_PORT={os.environ.get('MC_MAX_RPC_PORT')})")
+    os.environ.update(want)
+    return pair
 
 
 def landing_bound_s(timeout_s: float, nbytes: int, slack_s: float) -> float:
@@ -78,11 +108,13 @@ def coalesce(src_pages: list[int], dst_pages: list[int], src_base: int, dst_base
 
 class TransferEngine:
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
-                 timeout_s: int = MOONCAKE_MIN_TIMEOUT_S):
+                 timeout_s: int = MOONCAKE_MIN_TIMEOUT_S, port: int = 0):
+        """port: 0 lets Mooncake pick its ports; else it listens on port and port + 1 (transfer_ports)."""
         if int(timeout_s) != timeout_s or timeout_s < MOONCAKE_MIN_TIMEOUT_S:
             raise ValueError(f"Mooncake transfer timeout {timeout_s}s: must be whole seconds >= "
                              f"{MOONCAKE_MIN_TIMEOUT_S} (Mooncake raises anything lower to {MOONCAKE_MIN_TIMEOUT_S})")
         self.version = check_mooncake_version()
+        pair = _pin_ports(port) if port else None
         try:
             from mooncake.engine import TransferEngine as _MooncakeEngine
         except ImportError as e:  # the library needs libibverbs1, librdmacm1, libnuma1 even for tcp
@@ -96,7 +128,13 @@ class TransferEngine:
             raise RuntimeError(f"Mooncake initialize({hostname!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}")
         self.hostname = hostname
         self.protocol = protocol
-        self.session = f"{hostname}:{self._engine.get_rpc_port()}"
+        rpc_port = self._engine.get_rpc_port()
+        if pair and rpc_port not in pair:
+            raise RuntimeError(f"--transfer-port {port}: Mooncake's handshake port is {rpc_port}, not one of {pair}")
+        self.session = f"{hostname}:{rpc_port}"
+        if pair:
+            log.info("Mooncake listens on %d (handshake, session %s) and %d (%s data)", rpc_port, self.session,
+                     pair[1] if rpc_port == pair[0] else pair[0], protocol)
 
     def register(self, ptr: int, nbytes: int) -> None:
         rc = self._engine.register_memory(ptr, nbytes)

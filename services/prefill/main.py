@@ -48,7 +48,7 @@ async def serve(args) -> None:
     init_metrics("prefill", [pool_name])
     max_prompt = check_pool_capacity("prefill", pool_name, num_pages * args.page_size, context_length,
                                      args.allow_pool_smaller_than_context)
-    transfer = TransferEngine(args.host, args.protocol, timeout_s=args.mooncake_timeout)
+    transfer = TransferEngine(args.host, args.protocol, timeout_s=args.mooncake_timeout, port=args.transfer_port)
     worker = PrefillWorker(runner, transfer, checksums=not args.no_transfer_checksum)
     channel = secure_channel(args.broker, tls, GRPC_OPTIONS)
     broker = broker_pb2_grpc.BrokerStub(channel)

@@ -14,6 +14,7 @@ import urllib.request
 
 from services.launcher import HTTP_READY, READY
 from tests.integration.helpers import prompt
+from tests.integration.procnet import listeners
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GONE_WITHIN_S = 20.0  # the lifeline's graceful stop plus its hard exit (5 s), on a loaded machine
@@ -59,26 +60,6 @@ def bindable(port: int) -> bool:
         except OSError:
             return False
     return True
-
-
-def listeners(port: int) -> dict[int, str]:
-    """pid -> command line of every process with a socket listening on port (IPv4 or IPv6)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for row in f.read().splitlines()[1:]:
-                cols = row.split()
-                if cols[3] == "0A" and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                    inodes.add(f"socket:[{cols[9]}]")
-    owners = {}
-    for pid in filter(str.isdigit, os.listdir("/proc") if inodes else []):
-        try:
-            if any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd")):
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    owners[int(pid)] = f.read().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-    return owners
 
 
 def complete(http_port: int, ids: list[int]) -> list[int]:
