@@ -102,6 +102,7 @@ class Stack:
         except ProcessLookupError:
             pass
         old.popen.wait(10)
+        launcher.stop(old)  # already gone: this only closes its lifeline
         args = list(old.args)
         args[args.index("--port") + 1] = str(old.port)
         args[args.index("--metrics-port") + 1] = str(old.metrics_port)
