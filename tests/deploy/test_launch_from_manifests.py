@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -104,6 +105,19 @@ def test_metrics_ports_from_the_manifests_serve_pdserve_metrics(pods):
         with urllib.request.urlopen(f"http://{LOOPBACK}:{p.ports()['metrics']}/metrics", timeout=10) as r:
             text = r.read().decode()
         assert "pdserve_unsafe_mode" in text, p.name
+
+
+def test_every_declared_container_port_listens(pods):
+    """A port the manifests declare (Services, NetworkPolicies and the ServiceMonitor use them) that the
+    process does not open is a manifest out of step with the code: decode's `mooncake` port included."""
+    closed = []
+    for p in pods.values():
+        for name, port in p.ports().items():
+            with socket.socket() as s:
+                s.settimeout(5)
+                if s.connect_ex((LOOPBACK, port)) != 0:
+                    closed.append(f"{p.name} {name} {port}")
+    assert closed == []
 
 
 def test_zz_each_pod_exits_on_sigterm_within_its_grace_period(pods):
