@@ -34,7 +34,7 @@ run: setup
 	$(VENV)/bin/pdserve up --model $(MODEL)
 
 test: setup
-	$(PY) -m pytest -q -x --durations=15 tests/unit tests/integration tests/chaos
+	$(PY) -m pytest -q -x --durations=15 tests/unit tests/deploy tests/integration tests/chaos
 	$(MAKE) formal
 
 unit: setup
