@@ -71,7 +71,11 @@ async def serve(args) -> None:
     sweeper = asyncio.create_task(servicer.run_sweeper(args.sweep_interval))
     log.info("broker epoch %#x", table.epoch)
     await svc.set_serving()
-    await svc.wait_for_termination()
+
+    async def on_stop() -> None:  # a successor may already be serving: accept nothing new from here on
+        servicer.stop_accepting()
+
+    await svc.wait_for_termination(on_stop=on_stop)
     sweeper.cancel()
 
 
