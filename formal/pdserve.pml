@@ -103,7 +103,13 @@ byte pgen[NP];                   /* Page.generation */
 byte paw[NP];                    /* Page.active_writer: 0 none, writer id + 1, OLDW or REVW */
 byte pawgen[NP];                 /*   ... and its generation */
 byte npst[3];                    /* pool_state / pdserve_kv_pages{state} gauges */
-bit restarted, olddrained;       /* restart happened; old incarnation's writers drained */
+bit restarted, olddrained;       /* decode moved to a new broker incarnation; the move's wait ended */
+/* the old incarnation may still run (a rolling update, a partition, a terminating pod): */
+bit oldfenced;                   /* reader_ttl passed since decode's last contact with it: it refuses
+                                    BeginWrite and writer renewals on the pool (its reader expired) */
+bit oldwdead;                    /* + the longest writer ttl: every old-epoch writer's liveness lapsed */
+bit oldcur[NR];                  /* the old table still holds r's lease, unwritten: BeginWrite there */
+bit latebegin[NR];               /* (mutant) the old broker accepted r's write after oldwdead */
 bit pwrit[NP];                   /* a write began on the page's current generation */
 
 /* ---------------- decode's pool memory (never zeroed) ---------------- */
@@ -157,7 +163,22 @@ byte k;                          /* loop index inside atomic sequences only; 0 b
 #elif defined(MUT_WRITER_IGNORES_EPOCH)
 #define WLIVE(r) (!wexp[WID(r)])
 #else
-#define WLIVE(r) (!wexp[WID(r)] && (rep[r] == epoch || !olddrained))
+#define WLIVE(r) (!wexp[WID(r)] && (rep[r] == epoch || !oldwdead || latebegin[r]))
+#endif
+
+/* the old broker answers BeginWrite on its own table until its reader record of the pool expired */
+#ifdef MUT_OLD_BROKER_GRANTS
+#define OLDOPEN 1                                    /* it keeps accepting writes on an expired reader */
+#else
+#define OLDOPEN (!oldfenced)
+#endif
+#define OLD_BEGIN_OK(r) (restarted && rep[r] != epoch && oldcur[r] && OLDOPEN)
+/* decode grants from the new incarnation only after the old one must have fenced the pool, every
+ * writer it renewed has lapsed, and their writes have landed: reader_ttl + max_ttl + lock_delay */
+#ifdef MUT_NO_FENCE_WAIT
+#define FENCE_WAITED 1                               /* registers and grants at once */
+#else
+#define FENCE_WAITED oldwdead
 #endif
 
 /* ground truth: can request r's writer still land a byte in decode's pool? */
@@ -320,9 +341,15 @@ inline end_write(r) {
   p = 0
 }
 
-/* a new LeaseTable with a new epoch; decode re-registers and fails in-flight requests */
+/* decode moves to a new LeaseTable (a new epoch): it registers a new pool incarnation and fails
+ * in-flight requests; the old table may live on (oldcur, OLD_BEGIN_OK) */
 inline restart() {
   printf("RESTART   broker restarts: epoch 1, generations restart\n");
+  k = 0;
+  do                                                 /* before the epoch changes: the old table's view */
+  :: k < NR -> oldcur[k] = (rpage[k] != NONE && LEASE_CUR(k) && paw[rpage[k]] == 0 && !pwrit[rpage[k]]); k++
+  :: else -> break
+  od;
   restarted = 1; epoch = 1; genctr = 0;
   k = 0;
   do
@@ -352,13 +379,13 @@ inline restart() {
 
 /* the old incarnation's writer leases expired and lock_delay passed */
 inline olddrain() {
-  printf("DRAINED   old incarnation's writers: liveness expired + lock_delay\n");
+  printf("DRAINED   decode's wait since the move ended: old writers' writes landed (if their liveness lapsed)\n");
   olddrained = 1;
   k = 0;
   do
   :: k < NR ->
      if
-     :: rpage[k] != NONE && rep[k] == 0 && (pend_data[k] > 0 || pend_tag[k]) ->
+     :: rpage[k] != NONE && rep[k] == 0 && (pend_data[k] > 0 || pend_tag[k]) && oldwdead && !latebegin[k] ->
         pend_data[k] = 0; pend_tag[k] = 0; werr[k] = 1
      :: else
      fi;
@@ -466,6 +493,12 @@ proctype Writer(byte r) {                            /* prefill: servicer._prefi
          :: budget > 0 -> budget--; ok = 0;          /* fault: the reply is lost */
             printf("BEGIN     w%d for r%d on page %d g%d; FAULT reply lost\n", WID(r), r, p, rgen[r])
          fi
+      :: OLD_BEGIN_OK(r) ->                          /* its prefill still talks to the old broker */
+         oldcur[r] = 0; latebegin[r] = oldwdead; ok = 1; canpost[r] = 1;
+#ifdef MUT_NO_ENDWRITE_ON_BEGIN_FAILURE
+         begun = 1;
+#endif
+         printf("BEGIN     w%d for r%d on page %d g%d at the OLD broker (epoch %d)\n", WID(r), r, p, rgen[r], rep[r])
       :: else -> ok = 0;                             /* refused */
          printf("BEGIN     w%d for r%d refused\n", WID(r), r)
       fi;
@@ -725,7 +758,11 @@ proctype Broker() {                           /* restart, revoke, liveness, swee
 end:
   do
   :: atomic { budget > 0 && !restarted -> budget--; restart() }
-  :: atomic { restarted && !olddrained -> olddrain() }
+  :: atomic { restarted && !oldfenced -> oldfenced = 1;
+              printf("FENCE     old broker: the pool's reader expired; it refuses BeginWrite and renewals\n") }
+  :: atomic { oldfenced && !oldwdead -> oldwdead = 1;
+              printf("LAPSE     every writer the old broker renewed: liveness expired\n") }
+  :: atomic { restarted && !olddrained && FENCE_WAITED -> olddrain() }
   REVOKE(0)
   REVOKE(1)
 #if NR > 2

@@ -41,6 +41,7 @@ class LeaseTable(ReaderLiveness):
         if not pool_id or num_pages <= 0:
             raise LeaseError("INVALID_ARGUMENT", "BAD_POOL", f"pool {pool_id!r} of {num_pages} pages: "
                              "needs a name and at least 1 page")
+        self.check_not_forgotten(pool_id)
         held = sorted(set(quarantined))
         if held and not 0 <= held[0] <= held[-1] < num_pages:
             raise LeaseError("INVALID_ARGUMENT", "PAGE_OUT_OF_RANGE",
@@ -57,6 +58,9 @@ class LeaseTable(ReaderLiveness):
         elif pool.num_pages != num_pages:
             raise LeaseError("ALREADY_EXISTS", "POOL_SIZE_MISMATCH",
                              f"pool {pool_id} is registered with {pool.num_pages} pages; {num_pages} given")
+        elif pool.reader_expiry <= self._clock():
+            raise LeaseError("NOT_FOUND", "POOL_EXPIRED", f"pool {pool_id} is fenced here (its reader expired); "
+                                                          "register a new incarnation")
         elif pool.region != region:
             # a second registration must not move where writers aim: leases already granted point there
             raise LeaseError("ALREADY_EXISTS", "POOL_REGION_MISMATCH",
@@ -69,6 +73,7 @@ class LeaseTable(ReaderLiveness):
         if num_pages <= 0:
             raise LeaseError("INVALID_ARGUMENT", "BAD_NUM_PAGES", f"num_pages {num_pages} must be > 0")
         pool = self._pool(pool_id, epoch)
+        self.check_reader(pool)
         if owner in pool.owners:
             raise LeaseError("ALREADY_EXISTS", "OWNER_HAS_LEASE",
                              f"owner {owner.hex()} holds {len(pool.owners[owner])} pages of pool {pool_id}")
@@ -98,6 +103,7 @@ class LeaseTable(ReaderLiveness):
                              f"lock_delay)")
         leases = list(leases)
         pool = self._pool(pool_id, epoch)
+        self.check_reader(pool)
         pages = pool.checked_pages(owner, leases)
         for (page_id, generation), page in zip(leases, pages):
             if page.sealed_generation == generation:
@@ -171,6 +177,7 @@ class LeaseTable(ReaderLiveness):
         if not holder_id or not 0 < ttl_s <= self.max_ttl_s:
             raise LeaseError("INVALID_ARGUMENT", "BAD_KEEP_ALIVE",
                              f"holder {holder_id!r}: ttl {ttl_s}s; must be in (0, {self.max_ttl_s}]")
+        self.check_writer_renewal(holder_id)
         # never shortened: a renewal with a small ttl must not end a live writer's lease while it writes
         now = self._clock()
         self._liveness[holder_id] = max(self._liveness.get(holder_id, now), now + ttl_s)

@@ -31,7 +31,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="liveness lease of a writer seen only in BeginWrite, and how long an old-epoch writer may still "
                         "post after a restart (match prefill's --writer-ttl)")
     p.add_argument("--sweep-interval", type=float, default=0.5)
-    p.add_argument("--max-ttl", type=float, default=60.0, help="longest liveness lease a holder may ask for, seconds")
+    p.add_argument("--max-ttl", type=float, default=10.0,
+                   help="longest liveness lease a holder may ask for, seconds; a decode that moves to another broker "
+                        "incarnation waits --reader-ttl + this + --lock-delay before it grants again")
     p.add_argument("--reader-ttl", type=float, default=5.0,
                    help="seconds a decode's pool keeps its leases without a KeepAlive from that decode; then every "
                         "lease of the pool is revoked through quarantine (decode renews every 0.5 s)")
@@ -71,7 +73,11 @@ async def serve(args) -> None:
     sweeper = asyncio.create_task(servicer.run_sweeper(args.sweep_interval))
     log.info("broker epoch %#x", table.epoch)
     await svc.set_serving()
-    await svc.wait_for_termination()
+
+    async def on_stop() -> None:  # a successor may already be serving: accept nothing new from here on
+        servicer.stop_accepting()
+
+    await svc.wait_for_termination(on_stop=on_stop)
     sweeper.cancel()
 
 

@@ -23,6 +23,7 @@ _CODES = {
     "FAILED_PRECONDITION": grpc.StatusCode.FAILED_PRECONDITION,
     "NOT_FOUND": grpc.StatusCode.NOT_FOUND,
     "ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
+    "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
 }
 # created up front so a dashboard shows 0, not "no data", before the first violation
 _VIOLATION_REASONS = ("EPOCH_MISMATCH", "LEASE_NOT_CURRENT", "WRITER_ACTIVE", "LEASE_ALREADY_WRITTEN",
@@ -41,6 +42,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         self._table = table
         self._heartbeat_s = heartbeat_s
         self._watchers: dict[str, set[asyncio.Event]] = {}  # pool -> one wake-up per open stream
+        self.stopping = False  # set on SIGTERM: a successor may already run, so nothing new is accepted
         self._pages = Gauge("pdserve_kv_pages", "KV pages of a decode pool by broker state",
                             ["pool", "state"], registry=registry)
         self._violations = Counter("pdserve_lease_violations_total", "Refused lease checks",
@@ -53,6 +55,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
 
     async def RegisterPool(self, request: broker_pb2.RegisterPoolRequest,
                            context: grpc.aio.ServicerContext) -> broker_pb2.RegisterPoolResponse:
+        await self._refuse_if_stopping(context, "RegisterPool")
         region = request.region
         if not region.transfer_session or not region.data_base or not region.tag_base:
             await abort(context, PdError(grpc.StatusCode.INVALID_ARGUMENT, "BAD_REGION",
@@ -61,10 +64,12 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                                  list(request.quarantined_pages), region)
         self._publish(request.pool_id)
         log.info("pool %s registered with %s pages in epoch %s", request.pool_id, request.num_pages, epoch)
-        return broker_pb2.RegisterPoolResponse(epoch=epoch, lock_delay_ms=self._lock_delay_ms())
+        return broker_pb2.RegisterPoolResponse(epoch=epoch, lock_delay_ms=self._lock_delay_ms(),
+                                               fence_ms=self._fence_ms())
 
     async def Grant(self, request: broker_pb2.GrantRequest,
                     context: grpc.aio.ServicerContext) -> broker_pb2.GrantResponse:
+        await self._refuse_if_stopping(context, "Grant")
         leases = await self._call(context, self._table.grant, request.pool_id, request.owner,
                                   request.num_pages, request.epoch)
         self._grants.inc()
@@ -78,6 +83,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
 
     async def BeginWrite(self, request: broker_pb2.BeginWriteRequest,
                          context: grpc.aio.ServicerContext) -> broker_pb2.BeginWriteResponse:
+        await self._refuse_if_stopping(context, "BeginWrite")
         region = await self._call(context, self._table.begin_write, request.pool_id, request.owner, request.epoch,
                                   _leases(request.leases), request.writer_id, request.max_landing_ms / 1000.0,
                                   is_lease_check=True)
@@ -110,14 +116,17 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
 
     async def KeepAlive(self, request: broker_pb2.KeepAliveRequest,
                         context: grpc.aio.ServicerContext) -> broker_pb2.KeepAliveResponse:
+        await self._refuse_if_stopping(context, "KeepAlive")
         await self._call(context, self._table.keep_alive, request.holder_id, request.ttl_ms / 1000.0)
-        # a pool this incarnation does not know (it restarted): the reply's epoch tells decode to re-register
-        if request.pool_id and request.pool_id in self._table.pool_ids():
-            stale = self._table.reader_keep_alive(request.pool_id, request.held_owners)
+        # a pool this incarnation does not know (it restarted) or has fenced: NOT_FOUND, and decode
+        # registers a new incarnation
+        if request.pool_id:
+            stale = await self._call(context, self._table.reader_keep_alive, request.pool_id, request.held_owners)
             if stale:
                 log.warning("pool %s: revoked %d owners its decode no longer holds", request.pool_id, len(stale))
                 self._after_revoke(request.pool_id)
-        return broker_pb2.KeepAliveResponse(epoch=self._table.epoch, lock_delay_ms=self._lock_delay_ms())
+        return broker_pb2.KeepAliveResponse(epoch=self._table.epoch, lock_delay_ms=self._lock_delay_ms(),
+                                            fence_ms=self._fence_ms())
 
     async def WatchRevocations(self, request: broker_pb2.WatchRevocationsRequest,
                                context: grpc.aio.ServicerContext) -> AsyncIterator[broker_pb2.Revocation]:
@@ -131,6 +140,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 yield msg
         finally:
             watchers.discard(wake)
+            if not watchers:  # one entry per pool ever watched would grow across decode restarts
+                self._watchers.pop(request.pool_id, None)
 
     async def Revoke(self, request: broker_pb2.RevokeRequest,
                      context: grpc.aio.ServicerContext) -> broker_pb2.ReleaseResponse:
@@ -157,11 +168,40 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 num_freed = self._table.sweep()
                 for pool_id in self._table.pool_ids():  # the sweep also revokes the leases of expired readers
                     self._after_revoke(pool_id)
+                self.forget_pools()
             except Exception:  # a dead sweeper would leak every quarantined page: log and keep going
                 log.exception("sweep failed")
                 continue
             if num_freed:
                 log.warning("sweeper freed %s quarantined pages of writers presumed dead", num_freed)
+
+    def forget_pools(self) -> list[str]:
+        """Drops fenced, drained pools and their metric series (one set per decode incarnation otherwise)."""
+        gone = self._table.forget_pools()
+        for pool_id in gone:
+            for name in _PAGE_STATES:
+                try:
+                    self._pages.remove(pool_id, name)
+                except KeyError:
+                    pass
+            for wake in self._watchers.get(pool_id, ()):
+                wake.set()  # its streams end with NOT_FOUND
+            log.info("pool %s forgotten: its decode stopped renewing it %.1fs+ ago and no page is held",
+                     pool_id, self._table.reader_ttl_s + self._table.lock_delay_s)
+        return gone
+
+    def stop_accepting(self) -> None:
+        self.stopping = True
+        log.warning("broker stopping: refusing RegisterPool, Grant, BeginWrite and KeepAlive from now on")
+
+    async def _refuse_if_stopping(self, context: grpc.aio.ServicerContext, method: str) -> None:
+        if self.stopping:
+            await abort(context, PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_STOPPING",
+                                         f"{method} refused: this broker (epoch {self._table.epoch:#x}) is stopping; "
+                                         "its successor takes over"))
+
+    def _fence_ms(self) -> int:
+        return round(self._table.fence_s * 1000)
 
     def num_watchers(self, pool_id: str) -> int:
         return len(self._watchers.get(pool_id, ()))

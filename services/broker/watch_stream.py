@@ -33,6 +33,8 @@ async def revocation_stream(table: LeaseTable, pool_id: str, after_seq: int, wak
             raise PdError(grpc.StatusCode.UNAVAILABLE, "FAULT_STREAM_CUT", f"fault point: revocation stream of pool "
                                                                           f"{pool_id} cut after seq {cursor}")
         wake.clear()  # before reading: whatever is appended after this read sets it again
+        if pool_id not in table.pool_ids():  # forgotten while watched: the watcher must register anew
+            raise PdError(grpc.StatusCode.NOT_FOUND, "POOL_FORGOTTEN", f"pool {pool_id} was fenced and forgotten")
         events, gap, last_seq = table.revocations_since(pool_id, cursor)
         if gap:
             log.warning("watcher of pool %s resumed after seq %s but the log starts later (last seq %s): "

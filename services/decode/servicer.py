@@ -35,6 +35,7 @@ class Allocation:
     num_prompt_tokens: int
     max_tokens: int
     deadline: float
+    pool_id: str = ""  # the pool incarnation it was granted in
 
 
 class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
@@ -70,6 +71,7 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             timeout=self.rpc_timeout_s), "broker RegisterPool")
         self.epoch = resp.epoch
         self.check_lock_delay(resp.lock_delay_ms)
+        self.contacted(resp.fence_ms)
         return self.epoch
 
     async def GetInfo(self, request, context) -> common_pb2.EngineInfo:
@@ -99,14 +101,15 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
                                                                              f"allocated on pool {self.pool_id}")
         # held from before the Grant is sent: a KeepAlive racing the reply must not have it revoked
         self.pending_grants.add(owner)
+        pool_id = self.pool_id  # a move while the Grant is in flight must not relabel its leases
         try:
             with GUARD_SECONDS.labels("grant_rpc").time():
                 resp = await call(self.broker.Grant(broker_pb2.GrantRequest(
-                    pool_id=self.pool_id, owner=owner, num_pages=need, epoch=self.epoch),
+                    pool_id=pool_id, owner=owner, num_pages=need, epoch=self.epoch),
                     timeout=self.rpc_timeout_s), "broker Grant")
         except PdError as e:
             self.pending_grants.discard(owner)
-            if e.reason not in ("EPOCH_MISMATCH", "UNKNOWN_POOL"):
+            if e.reason not in ("EPOCH_MISMATCH", "UNKNOWN_POOL", "POOL_FENCED"):
                 raise
             self._epoch_changed.set()  # re-register now rather than at the next liveness tick
             raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED", e.message) from None
@@ -117,9 +120,9 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             raise PdError(grpc.StatusCode.INTERNAL, "BAD_GRANT", f"asked the broker for {need} pages, granted "
                                                                  f"{len(leases)}")
         self.allocations[owner] = Allocation(resp.epoch, leases, request.num_prompt_tokens, request.max_tokens,
-                                             time.monotonic() + self.allocation_timeout_s)
+                                             time.monotonic() + self.allocation_timeout_s, pool_id)
         return decode_pb2.AllocateResponse(destination=common_pb2.Destination(
-            pool_id=self.pool_id, transfer_session=self.session, data_base=self.pool.data_ptr,
+            pool_id=pool_id, transfer_session=self.session, data_base=self.pool.data_ptr,
             tag_base=self.pool.tag_ptr, epoch=resp.epoch, leases=leases_to_pb(leases), layout=self.layout_pb))
 
     async def Release(self, request, context) -> decode_pb2.DecodeReleaseResponse:
@@ -175,9 +178,10 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
 
     async def _verify(self, request, owner: bytes, alloc: Allocation) -> None:
         """Prompt pages (tags, token counts, checksums), then the broker: fail closed with DATA_LOSS."""
-        if alloc.epoch != self.epoch:
+        if alloc.epoch != self.epoch or alloc.pool_id != self.pool_id:
             raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED",
-                          f"leases of epoch {alloc.epoch:#x} ended with the broker; now {self.epoch:#x}")
+                          f"leases of pool {alloc.pool_id} epoch {alloc.epoch:#x} ended with the move to pool "
+                          f"{self.pool_id} epoch {self.epoch:#x}")
         try:
             self._admit_decode(request, alloc)
             cov = request.coverage

@@ -6,11 +6,17 @@ any reconnect (or a gap the broker reports) re-checks every lease it reads with 
 blind from the last message of the stream (heartbeats included); blind longer than max_blind, it stops
 stepping and fails what runs (UNAVAILABLE), since a revocation it cannot hear frees the pages after
 lock_delay. Hence the start-up rule max_blind <= lock_delay / 2: the other half covers the step that
-was already running, the network and the recheck."""
+was already running, the network and the recheck.
+
+A move to another broker incarnation (a new epoch, or the pool fenced or forgotten here) may leave the old
+broker running, still accepting writes to the old pool until its reader record expires. So decode
+registers a new pool incarnation and grants nothing from it until the fence the old broker announced
+(reader_ttl + max writer ttl + lock_delay) has passed since decode's last contact with it."""
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 
 import grpc
@@ -40,6 +46,12 @@ class BrokerWatch:
         self.watch_cursor = (0, 0)  # (epoch, seq) of the last revocation processed
         self.watching = asyncio.Event()  # set once the stream is first up
         self.pending_grants: set[bytes] = set()  # owners whose Grant is in flight
+        self.contact_at: float | None = None  # monotonic time of the last reply of the broker
+        self.fence_s = 0.0  # how long after contact_at a write it accepted may still land
+        self.fenced_until = 0.0  # after a move: no grant from the new incarnation before this
+
+    def contacted(self, fence_ms: int) -> None:
+        self.contact_at, self.fence_s = time.monotonic(), fence_ms / 1000.0
 
     def check_lock_delay(self, lock_delay_ms: int) -> None:
         self.bound_error = blind_bound_error(self.max_blind_s, lock_delay_ms)
@@ -50,6 +62,10 @@ class BrokerWatch:
         """The error every running or new request gets while decode cannot trust its revocation stream."""
         if self.bound_error:
             return PdError(grpc.StatusCode.UNAVAILABLE, "BAD_BOUNDS", self.bound_error)
+        if (left := self.fenced_until - time.monotonic()) > 0:
+            return PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_FENCE",
+                           f"pool {self.pool_id} moved to a new broker incarnation; the old one may accept writes "
+                           f"to the old pool for {left:.2f}s more (fence {self.fence_s:g}s since the last contact)")
         blind_s = float("inf") if self.heard_at is None else time.monotonic() - self.heard_at
         if blind_s <= self.max_blind_s:
             return None
@@ -76,31 +92,51 @@ class BrokerWatch:
                     holder_id=self.pool_id, ttl_ms=int(ttl_s * 1000), pool_id=self.pool_id,
                     held_owners=sorted(self.held_owners())), timeout=self.rpc_timeout_s)
             except grpc.RpcError as e:
-                log.warning("broker unreachable (%s); running requests continue, new ones wait", e.code())
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    log.warning("broker unreachable (%s); running requests continue, new ones wait", e.code())
+                    continue
+                await self.move(f"pool {self.pool_id} is fenced or unknown at the broker: {e.details()}")
                 continue
             self.check_lock_delay(resp.lock_delay_ms)
             if resp.epoch == self.epoch:
+                self.contacted(resp.fence_ms)
                 continue
-            # every page, not only those in use: one released just before the restart may still have an
-            # old-epoch write in flight that no table remembers (found by the formal model)
-            old, held = self.epoch, list(range(self.pool.num_pages))
-            log.error("broker restarted (epoch %#x -> %#x): failing %d running requests, %d pages to quarantine",
-                      old, resp.epoch, len(self.scheduler.running), len(held))
-            self.scheduler.fail_all(PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED",
-                                            f"the broker restarted (epoch {old:#x} -> {resp.epoch:#x})"))
-            try:
-                await self.register(held)
-            except PdError as e:
-                log.error("re-registering pool %s failed: %s", self.pool_id, e)
+            await self.move(f"the broker restarted or changed (epoch {self.epoch:#x} -> {resp.epoch:#x})")
+
+    async def move(self, why: str) -> None:
+        """Fails what runs (UNAVAILABLE, retryable) and registers a new pool incarnation, grantable only once
+        the old broker must have fenced the old one and its writes have landed."""
+        # every page, not only those in use: one released just before the move may still have an old write in
+        # flight that no table remembers (found by the formal model)
+        held = list(range(self.pool.num_pages))
+        if self.contact_at is not None:
+            self.fenced_until = max(self.fenced_until, self.contact_at + self.fence_s)
+        old_pool = self.pool_id
+        self.pool_id = f"{old_pool.rsplit('-', 1)[0]}-{secrets.token_hex(4)}"
+        log.error("%s: failing %d running requests; new pool incarnation %s, grantable in %.2fs", why,
+                  len(self.scheduler.running), self.pool_id, max(0.0, self.fenced_until - time.monotonic()))
+        self.scheduler.fail_all(PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED", why))
+        self.watch_cursor, self.heard_at = (0, 0), None
+        try:
+            epoch = await self.register(held)
+            log.info("pool %s registered: %d pages of %d tokens, epoch %#x", self.pool_id, self.pool.num_pages,
+                     self.pool.page_size, epoch)
+        except PdError as e:
+            log.error("registering pool %s failed: %s", self.pool_id, e)
 
     async def watch_revocations(self, retry_s: float = 0.2) -> None:
         """A revoked request stops before its next step; none is lost across a reconnect."""
         while True:
             epoch, seq = self.watch_cursor
             is_new_stream = True
+            pool_id = self.pool_id
+            stream = self.broker.WatchRevocations(broker_pb2.WatchRevocationsRequest(
+                pool_id=pool_id, after_seq=seq, epoch=epoch))
             try:
-                async for msg in self.broker.WatchRevocations(broker_pb2.WatchRevocationsRequest(
-                        pool_id=self.pool_id, after_seq=seq, epoch=epoch)):
+                async for msg in stream:
+                    if pool_id != self.pool_id:
+                        stream.cancel()  # the old incarnation's stream must not count as hearing the broker
+                        break
                     if msg.heartbeat:
                         await self._on_heartbeat(msg, is_new_stream)
                         is_new_stream = False

@@ -6,7 +6,9 @@ from tests.integration.stack import Stack
 # that covers Mooncake's shortest timeout (5 s) + 1 ns/byte + 0.3 s slack, as prefill checks at start-up
 CHAOS_EXTRA = {
     "broker": ["--lock-delay", "5.5", "--sweep-interval", "0.2", "--writer-ttl", "2.0", "--heartbeat-interval", "0.1",
-               "--reconcile-grace", "3"],
+               "--reconcile-grace", "3",
+               # a decode that moves to a new broker incarnation waits reader ttl + max ttl + lock delay (12.5 s; decode renews its reader with a 5 s ttl)
+               "--reader-ttl", "2.0", "--max-ttl", "5.0"],
     "prefill": ["--writer-ttl", "2.0", "--transfer-timeout", "2.0", "--landing-slack", "0.3"],
     # the allocation bound drains an allocation whose gateway call died between Allocate and Decode;
     # each schedule prints how often it fired

@@ -66,6 +66,15 @@ class TcpProxy:
             self.partitioned = False
         self._run(go())
 
+    def retarget(self, upstream_port: int) -> None:
+        """Points new connections at another upstream and closes the open ones (a Service whose endpoint moved)."""
+        async def go():
+            self.upstream = (self.upstream[0], upstream_port)
+            for w in list(self._writers):
+                w.close()
+            self._writers.clear()
+        self._run(go())
+
     def close(self) -> None:
         async def go():
             self._server.close()

@@ -80,13 +80,13 @@ class Stack:
         return total
 
     def pool_ids(self) -> list[str]:
-        """Each decode's pool id, as it logged it when it registered. Remembered: a process keeps only its last
-        400 lines, so after a long run (the soak) the registration line is gone."""
+        """Each decode's current pool id, as it logged it when it last registered (a move to another broker
+        incarnation registers a new one). Remembered: a process keeps only its last 400 lines, so after a long
+        run (the soak) the registration line is gone."""
         for i, p in enumerate(self.procs["decode"]):
             for line in p.lines:
                 if m := re.search(r"pool (\S+) registered:", line):
                     self._pool_ids[i] = m.group(1)
-                    break
         return [self._pool_ids[i] for i in range(len(self.procs["decode"])) if i in self._pool_ids]
 
     def pool_states(self) -> list:
