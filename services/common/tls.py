@@ -52,12 +52,17 @@ class TlsConfig:
                                             certificate_chain=self.cert)
 
 
-def secure_channel(target: str, tls: TlsConfig | None, options=None, aio: bool = True):
+def secure_channel(target: str, tls: TlsConfig | None, options=None, aio: bool = True,
+                   server_name: str | None = None):
     """A channel to an internal service, presenting this process's certificate. tls=None only ever
-    comes from an explicit --insecure (logged at start-up), never from missing files."""
+    comes from an explicit --insecure (logged at start-up), never from missing files. server_name: the
+    name the server's certificate must carry when target is an address (a pod IP found by discovery
+    carries none of its own; the certificate names the role's Service)."""
     grpc_mod = grpc.aio if aio else grpc
     if tls is None:
         return grpc_mod.insecure_channel(target, options=options)
+    if server_name:
+        options = [*(options or []), ("grpc.ssl_target_name_override", server_name)]
     return grpc_mod.secure_channel(target, tls.channel_credentials(), options=options)
 
 

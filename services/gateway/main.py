@@ -1,22 +1,24 @@
-"""`pdserve gateway`: the public gRPC API in front of prefill and decode instances."""
+"""`pdserve gateway`: the public gRPC API in front of the prefill and decode instances it discovers."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
 
-import grpc
+from grpc_health.v1 import health_pb2
 
 from ..common import config
 from ..common.cli_args import add_service_args
 from ..common.errors import PdError
 from ..common.metrics import init_metrics
-from ..common.proto import common_pb2, decode_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
-from ..common.server import GRPC_OPTIONS, Service, setup_logging
-from ..common.tls import add_tls_args, secure_channel, tls_from_args
+from ..common.proto import gateway_pb2, gateway_pb2_grpc
+from ..common.server import Service, setup_logging
+from ..common.tasks import spawn
+from ..common.tls import add_tls_args, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..engine.tokenizer import load_tokenizer
-from .router import Backend
+from .backends import Backends
+from .discovery import Discovery
 from .http import start_http
 from .servicer import Capacity, GatewayServicer
 
@@ -32,6 +34,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_service_args(p)
     p.add_argument("--prefill", action="append", default=None, help="prefill HOST:PORT (repeatable)")
     p.add_argument("--decode", action="append", default=None, help="decode HOST:PORT (repeatable)")
+    p.add_argument("--prefill-discovery", action="append", default=None, metavar="SPEC",
+                   help="prefill instances to follow: dns:NAME:PORT (every A/AAAA record, e.g. a headless Service) "
+                        "or file:PATH (HOST:PORT per line); repeatable, combines with --prefill")
+    p.add_argument("--decode-discovery", action="append", default=None, metavar="SPEC",
+                   help="decode instances to follow, as --prefill-discovery")
+    p.add_argument("--discovery-interval", type=float, default=1.0, help="seconds between two DNS/file looks")
+    p.add_argument("--load-interval", type=float, default=0.5, help="seconds between two GetInfo polls of a backend")
     p.add_argument("--model", default=config.DEFAULT_MODEL, help="checkpoint directory (for the tokenizer)")
     p.add_argument("--queue-limit", type=int, default=256)
     p.add_argument("--queue-timeout", type=float, default=30.0, help="bound on waiting for free KV pages, seconds")
@@ -40,57 +49,103 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_tls_args(p, "the gateway's channels to prefill and decode (its public gRPC and HTTP APIs stay plaintext)")
 
 
-async def _info(target: str, stub, timeout: float = 120.0) -> common_pb2.EngineInfo:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
+def capacity_of(infos: dict[str, list]) -> Capacity:
+    """Admission limits over the backends that take work now; every one agrees on model and layout
+    (backends.py refuses the others), so only the sizes differ."""
+    prefills, decodes = infos["prefill"], infos["decode"]
+    i0 = (prefills + decodes)[0]
+    return Capacity(model=i0.model, context_length=min(i.context_length for i in prefills + decodes),
+                    vocab_size=i0.vocab_size, page_size=i0.page_size,
+                    decode_pool_pages=min(i.pool_pages for i in decodes),
+                    prefill_pool_tokens=min(i.pool_pages * i.page_size for i in prefills))
+
+
+def discoveries(args, backends: Backends) -> list[Discovery]:
+    out = []
+    for role, port in (("prefill", config.PREFILL_PORT), ("decode", config.DECODE_PORT)):
+        static, specs = getattr(args, role) or [], getattr(args, f"{role}_discovery") or []
+        if not static and not specs:
+            static = [f"127.0.0.1:{port}"]
         try:
-            return await stub.GetInfo(common_pb2.GetInfoRequest(), timeout=5)
-        except grpc.RpcError as e:
-            if asyncio.get_running_loop().time() > deadline:
-                raise RuntimeError(f"{target} did not answer GetInfo within {timeout:.0f}s: {e.code()}") from None
-            await asyncio.sleep(0.2)
+            out.append(Discovery(role, static, specs, lambda t, d, role=role: backends.update(role, t, d),
+                                 args.discovery_interval))
+        except ValueError as e:
+            raise SystemExit(f"gateway: --{role}/--{role}-discovery: {e}") from None
+    return out
 
 
-def capacity_of(prefills: list[Backend], decodes: list[Backend]) -> Capacity:
-    infos = [b.info for b in prefills + decodes]
-    keys = {(i.model, i.vocab_size, i.page_size, i.layout.SerializeToString()) for i in infos}
-    if len(keys) != 1:
-        raise SystemExit(f"gateway: prefill and decode instances disagree on model/vocab/page layout: {keys}")
-    i0 = infos[0]
-    return Capacity(model=i0.model, context_length=min(i.context_length for i in infos), vocab_size=i0.vocab_size,
-                    page_size=i0.page_size, decode_pool_pages=min(b.info.pool_pages for b in decodes),
-                    prefill_pool_tokens=min(b.info.pool_pages * b.info.page_size for b in prefills))
+class Health:
+    """SERVING while at least one prefill and one decode take work, NOT_SERVING otherwise; follows the
+    backends without a restart. The first time it serves, it prints the ready line."""
+
+    def __init__(self, svc: Service, servicer: GatewayServicer, backends: Backends):
+        self.svc, self.servicer, self.backends = svc, servicer, backends
+        self.changed = asyncio.Event()
+        self.first = asyncio.Event()
+        self.serving = False
+        self.printed = False
+
+    def on_change(self) -> None:
+        infos = self.backends.capacity_infos()
+        if all(infos.values()):
+            cap = capacity_of(infos)
+            if cap != self.servicer.cap:
+                log.info("gateway: capacity over %d prefill and %d decode: context %d, decode pool %d pages, "
+                         "prefill pool %d tokens", len(infos["prefill"]), len(infos["decode"]), cap.context_length,
+                         cap.decode_pool_pages, cap.prefill_pool_tokens)
+                self.servicer.cap = cap
+            self.first.set()
+        self.changed.set()
+
+    async def run(self) -> None:
+        while True:
+            await self.changed.wait()
+            self.changed.clear()
+            want = self.backends.is_usable() and self.servicer.tokenizer is not None and \
+                not getattr(self.servicer, "draining", False)
+            if want == self.serving:
+                continue
+            self.serving = want
+            if want and not self.printed:
+                self.printed = True
+                await self.svc.set_serving()
+                continue
+            status = health_pb2.HealthCheckResponse.SERVING if want else health_pb2.HealthCheckResponse.NOT_SERVING
+            log.log(logging.INFO if want else logging.WARNING, "gateway: %s (prefill %d, decode %d take work)",
+                    "SERVING" if want else "NOT_SERVING", len(self.backends.routers["prefill"].backends),
+                    len(self.backends.routers["decode"].backends))
+            for name in ["", *self.svc.full_service_names]:
+                await self.svc.health.set(name, status)
 
 
 async def serve(args) -> None:
     check_unsafe("gateway", args)
     tls = tls_from_args(args, "gateway", "gateway")
     init_metrics("gateway")
-    prefill_targets = args.prefill or [f"127.0.0.1:{config.PREFILL_PORT}"]
-    decode_targets = args.decode or [f"127.0.0.1:{config.DECODE_PORT}"]
-    prefills = [Backend(t, prefill_pb2_grpc.PrefillStub(secure_channel(t, tls, GRPC_OPTIONS)))
-                for t in prefill_targets]
-    decodes = [Backend(t, decode_pb2_grpc.DecodeStub(secure_channel(t, tls, GRPC_OPTIONS)))
-               for t in decode_targets]
-    for b in prefills + decodes:
-        b.info = await _info(b.target, b.stub)
-    cap = capacity_of(prefills, decodes)
-    tokenizer = load_tokenizer(args.model, cap.vocab_size)
-    servicer = GatewayServicer(prefills, decodes, tokenizer, cap, args.queue_limit, args.queue_timeout,
-                               args.prefill_timeout, args.token_timeout)
+    backends = Backends(tls, args.load_interval)
+    servicer = GatewayServicer(backends.routers["prefill"], backends.routers["decode"], None, None,
+                               args.queue_limit, args.queue_timeout, args.prefill_timeout, args.token_timeout)
     svc = Service("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
                   args.host, args.port, args.metrics_port, tls=None,  # public API: plaintext by design
                   metrics_host=args.metrics_host)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, svc.server)
-    await svc.start()
+    health = Health(svc, servicer, backends)
+    backends.on_change = health.on_change
+    await svc.start()  # NOT_SERVING until discovery has found a prefill and a decode that agree
+    tasks = [spawn(d.run()) for d in discoveries(args, backends)]
+    await health.first.wait()
+    cap = servicer.cap
+    servicer.tokenizer = load_tokenizer(args.model, cap.vocab_size)
     if args.http_port >= 0:
         http = await start_http(servicer, cap.model, args.host, args.http_port)
         args.http_port = http.sockets[0].getsockname()[1]
         print(f"PDSERVE_HTTP port={args.http_port}", flush=True)
-    log.info("gateway: model %s, context %d, decode pool %d pages, prefill pool %d tokens", cap.model,
-             cap.context_length, cap.decode_pool_pages, cap.prefill_pool_tokens)
-    await svc.set_serving()
+    tasks.append(spawn(health.run()))
+    health.changed.set()
     await svc.wait_for_termination()
+    for t in tasks:
+        t.cancel()
+    await backends.close()
 
 
 def main(args) -> None:

@@ -14,13 +14,14 @@ from dataclasses import dataclass
 import grpc
 
 from ..common.admission import _reject, check_lengths, check_sampling, check_tokens
+from ..common.config import pages_needed
 from ..common.errors import PdError, from_rpc_error
 from ..common.metrics import ITL, REQUESTS, TIMEOUTS, TTFT
 from ..common.proto import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 from ..common.tasks import spawn
 from ..common.wire import call
 from ..engine.tokenizer import IncrementalDecoder
-from .router import Backend, Router
+from .router import Backend, Router, Ticket
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +37,13 @@ class Capacity:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, prefills: list[Backend], decodes: list[Backend], tokenizer, cap: Capacity,
+    def __init__(self, prefills: Router, decodes: Router, tokenizer, cap: Capacity | None,
                  queue_limit: int = 256, queue_timeout_s: float = 30.0, rpc_timeout_s: float = 60.0,
                  token_timeout_s: float = 60.0):
         self.token_timeout_s = token_timeout_s
-        self.prefills = Router(prefills)
-        self.decodes = Router(decodes)
+        # routers over the live backend sets (backends.py); cap and tokenizer arrive with the first usable pair
+        self.prefills = prefills
+        self.decodes = decodes
         self.tokenizer = tokenizer
         self.cap = cap
         self.queue_limit = queue_limit
@@ -49,8 +51,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.rpc_timeout_s = rpc_timeout_s
         self._waiting = 0
 
+    def _capacity(self) -> Capacity:
+        if self.cap is None or self.tokenizer is None:
+            raise PdError(grpc.StatusCode.UNAVAILABLE, "NO_BACKEND",
+                          "the gateway has not found a prefill and a decode instance that take work yet")
+        return self.cap
+
     async def GetModelInfo(self, request, context) -> gateway_pb2.ModelInfo:
-        c = self.cap
+        c = self._capacity()
         return gateway_pb2.ModelInfo(
             model=c.model, context_length=c.context_length, vocab_size=c.vocab_size, page_size=c.page_size,
             decode_pool_tokens=c.decode_pool_pages * c.page_size, prefill_pool_tokens=c.prefill_pool_tokens,
@@ -59,6 +67,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     def admit(self, request) -> list[int]:
         """DESIGN §4, before any lease, allocation or transfer."""
+        self._capacity()
         top_p = request.top_p if request.HasField("top_p") else 1.0
         check_sampling(request.max_tokens, request.temperature, top_p)
         # the O(1) length checks first: an over-long flood never pays for copying its ids or a vocabulary scan
@@ -91,13 +100,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             for attempt in range(2):
                 # a retryable failure before the first token is retried once, on another pair, as a new request
                 request_id = secrets.token_bytes(16)
-                decode = self.decodes.pick(exclude=tried)
+                # the Backend objects, not their addresses, carry the request: Decode reaches the pod that
+                # answered Allocate whatever discovery does meanwhile (a gone backend's channel outlives it)
+                need = pages_needed(len(tokens), request.max_tokens, self.cap.page_size)
+                decode = self.decodes.pick(exclude=tried, pages=need)
                 prefill = self.prefills.pick(exclude=tried)
-                decode.in_flight += 1
-                prefill.in_flight += 1
+                tickets = (decode.take(need), prefill.take())
                 sent = 0
                 try:
-                    async for msg in self._run(request_id, tokens, sampling, prefill, decode, start):
+                    async for msg in self._run(request_id, tokens, sampling, prefill, decode, start, tickets):
                         sent += 1
                         yield msg
                     break
@@ -108,8 +119,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                 request_id.hex(), e)
                     tried.update((decode.target, prefill.target))
                 finally:
-                    decode.in_flight -= 1
-                    prefill.in_flight -= 1
+                    decode.done(tickets[0])
+                    prefill.done(tickets[1])
         except PdError as e:
             code = e.code.name
             raise
@@ -120,10 +131,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             REQUESTS.labels(code).inc()
 
     async def _run(self, request_id: bytes, tokens: list[int], sampling, prefill: Backend, decode: Backend,
-                   start: float):
+                   start: float, tickets: tuple[Ticket, Ticket]):
         alloc = asyncio.ensure_future(self._allocate(decode, request_id, len(tokens), sampling.max_tokens))
         try:
             dest = await asyncio.shield(alloc)
+            Backend.settle(tickets[0])
         except asyncio.CancelledError:
             # the client left while decode was granting: once the grant lands, give it back
             alloc.add_done_callback(lambda t: None if t.cancelled() or t.exception() is not None
@@ -132,6 +144,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         task = asyncio.ensure_future(call(prefill.stub.Prefill(prefill_pb2.PrefillRequest(
             request_id=request_id, token_ids=tokens, sampling=sampling, destination=dest),
             timeout=self.rpc_timeout_s), f"prefill {prefill.target}"))
+        Backend.settle(tickets[1])
         try:
             resp = await asyncio.shield(task)
         except asyncio.CancelledError:

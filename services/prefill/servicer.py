@@ -34,6 +34,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.max_prompt = max_prompt  # capped by the local pool
         self.model_name = model_name
         self._compute = asyncio.Lock()
+        self.num_active = 0
         self._pages_freed = asyncio.Condition()
         self.layout_pb = layout_to_pb(worker.pool.layout, TAG_NBYTES)
 
@@ -43,7 +44,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             model=self.model_name, context_length=self.context_length, vocab_size=cfg.vocab_size,
             pool_pages=self.worker.pool.num_pages, page_size=self.worker.pool.page_size,
             eos_token_id=cfg.eos_token_id if cfg.eos_token_id is not None else -1,
-            layout=self.layout_pb, free_pages=self.worker.alloc.num_free)
+            layout=self.layout_pb, free_pages=self.worker.alloc.num_free, queue_depth=self.num_active,
+            draining=getattr(self, "draining", False))
 
     def _admit(self, request) -> list[tuple[int, int]]:
         """The leases the prompt needs, after the admission checks."""
@@ -87,7 +89,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def Prefill(self, request, context) -> prefill_pb2.PrefillResponse:
         leases = self._admit(request)
         # shielded: a cancelled caller must not stop a write half-way, nor skip its EndWrite
-        return await asyncio.shield(self._prefill(request, leases))
+        return await asyncio.shield(self._counted(request, leases))
+
+    async def _counted(self, request, leases) -> prefill_pb2.PrefillResponse:
+        # queued for the compute lock or running, until its EndWrite: the load the gateway routes by
+        self.num_active += 1
+        try:
+            return await self._prefill(request, leases)
+        finally:
+            self.num_active -= 1
 
     @staticmethod
     async def _begun(begin: asyncio.Future) -> asyncio.Task | None:
