@@ -71,7 +71,7 @@ async def serve(args) -> None:
     sweeper = asyncio.create_task(servicer.run_sweeper(args.sweep_interval))
     log.info("broker epoch %#x", table.epoch)
     await svc.set_serving()
-    await svc.wait_for_termination()
+    await svc.wait_for_termination(grace=5.0)  # nothing to drain: the revocation streams get the grace
     sweeper.cancel()
 
 

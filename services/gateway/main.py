@@ -16,6 +16,8 @@ from ..common.server import GRPC_OPTIONS, Service, setup_logging
 from ..common.tls import add_tls_args, secure_channel, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..engine.tokenizer import load_tokenizer
+from ..common.drain import settle
+from .drain import drain
 from .router import Backend
 from .http import start_http
 from .servicer import Capacity, GatewayServicer
@@ -37,6 +39,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-timeout", type=float, default=30.0, help="bound on waiting for free KV pages, seconds")
     p.add_argument("--prefill-timeout", type=float, default=60.0, help="bound on one Prefill call, seconds")
     p.add_argument("--token-timeout", type=float, default=60.0, help="bound on the gap between two tokens, seconds")
+    p.add_argument("--drain-timeout", type=float, default=25.0,
+                   help="on SIGTERM, seconds running streams get to finish while new requests are refused "
+                        "UNAVAILABLE (DRAINING); keep under the pod's terminationGracePeriodSeconds")
     add_tls_args(p, "the gateway's channels to prefill and decode (its public gRPC and HTTP APIs stay plaintext)")
 
 
@@ -66,6 +71,28 @@ async def serve(args) -> None:
     check_unsafe("gateway", args)
     tls = tls_from_args(args, "gateway", "gateway")
     init_metrics("gateway")
+    # listening at once: probes see NOT_SERVING (alive, not ready) while the backends are still starting
+    svc = Service("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
+                  args.host, args.port, args.metrics_port, tls=None,  # public API: plaintext by design
+                  metrics_host=args.metrics_host)
+    holder = svc.hold(gateway_pb2_grpc.add_GatewayServicer_to_server,
+                      gateway_pb2.DESCRIPTOR.services_by_name["Gateway"])
+    await svc.start()
+    servicer = await svc.starting(_start(args, tls))
+    holder.servicer = servicer
+    http = None
+    if args.http_port >= 0:
+        http = await start_http(servicer, servicer.cap.model, args.host, args.http_port)
+        args.http_port = http.sockets[0].getsockname()[1]
+        print(f"PDSERVE_HTTP port={args.http_port}", flush=True)
+    await svc.set_serving()
+    await svc.wait_for_termination(drain=lambda: drain(servicer, args.drain_timeout), drain_timeout=args.drain_timeout)
+    if http is not None:
+        http.close()
+    await settle(2.0)  # the Release of a stream cancelled at the drain timeout
+
+
+async def _start(args, tls) -> GatewayServicer:
     prefill_targets = args.prefill or [f"127.0.0.1:{config.PREFILL_PORT}"]
     decode_targets = args.decode or [f"127.0.0.1:{config.DECODE_PORT}"]
     prefills = [Backend(t, prefill_pb2_grpc.PrefillStub(secure_channel(t, tls, GRPC_OPTIONS)))
@@ -76,21 +103,10 @@ async def serve(args) -> None:
         b.info = await _info(b.target, b.stub)
     cap = capacity_of(prefills, decodes)
     tokenizer = load_tokenizer(args.model, cap.vocab_size)
-    servicer = GatewayServicer(prefills, decodes, tokenizer, cap, args.queue_limit, args.queue_timeout,
-                               args.prefill_timeout, args.token_timeout)
-    svc = Service("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
-                  args.host, args.port, args.metrics_port, tls=None,  # public API: plaintext by design
-                  metrics_host=args.metrics_host)
-    gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, svc.server)
-    await svc.start()
-    if args.http_port >= 0:
-        http = await start_http(servicer, cap.model, args.host, args.http_port)
-        args.http_port = http.sockets[0].getsockname()[1]
-        print(f"PDSERVE_HTTP port={args.http_port}", flush=True)
     log.info("gateway: model %s, context %d, decode pool %d pages, prefill pool %d tokens", cap.model,
              cap.context_length, cap.decode_pool_pages, cap.prefill_pool_tokens)
-    await svc.set_serving()
-    await svc.wait_for_termination()
+    return GatewayServicer(prefills, decodes, tokenizer, cap, args.queue_limit, args.queue_timeout,
+                           args.prefill_timeout, args.token_timeout)
 
 
 def main(args) -> None:
