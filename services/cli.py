@@ -60,8 +60,8 @@ def _up(args) -> int:
 
 
 def _health(args) -> int:
-    """Exit 0 when the service answers SERVING over mutual TLS: the kubelet's own gRPC probe cannot
-    present a client certificate, so the deployment probes with this command."""
+    """Exit 0 when the service answers SERVING (with --live: answers at all) over mutual TLS: the kubelet's own
+    gRPC probe cannot present a client certificate, so the deployment probes with this command."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -75,6 +75,8 @@ def _health(args) -> int:
         print(f"health: {args.host}:{args.port}: {e.code().name} {e.details()}", file=sys.stderr)
         return 1
     print(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
+    if args.live:  # liveness: the process answers; NOT_SERVING while it loads its model or drains is alive
+        return 0
     return 0 if status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
@@ -154,13 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--dns", action="append", default=None, help="extra DNS name for every certificate (repeatable)")
     c.set_defaults(fn=_make_certs)
 
-    h = sub.add_parser("health", help="check a service's gRPC health over mutual TLS (exit 0 when SERVING)")
+    h = sub.add_parser("health", help="check a service's gRPC health over mutual TLS (exit 0 when SERVING; --live: when it answers)")
     h.add_argument("--host", default=os.environ.get("POD_IP", "127.0.0.1"), help="default: $POD_IP, else 127.0.0.1")
     h.add_argument("--port", type=int, required=True)
     h.add_argument("--server-name", default=None, help="name to verify the server certificate against")
     h.add_argument("--tls-role", default="operator", choices=["broker", "prefill", "decode", "gateway", "operator"],
                    help="role the certificate must have (a pod probes itself with its own certificate)")
     h.add_argument("--timeout", type=float, default=3.0)
+    h.add_argument("--live", action="store_true",
+                   help="liveness: exit 0 when the service answers health at all (SERVING or NOT_SERVING, e.g. while "
+                        "it loads its model or drains); without it, exit 0 only when SERVING (readiness, start-up)")
     from .common.tls import add_tls_args
     add_tls_args(h, "the probe's channel")
     h.set_defaults(fn=_health)

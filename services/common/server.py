@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 import time
 from typing import Awaitable, Callable
 
@@ -15,6 +17,7 @@ from prometheus_client import Histogram, start_http_server
 from .authz import AuthInterceptor
 from .errors import PdError, to_status
 from .faults import add_faults_service
+from .holder import ServicerHolder
 from .tls import TlsConfig
 
 log = logging.getLogger(__name__)
@@ -115,15 +118,41 @@ class Service:
         self.metrics_host, self.metrics_port = metrics_host, metrics_port
         self._stop = asyncio.Event()
 
+    def hold(self, add_to_server, service_descriptor) -> ServicerHolder:
+        """Registers a holder for one service before start; set its `servicer` once the model is loaded."""
+        holder = ServicerHolder(self.name, service_descriptor)
+        add_to_server(holder, self.server)
+        return holder
+
     async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_signal, sig)
         for svc in ["", *self.full_service_names]:
             await self.health.set(svc, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         httpd, _ = start_http_server(self.metrics_port, addr=self.metrics_host)
         self.metrics_port = httpd.server_port
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._stop.set)
+        log.info("%s: answering health (NOT_SERVING) on port %d while it starts", self.name, self.port)
+
+    def _on_signal(self, sig: int) -> None:
+        if self._stop.is_set():
+            log.warning("%s: %s again while draining; still draining", self.name, signal.Signals(sig).name)
+        self._stop.set()
+
+    async def starting(self, work: Awaitable):
+        """Runs start-up work (model load, registration) unless a stop signal comes first; then the process
+        exits 0 at once: a model load in a thread cannot be cancelled, and there is nothing to drain yet."""
+        task = asyncio.ensure_future(work)
+        stop = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            stop.cancel()
+            return task.result()
+        log.info("%s: stopped during start-up; exiting", self.name)
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(0)
 
     async def set_serving(self) -> None:
         for svc in ["", *self.full_service_names]:
@@ -132,14 +161,19 @@ class Service:
         print(f"PDSERVE_READY service={self.name} port={self.port} metrics_port={self.metrics_port}", flush=True)
         log.info("%s serving on port %d, metrics on %s:%d", self.name, self.port, self.metrics_host, self.metrics_port)
 
-    async def wait_for_termination(self, grace: float = 5.0,
-                                   on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+    async def wait_for_termination(self, grace: float = 1.0, drain: Callable[[], Awaitable[None]] | None = None,
+                                   drain_timeout: float = 0.0) -> None:
+        """On SIGTERM: NOT_SERVING at once (probes and routers stop sending), then `drain` (the service refuses
+        new work and lets running work end; it bounds itself by drain_timeout), then the server stops. Calls
+        still open after the drain get `grace` seconds."""
         await self._stop.wait()
-        log.info("%s: shutting down", self.name)
+        started = time.monotonic()
+        log.info("%s: stopping; draining for up to %.1fs", self.name, drain_timeout)
         await self.health.enter_graceful_shutdown()
-        if on_stop is not None:
-            await on_stop()
+        if drain is not None:
+            await drain()
         await self.server.stop(grace)
+        log.info("%s: drained and stopped in %.2fs", self.name, time.monotonic() - started)
 
 
 def setup_logging(level: str = "INFO") -> None:

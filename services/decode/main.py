@@ -17,6 +17,7 @@ from ..common.tls import own_identity, secure_channel, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..engine.runner import ModelRunner, set_threads
 from ..kvtransfer.engine import TransferEngine
+from .drain import drain
 from .servicer import DecodeServicer
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "revocation stream; then running requests fail UNAVAILABLE. Must be <= lock_delay / 2")
     p.add_argument("--rpc-timeout", type=float, default=10.0,
                    help="timeout of decode's broker RPCs; keep <= the broker's --reconcile-grace")
+    p.add_argument("--drain-timeout", type=float, default=25.0,
+                   help="on SIGTERM, seconds running streams (and granted allocations) get to finish; then they end "
+                        "UNAVAILABLE and their leases are released. Keep under the pod's terminationGracePeriodSeconds")
     p.add_argument("--canary", action="store_true",
                    help="tests: fill released pages with a marker and refuse a verified page that carries it")
 
@@ -44,12 +48,31 @@ def add_args(p: argparse.ArgumentParser) -> None:
 async def serve(args) -> None:
     check_unsafe("decode", args)  # before the model loads: a refusal is immediate
     tls = tls_from_args(args, "decode", "decode")
-    num_pages = args.pool_tokens // args.page_size
-    set_threads(args.threads, args.switch_interval_ms)
-    runner = ModelRunner(args.model, num_pages, args.page_size, args.kv_dtype, args.device)
     if args.checksum_sweep_pages < 0 or args.checksum_sweep_every < 1:
         raise SystemExit(f"--checksum-sweep-pages must be >= 0 and --checksum-sweep-every >= 1, got "
                          f"{args.checksum_sweep_pages} and {args.checksum_sweep_every}")
+    # listening before the model loads: probes see NOT_SERVING (alive, not ready) during a long load
+    svc = Service("decode", [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name],
+                  args.host, args.port, args.metrics_port, tls=tls, metrics_host=args.metrics_host)
+    holder = svc.hold(decode_pb2_grpc.add_DecodeServicer_to_server, decode_pb2.DESCRIPTOR.services_by_name["Decode"])
+    await svc.start()
+    servicer = await svc.starting(_start(args, tls))
+    holder.servicer = servicer
+    tasks = [asyncio.create_task(servicer.scheduler.run()), asyncio.create_task(servicer.expire_allocations()),
+             asyncio.create_task(servicer.watch_epoch()), asyncio.create_task(servicer.watch_revocations())]
+    await svc.starting(servicer.watching.wait())  # a request must never run before decode can hear its revocation
+    await svc.set_serving()
+    # the loops keep running while draining: streams still step, leases are still renewed and released
+    await svc.wait_for_termination(drain=lambda: drain(servicer, args.drain_timeout), drain_timeout=args.drain_timeout)
+    for t in tasks:
+        t.cancel()
+
+
+async def _start(args, tls) -> DecodeServicer:
+    """Loads the model (in a thread: the server answers health meanwhile) and registers the pool."""
+    num_pages = args.pool_tokens // args.page_size
+    set_threads(args.threads, args.switch_interval_ms)
+    runner = await asyncio.to_thread(ModelRunner, args.model, num_pages, args.page_size, args.kv_dtype, args.device)
     if args.checksum_sweep_pages == 0 or args.no_transfer_checksum:
         log.warning("checksum sweep OFF (%s): a late write of page data alone into a running request's prompt "
                     "page will not be detected", "--checksum-sweep-pages 0" if args.checksum_sweep_pages == 0
@@ -71,10 +94,7 @@ async def serve(args) -> None:
                               allocation_timeout_s=args.allocation_timeout, rpc_timeout_s=args.rpc_timeout,
                               max_blind_s=args.max_blind, sweep_pages=args.checksum_sweep_pages,
                               sweep_every=args.checksum_sweep_every)
-    svc = Service("decode", [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name],
-                  args.host, args.port, args.metrics_port, tls=tls, metrics_host=args.metrics_host)
-    decode_pb2_grpc.add_DecodeServicer_to_server(servicer, svc.server)
-    await svc.start()
+    servicer.transfer = transfer  # held for the process's life: the engine unregisters the pool when collected
     while True:  # SERVING only once the pool is allocated, registered and checked
         try:
             epoch = await servicer.register()
@@ -85,13 +105,7 @@ async def serve(args) -> None:
     if servicer.bound_error:
         raise SystemExit(f"decode refuses to start: {servicer.bound_error}")
     log.info("pool %s registered: %d pages of %d tokens, epoch %#x", pool_id, num_pages, args.page_size, epoch)
-    tasks = [asyncio.create_task(servicer.scheduler.run()), asyncio.create_task(servicer.expire_allocations()),
-             asyncio.create_task(servicer.watch_epoch()), asyncio.create_task(servicer.watch_revocations())]
-    await servicer.watching.wait()  # a request must never run before decode can hear its revocation
-    await svc.set_serving()
-    await svc.wait_for_termination()
-    for t in tasks:
-        t.cancel()
+    return servicer
 
 
 def main(args) -> None:

@@ -10,6 +10,7 @@ import grpc
 
 from ..common.admission import check_lengths, check_sampling
 from ..common.config import pages_for, pages_needed
+from ..common.drain import draining_error
 from ..common.errors import PdError, invalid
 from ..common.faults import FAULTS
 from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS, TIMEOUTS
@@ -62,6 +63,7 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
         self.init_watch(max_blind_s)
         self.layout_pb = layout_to_pb(self.pool.layout, TAG_NBYTES)
         self.eos = runner.config.eos_token_id
+        self.draining = False  # set on SIGTERM (drain.py): GetInfo reports it, Allocate refuses
 
     async def register(self, quarantined: list[int] = ()) -> int:
         region = broker_pb2.PoolRegion(transfer_session=self.session, data_base=self.pool.data_ptr,
@@ -87,6 +89,8 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             queue_depth=len(self.allocations) + len(self.scheduler.joining) + len(self.scheduler.running))
 
     async def Allocate(self, request, context) -> decode_pb2.AllocateResponse:
+        if self.draining:
+            raise draining_error("decode", f"pool {self.pool_id} takes no new allocation")
         owner = request.request_id
         if len(owner) != 16:
             raise invalid("BAD_REQUEST_ID", f"request_id must be 16 bytes, got {len(owner)}")

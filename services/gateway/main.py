@@ -17,8 +17,10 @@ from ..common.tasks import spawn
 from ..common.tls import add_tls_args, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..engine.tokenizer import load_tokenizer
+from ..common.drain import settle
 from .backends import Backends
 from .discovery import Discovery
+from .drain import drain
 from .http import start_http
 from .servicer import Capacity, GatewayServicer
 
@@ -46,6 +48,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--queue-timeout", type=float, default=30.0, help="bound on waiting for free KV pages, seconds")
     p.add_argument("--prefill-timeout", type=float, default=60.0, help="bound on one Prefill call, seconds")
     p.add_argument("--token-timeout", type=float, default=60.0, help="bound on the gap between two tokens, seconds")
+    p.add_argument("--drain-timeout", type=float, default=25.0,
+                   help="on SIGTERM, seconds running streams get to finish while new requests are refused "
+                        "UNAVAILABLE (DRAINING); keep under the pod's terminationGracePeriodSeconds")
     add_tls_args(p, "the gateway's channels to prefill and decode (its public gRPC and HTTP APIs stay plaintext)")
 
 
@@ -133,16 +138,20 @@ async def serve(args) -> None:
     backends.on_change = health.on_change
     await svc.start()  # NOT_SERVING until discovery has found a prefill and a decode that agree
     tasks = [spawn(d.run()) for d in discoveries(args, backends)]
-    await health.first.wait()
+    await svc.starting(health.first.wait())  # a SIGTERM before any backend answered exits at once
     cap = servicer.cap
     servicer.tokenizer = load_tokenizer(args.model, cap.vocab_size)
+    http = None
     if args.http_port >= 0:
         http = await start_http(servicer, cap.model, args.host, args.http_port)
         args.http_port = http.sockets[0].getsockname()[1]
         print(f"PDSERVE_HTTP port={args.http_port}", flush=True)
     tasks.append(spawn(health.run()))
     health.changed.set()
-    await svc.wait_for_termination()
+    await svc.wait_for_termination(drain=lambda: drain(servicer, args.drain_timeout), drain_timeout=args.drain_timeout)
+    if http is not None:
+        http.close()
+    await settle(2.0)  # the Release of a stream cancelled at the drain timeout
     for t in tasks:
         t.cancel()
     await backends.close()

@@ -15,6 +15,7 @@ import grpc
 
 from ..common.admission import _reject, check_lengths, check_sampling, check_tokens
 from ..common.config import pages_needed
+from ..common.drain import draining_error
 from ..common.errors import PdError, from_rpc_error
 from ..common.metrics import ITL, REQUESTS, TIMEOUTS, TTFT
 from ..common.proto import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
@@ -50,6 +51,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.queue_timeout_s = queue_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
         self._waiting = 0
+        self.draining = False  # set on SIGTERM (drain.py): Generate refuses, running streams finish
+        self.active = 0  # Generate calls (gRPC and HTTP) not yet ended
 
     def _capacity(self) -> Capacity:
         if self.cap is None or self.tokenizer is None:
@@ -90,7 +93,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def Generate(self, request, context):
         start = time.perf_counter()
         code = "OK"
+        self.active += 1
         try:
+            if self.draining:
+                raise draining_error("gateway", "new requests are refused; send them to another gateway")
             tokens = self.admit(request)
             sampling = common_pb2.SamplingParams(
                 temperature=request.temperature, top_p=request.top_p if request.HasField("top_p") else 1.0,
@@ -112,7 +118,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         sent += 1
                         yield msg
                     break
-                except PdError as e:
+                except PdError as e:  # a backend's DRAINING refusal is UNAVAILABLE: retried, that pair excluded
                     if sent or attempt or e.code != grpc.StatusCode.UNAVAILABLE:
                         raise
                     log.warning("request %s failed before its first token (%s); retrying on another pair",
@@ -128,6 +134,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             code = "CANCELLED"
             raise
         finally:
+            self.active -= 1
             REQUESTS.labels(code).inc()
 
     async def _run(self, request_id: bytes, tokens: list[int], sampling, prefill: Backend, decode: Backend,

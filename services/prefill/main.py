@@ -17,6 +17,7 @@ from ..common.tls import own_identity, secure_channel, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..engine.runner import ModelRunner, set_threads
 from ..kvtransfer.engine import MOONCAKE_MIN_TIMEOUT_S, TransferEngine, landing_bound_s
+from .drain import drain
 from .servicer import PrefillServicer
 from .worker import PrefillWorker
 from .writelease import TimingBoundError, WriteLeases
@@ -32,6 +33,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "acknowledged (as failed) once its transport call returns")
     p.add_argument("--mooncake-timeout", type=int, default=MOONCAKE_MIN_TIMEOUT_S,
                    help="Mooncake's own transfer timeout (MC_TRANSFER_TIMEOUT), whole seconds >= 5; set explicitly")
+    p.add_argument("--drain-timeout", type=float, default=10.0,
+                   help="on SIGTERM, seconds in-flight Prefill calls get to finish; past it they fail UNAVAILABLE "
+                        "(DRAINING) and the gateway retries them on another prefill before the first token")
     p.add_argument("--landing-slack", type=float, default=1.0,
                    help="seconds added to Mooncake's timeout + 1 ns/byte to bound how late a posted write can land; "
                         "the sum must not exceed the broker's --lock-delay (checked at start-up)")
@@ -40,9 +44,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
 async def serve(args) -> None:
     check_unsafe("prefill", args)  # before the model loads: a refusal is immediate
     tls = tls_from_args(args, "prefill", "prefill")
+    # listening before the model loads: probes see NOT_SERVING (alive, not ready) during a long load
+    svc = Service("prefill", [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name],
+                  args.host, args.port, args.metrics_port, tls=tls, metrics_host=args.metrics_host)
+    holder = svc.hold(prefill_pb2_grpc.add_PrefillServicer_to_server,
+                      prefill_pb2.DESCRIPTOR.services_by_name["Prefill"])
+    await svc.start()
+    servicer = await svc.starting(_start(args, tls))
+    holder.servicer = servicer
+    await svc.set_serving()
+    await svc.wait_for_termination(drain=lambda: drain(servicer, args.drain_timeout), drain_timeout=args.drain_timeout)
+
+
+async def _start(args, tls) -> PrefillServicer:
+    """Loads the model (in a thread: the server answers health meanwhile) and checks the timing bound."""
     num_pages = args.pool_tokens // args.page_size
     set_threads(args.threads, args.switch_interval_ms)
-    runner = ModelRunner(args.model, num_pages, args.page_size, args.kv_dtype, args.device)
+    runner = await asyncio.to_thread(ModelRunner, args.model, num_pages, args.page_size, args.kv_dtype, args.device)
     context_length = args.context_length or runner.config.max_position_embeddings
     pool_name = f"prefill-{args.port}"
     init_metrics("prefill", [pool_name])
@@ -57,12 +75,8 @@ async def serve(args) -> None:
     # the largest batch call is the data write of a whole pool: Mooncake allows it timeout + 1 ns per byte
     max_landing = landing_bound_s(transfer.timeout_s, runner.pool.data_nbytes, args.landing_slack)
     leases = WriteLeases(broker, writer_prefix, max_landing, writer_ttl_s=args.writer_ttl)
-    svc = Service("prefill", [prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name],
-                  args.host, args.port, args.metrics_port, tls=tls, metrics_host=args.metrics_host)
-    prefill_pb2_grpc.add_PrefillServicer_to_server(
-        PrefillServicer(worker, leases, context_length, max_prompt, os.path.basename(os.path.normpath(args.model)),
-                        transfer_timeout_s=args.transfer_timeout), svc.server)
-    await svc.start()
+    servicer = PrefillServicer(worker, leases, context_length, max_prompt,
+                               os.path.basename(os.path.normpath(args.model)), transfer_timeout_s=args.transfer_timeout)
     while True:  # SERVING only once the broker's lock_delay covers the longest a posted write can still land
         try:
             lock_delay = await leases.check_bounds()
@@ -74,8 +88,7 @@ async def serve(args) -> None:
             await asyncio.sleep(0.5)
     log.info("timing bound holds: a posted write lands within %.3fs <= broker lock_delay %.3fs",
              max_landing, lock_delay)
-    await svc.set_serving()
-    await svc.wait_for_termination()
+    return servicer
 
 
 def main(args) -> None:

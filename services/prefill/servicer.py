@@ -9,6 +9,7 @@ import grpc
 
 from ..common.admission import check_sampling, check_tokens
 from ..common.config import pages_for
+from ..common.drain import draining_error
 from ..common.errors import PdError, invalid
 from ..common.faults import FAULTS
 from ..common.metrics import (GUARD_SECONDS, LEASE_VIOLATIONS, SOURCE_PAGES_HELD, TIMEOUTS, TRANSFER_BYTES,
@@ -37,6 +38,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.num_active = 0
         self._pages_freed = asyncio.Condition()
         self.layout_pb = layout_to_pb(worker.pool.layout, TAG_NBYTES)
+        self.draining = False  # set on SIGTERM (drain.py): GetInfo reports it, Prefill refuses
+        self.in_flight: set[asyncio.Task] = set()
+        self.drain_expired = asyncio.Event()  # set when the drain timeout ends
 
     async def GetInfo(self, request, context) -> common_pb2.EngineInfo:
         cfg = self.worker.runner.config
@@ -87,9 +91,26 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         return Target(*registered, dest.epoch, leases)
 
     async def Prefill(self, request, context) -> prefill_pb2.PrefillResponse:
+        if self.draining:
+            raise draining_error("prefill", "no new Prefill call is taken")
         leases = self._admit(request)
-        # shielded: a cancelled caller must not stop a write half-way, nor skip its EndWrite
-        return await asyncio.shield(self._counted(request, leases))
+        work = asyncio.ensure_future(self._counted(request, leases))
+        self.in_flight.add(work)
+        work.add_done_callback(self._work_done)
+        # not cancelled with the caller (nor at the drain timeout): a write must not stop half-way or skip EndWrite
+        expired = asyncio.ensure_future(self.drain_expired.wait())
+        try:
+            await asyncio.wait({work, expired}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            expired.cancel()
+        if not work.done():
+            raise draining_error("prefill", "its drain timeout ended this call before the KV was written")
+        return work.result()
+
+    def _work_done(self, work: asyncio.Task) -> None:
+        self.in_flight.discard(work)
+        if not work.cancelled():
+            work.exception()  # retrieved: a caller that left (or was failed by the drain) no longer awaits it
 
     async def _counted(self, request, leases) -> prefill_pb2.PrefillResponse:
         # queued for the compute lock or running, until its EndWrite: the load the gateway routes by

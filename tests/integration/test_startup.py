@@ -1,4 +1,6 @@
 """Start-up capacity check (DESIGN §4): a pool smaller than the context window refuses to start."""
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -9,6 +11,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services import launcher
+from services.common.errors import from_rpc_error
+from services.common.proto import common_pb2, decode_pb2_grpc
 
 
 @pytest.mark.parametrize("service", ["prefill", "decode"])
@@ -45,3 +49,49 @@ def test_decode_is_not_serving_until_its_pool_is_registered(model_dir):
             assert status == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         launcher.stop(launcher.Proc("decode", [], proc))
+
+
+def _health(port: int, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "health", "--host", "127.0.0.1", "--port", str(port),
+                           "--insecure", "--timeout", "1", *flags], capture_output=True, text=True, timeout=60)
+
+
+def test_health_answers_while_the_model_loads_and_sigterm_then_exits(tmp_path):
+    """The checkpoint's config.json is a FIFO nobody writes: the model load blocks for good. The server answers
+    health NOT_SERVING meanwhile (`--live` passes, plain health fails), calls get UNAVAILABLE STARTING, and
+    SIGTERM ends the process at once with 0, although the load never returns."""
+    model = tmp_path / "blocked-model"
+    model.mkdir()
+    os.mkfifo(model / "config.json")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "decode", "--model", str(model), "--metrics-port",
+                             "0", "--broker", "127.0.0.1:1", "--port", str(port), "--insecure", "--allow-unsafe",
+                             "insecure"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while (live := _health(port, "--live")).returncode != 0:
+            assert time.monotonic() < deadline and proc.poll() is None, (live.stderr, proc.poll())
+            time.sleep(0.2)
+        assert live.stdout.strip() == "NOT_SERVING", live.stdout
+        ready = _health(port)
+        assert ready.returncode == 1 and ready.stdout.strip() == "NOT_SERVING", (ready.stdout, ready.stderr)
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            with pytest.raises(grpc.RpcError) as e:
+                decode_pb2_grpc.DecodeStub(ch).GetInfo(common_pb2.GetInfoRequest(), timeout=5)
+        err = from_rpc_error(e.value)
+        assert (err.code, err.reason) == (grpc.StatusCode.UNAVAILABLE, "STARTING"), err
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGTERM)
+        rc = proc.wait(30)
+        took = time.monotonic() - t0
+        out = proc.stdout.read()
+        assert rc == 0 and "stopped during start-up" in out, (rc, out[-2000:])
+        assert took < 10, took
+        assert "PDSERVE_READY" not in out
+    finally:
+        launcher.stop(launcher.Proc("decode", [], proc))
+    gone = _health(port, "--live")
+    assert gone.returncode == 1, gone.stdout

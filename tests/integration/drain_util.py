@@ -1,0 +1,85 @@
+"""Helpers of the drain tests: a gateway over chosen instances, and streams read by one thread each."""
+from __future__ import annotations
+
+import json
+import threading
+import urllib.error
+import urllib.request
+
+import grpc
+
+from services import launcher
+from services.client import build_request
+from services.common.errors import from_rpc_error
+from services.common.pki import files_for
+from services.common.proto import gateway_pb2_grpc
+
+
+def gateway_over(stack, model_dir: str, prefills: list, decodes: list, http: bool = False) -> launcher.Proc:
+    """A gateway process that knows only these instances (so its requests can run nowhere else)."""
+    f = files_for(stack.tls_dir, "gateway/gateway0")
+    args = ["gateway", "--port", "0", "--metrics-port", "0", "--http-port", "0" if http else "-1",
+            "--model", model_dir, "--tls-cert", f.cert, "--tls-key", f.key, "--tls-ca", f.ca]
+    for p in prefills:
+        args += ["--prefill", p.target]
+    for d in decodes:
+        args += ["--decode", d.target]
+    proc = launcher.start("gateway-drain", args, {"PDSERVE_ENABLE_FAULTS": "1"})
+    proc.stub = gateway_pb2_grpc.GatewayStub(grpc.insecure_channel(proc.target))
+    return proc
+
+
+class Streams:
+    """One Generate stream per prompt, each read by its own thread; records tokens and errors."""
+
+    def __init__(self, target: str, prompts: list[list[int]], max_tokens: int):
+        self.prompts = prompts
+        self.channel = grpc.insecure_channel(target)
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        self.started = [threading.Event() for _ in prompts]
+        self.outs: list[dict | None] = [None] * len(prompts)
+        self.threads = [threading.Thread(target=self._run, args=(i, max_tokens), daemon=True)
+                        for i in range(len(prompts))]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int, max_tokens: int) -> None:
+        toks: list[int] = []
+        req = build_request(prompt_token_ids=self.prompts[i], max_tokens=max_tokens, ignore_eos=True)
+        try:
+            for r in self.stub.Generate(req, timeout=300):
+                toks.extend(r.token_ids)
+                self.started[i].set()
+        except grpc.RpcError as e:
+            err = from_rpc_error(e)
+            self.outs[i] = {"error": {"code": err.code.name, "reason": err.reason, "message": err.message},
+                            "token_ids": toks}
+        else:
+            self.outs[i] = {"token_ids": toks}
+        finally:
+            self.started[i].set()
+
+    def wait_started(self, timeout: float) -> None:
+        """Until every stream has its first token (a stream that failed first counts, and fails the test later)."""
+        for e in self.started:
+            assert e.wait(timeout), "a stream got no token"
+        assert all(o is None for o in self.outs), f"a stream ended before the drain began: {self.outs}"
+
+    def join(self, timeout: float) -> None:
+        for t in self.threads:
+            t.join(timeout)
+        assert not any(t.is_alive() for t in self.threads), "a stream is still running"
+        self.channel.close()
+
+    def results(self) -> list[tuple[list[int], dict]]:
+        return list(zip(self.prompts, self.outs))
+
+
+def post_completion(port: int, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
