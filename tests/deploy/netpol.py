@@ -40,7 +40,7 @@ def _port_admits(rule_ports, dst: Pod, port: int) -> bool:
     for p in rule_ports:
         assert p.get("protocol", "TCP") == "TCP"
         number = dst.ports.get(p["port"]) if isinstance(p["port"], str) else p["port"]
-        if number == port:
+        if number == port or (number is not None and number <= port <= p.get("endPort", number)):
             return True
     return False
 

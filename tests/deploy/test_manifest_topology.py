@@ -77,6 +77,7 @@ def test_network_policies_admit_exactly_the_documented_paths(overlay):
         ("gateway", "broker", 50052): False, ("outsider", "broker", 50052): False,
         ("gateway", "decode", 50054): True, ("prefill", "decode", 50054): False,
         ("prefill", "decode", 15000): True, ("gateway", "decode", 15000): False,
+        ("prefill", "decode", 15001): True, ("gateway", "decode", 15001): False, ("prefill", "decode", 15002): False,
         ("outsider", "decode", 15000): False,
         ("gateway", "prefill", 50053): True, ("decode", "prefill", 50053): False,
         ("outsider", "gateway", 50051): True, ("outsider", "gateway", 8000): True,
