@@ -77,7 +77,7 @@ async def serve(args) -> None:
     async def on_stop() -> None:  # a successor may already be serving: accept nothing new from here on
         servicer.stop_accepting()
 
-    await svc.wait_for_termination(grace=5.0, on_stop=on_stop)  # the revocation streams get the grace
+    await svc.wait_for_termination(grace=5.0, drain=on_stop)  # the revocation streams get the grace
     sweeper.cancel()
 
 
