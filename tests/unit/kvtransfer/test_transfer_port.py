@@ -1,4 +1,5 @@
 """--transfer-port: the two ports Mooncake is told to use, and the refusals where it would not use them."""
+import os
 import sys
 
 import pytest
@@ -21,10 +22,12 @@ def test_ports_mooncake_would_replace_by_random_ones_are_refused(port):
 
 def test_range_is_set_before_mooncake_reads_it(monkeypatch):
     monkeypatch.delitem(sys.modules, "mooncake.engine", raising=False)
-    monkeypatch.delenv("MC_MIN_RPC_PORT", raising=False)
-    monkeypatch.delenv("MC_MAX_RPC_PORT", raising=False)
+    # set, then removed, through monkeypatch: its undo then removes what _pin_ports writes, so services this
+    # test process starts later do not inherit a two-port range (every Mooncake after the first would fail)
+    for name in ("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT"):
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
     assert engine._pin_ports(20000) == (20000, 20001)
-    import os
     assert (os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"]) == ("20000", "20001")
 
 
