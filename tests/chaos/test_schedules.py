@@ -20,6 +20,7 @@ from services.client import build_request
 from services.common.errors import from_rpc_error
 from tests.chaos.hostile import REFUSED, hostile_calls
 from tests.chaos.test_failures import drained, wait_for
+from tests.integration.helpers import generate_when_served
 
 NUM_SCHEDULES = 20
 REQUESTS_PER_SCHEDULE = 100
@@ -71,6 +72,10 @@ def disrupt(stack, what: str, rng: random.Random) -> list | None:
 @pytest.mark.parametrize("seed", SEEDS)
 def test_chaos_schedule(chaos, oracle, seed):
     print(f"\nchaos schedule seed={seed} (replay: PDSERVE_CHAOS_SEED={seed})", flush=True)
+    # the previous schedule's broker restart or pause may have moved decode to a new pool incarnation: it serves
+    # again only after the old broker's fence (reader ttl + max ttl + lock delay), so each schedule starts served
+    warm = generate_when_served(chaos, [7, 8, 9], 2, timeout=60)
+    assert "error" not in warm, warm
     rng = random.Random(seed)
     canaries = chaos.metric("decode", "pdserve_canary_hits_total")
     jobs = []

@@ -90,10 +90,13 @@ def test_decode_drain_finishes_its_streams_and_releases_its_pool(drain_stack, mo
         print(f"16 streams started in {time.monotonic() - t0:.2f}s")
         traffic = Traffic(s, s.gateway, 5000)
         time.sleep(0.5)
+        allocs1 = s.metric("decode", "pdserve_rpc_seconds_count", {"method": "Allocate"}, index=1)
+        before = len(traffic.done)
         rc, took = _sigterm_and_wait(d0, DECODE_DRAIN_S)
         state = s.broker.GetPoolState(broker_pb2.GetPoolStateRequest(pool_id=pool0), timeout=5)
         time.sleep(1.0)  # a few requests more once decode0 is gone
         new = traffic.stop()
+        allocs1 = s.metric("decode", "pdserve_rpc_seconds_count", {"method": "Allocate"}, index=1) - allocs1
         streams.join(60)
     finally:
         launcher.stop(gw)
@@ -106,7 +109,10 @@ def test_decode_drain_finishes_its_streams_and_releases_its_pool(drain_stack, mo
     _check_all(oracle, streams.results(), max_tokens=256)
     assert len(new) >= 3
     _check_all(oracle, new)
-    assert any("DRAINING" in ln for ln in s.procs["gateway"][0].lines), "no request met decode0's refusal"
+    # every request begun after the SIGTERM was allocated on decode1 (the one in flight then may have been on
+    # decode0): the gateway saw decode0 drain (its GetInfo poll) or met its DRAINING refusal and retried
+    after = len(new) - before
+    assert after >= 3 and allocs1 >= after - 1, (after, allocs1)
 
 
 def test_prefill_drain_hands_calls_back_for_a_retry(drain_stack, model_dir, oracle):
@@ -125,6 +131,7 @@ def test_prefill_drain_hands_calls_back_for_a_retry(drain_stack, model_dir, orac
         rc, took = _sigterm_and_wait(p0, PREFILL_DRAIN_S)
         time.sleep(1.0)
         new = traffic.stop()
+        allocs1 = s.metric("decode", "pdserve_rpc_seconds_count", {"method": "Allocate"}, index=1) - allocs1
         streams.join(60)
         gw_lines = "".join(gw.lines)
     finally:
