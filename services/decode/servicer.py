@@ -84,7 +84,7 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             model=self.model_name, context_length=self.context_length, vocab_size=cfg.vocab_size,
             pool_pages=self.pool.num_pages, page_size=self.pool.page_size,
             eos_token_id=self.eos if self.eos is not None else -1, layout=self.layout_pb,
-            free_pages=state.num_free, draining=getattr(self, "draining", False),
+            free_pages=state.num_free, draining=self.draining,
             # allocated and not yet taken by Decode, plus every sequence Decode owns
             queue_depth=len(self.allocations) + len(self.scheduler.joining) + len(self.scheduler.running))
 

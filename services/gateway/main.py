@@ -107,7 +107,7 @@ class Health:
             await self.changed.wait()
             self.changed.clear()
             want = self.backends.is_usable() and self.servicer.tokenizer is not None and \
-                not getattr(self.servicer, "draining", False)
+                not self.servicer.draining
             if want == self.serving:
                 continue
             self.serving = want

@@ -35,11 +35,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.max_prompt = max_prompt  # capped by the local pool
         self.model_name = model_name
         self._compute = asyncio.Lock()
-        self.num_active = 0
         self._pages_freed = asyncio.Condition()
         self.layout_pb = layout_to_pb(worker.pool.layout, TAG_NBYTES)
         self.draining = False  # set on SIGTERM (drain.py): GetInfo reports it, Prefill refuses
-        self.in_flight: set[asyncio.Task] = set()
+        self.in_flight: set[asyncio.Task] = set()  # queued for the compute lock or running, until EndWrite
         self.drain_expired = asyncio.Event()  # set when the drain timeout ends
 
     async def GetInfo(self, request, context) -> common_pb2.EngineInfo:
@@ -48,8 +47,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             model=self.model_name, context_length=self.context_length, vocab_size=cfg.vocab_size,
             pool_pages=self.worker.pool.num_pages, page_size=self.worker.pool.page_size,
             eos_token_id=cfg.eos_token_id if cfg.eos_token_id is not None else -1,
-            layout=self.layout_pb, free_pages=self.worker.alloc.num_free, queue_depth=self.num_active,
-            draining=getattr(self, "draining", False))
+            layout=self.layout_pb, free_pages=self.worker.alloc.num_free, queue_depth=len(self.in_flight),
+            draining=self.draining)
 
     def _admit(self, request) -> list[tuple[int, int]]:
         """The leases the prompt needs, after the admission checks."""
@@ -94,7 +93,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if self.draining:
             raise draining_error("prefill", "no new Prefill call is taken")
         leases = self._admit(request)
-        work = asyncio.ensure_future(self._counted(request, leases))
+        work = asyncio.ensure_future(self._prefill(request, leases))
         self.in_flight.add(work)
         work.add_done_callback(self._work_done)
         # not cancelled with the caller (nor at the drain timeout): a write must not stop half-way or skip EndWrite
@@ -111,14 +110,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.in_flight.discard(work)
         if not work.cancelled():
             work.exception()  # retrieved: a caller that left (or was failed by the drain) no longer awaits it
-
-    async def _counted(self, request, leases) -> prefill_pb2.PrefillResponse:
-        # queued for the compute lock or running, until its EndWrite: the load the gateway routes by
-        self.num_active += 1
-        try:
-            return await self._prefill(request, leases)
-        finally:
-            self.num_active -= 1
 
     @staticmethod
     async def _begun(begin: asyncio.Future) -> asyncio.Task | None:
