@@ -11,8 +11,7 @@ log = logging.getLogger(__name__)
 
 
 def _busy(servicer) -> int:
-    s = servicer.scheduler
-    return len(servicer.allocations) + len(servicer.pending_grants) + len(s.joining) + len(s.running)
+    return servicer.queue_depth() + len(servicer.pending_grants)
 
 
 async def drain(servicer, timeout_s: float) -> None:

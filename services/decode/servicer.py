@@ -44,15 +44,11 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
                  model_name: str, max_batch: int = 64, rpc_timeout_s: float = 10.0, allocation_timeout_s: float = 120.0,
                  check_checksums: bool = True, canary: bool = False, sweep_pages: int = 8, max_blind_s: float = 1.0,
                  sweep_every: int = 1):
-        self.check_checksums = check_checksums
-        self.canary = canary
-        self.runner = runner
-        self.pool = runner.pool
-        self.broker = broker
+        self.check_checksums, self.canary = check_checksums, canary
+        self.runner, self.pool, self.broker = runner, runner.pool, broker
         self.pool_id = pool_id
         self.session = transfer_session
-        self.context_length = context_length
-        self.model_name = model_name
+        self.context_length, self.model_name = context_length, model_name
         self.rpc_timeout_s = rpc_timeout_s
         self.allocation_timeout_s = allocation_timeout_s
         self.epoch = 0
@@ -84,9 +80,10 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             model=self.model_name, context_length=self.context_length, vocab_size=cfg.vocab_size,
             pool_pages=self.pool.num_pages, page_size=self.pool.page_size,
             eos_token_id=self.eos if self.eos is not None else -1, layout=self.layout_pb,
-            free_pages=state.num_free, draining=self.draining,
-            # allocated and not yet taken by Decode, plus every sequence Decode owns
-            queue_depth=len(self.allocations) + len(self.scheduler.joining) + len(self.scheduler.running))
+            free_pages=state.num_free, draining=self.draining, queue_depth=self.queue_depth())
+
+    def queue_depth(self) -> int:  # allocated, not yet taken by Decode, plus every sequence Decode owns
+        return len(self.allocations) + len(self.scheduler.joining) + len(self.scheduler.running)
 
     async def Allocate(self, request, context) -> decode_pb2.AllocateResponse:
         if self.draining:
