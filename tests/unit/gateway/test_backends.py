@@ -3,8 +3,6 @@ never routed to, load polls move backends between states, and a gone backend kee
 requests have ended."""
 import asyncio
 
-import pytest
-
 from services.common.proto import common_pb2
 from services.gateway import backends as backends_mod
 from services.gateway.backends import BACKENDS, Backends
