@@ -6,7 +6,7 @@ MODEL ?= models/pdserve-tiny
 INSTALL := deploy/install.sh
 VARIANT ?= cpu
 VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
-STUBS := services/common/gen/pdserve/v1/.stamp
+STUBS := services/v1/.stamp
 PROTOS := $(wildcard protos/pdserve/v1/*.proto)
 
 .PHONY: setup run test unit integration chaos formal bench bench-quick soak clean deps stubs model image
@@ -66,4 +66,4 @@ image:
 	set -x; "$$engine" build -f deploy/docker/Dockerfile.$(VARIANT) -t pdserve:$(VERSION)-$(VARIANT) .
 
 clean:
-	rm -rf services/common/gen .deps-apt
+	rm -rf services/v1 .deps-apt

@@ -1,4 +1,4 @@
-"""The gateway's admission decision, timed on its own: `python -m bench.admission MODEL_DIR ITERS`.
+"""The gateway's admission decision, timed on its own: `python -m pdserve.bench.admission MODEL_DIR ITERS`.
 
 A separate process that imports only what the gateway imports, so the benchmark's own heap (torch,
 transformers, a loaded model) does not put its garbage-collection pauses into the percentiles.
@@ -10,11 +10,11 @@ import json
 import sys
 import time
 
-from services.client import build_request
-from services.common.errors import PdError
-from services.engine.tokenizer import load_tokenizer
-from services.gateway.router import Backend
-from services.gateway.servicer import Capacity, GatewayServicer
+from pdserve.client import build_request
+from pdserve.common.errors import PdError
+from pdserve.engine.tokenizer import load_tokenizer
+from pdserve.gateway.router import Backend
+from pdserve.gateway.servicer import Capacity, GatewayServicer
 
 from .workload import make_prompts, percentile
 

@@ -11,10 +11,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from services.common.config import pages_needed
-from services.engine.page_allocator import PageAllocator
-from services.engine.runner import ModelRunner
-from services.engine.sampler import SamplingParams, sample, sample_one
+from pdserve.common.config import pages_needed
+from pdserve.engine.page_allocator import PageAllocator
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampler import SamplingParams, sample, sample_one
 
 from .workload import Record
 

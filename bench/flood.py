@@ -1,5 +1,5 @@
 """A flood of over-long prompts against the gateway, in its own process so it does not share the
-benchmark client's event loop: `python -m bench.flood TARGET --prompt-len N [--rate R] --seconds S`.
+benchmark client's event loop: `python -m pdserve.bench.flood TARGET --prompt-len N [--rate R] --seconds S`.
 
 Prints {"ready": true} once connected, then one JSON line: how many were sent, how many were
 rejected with INVALID_ARGUMENT (as they must be), anything else, and the round-trip latency.
@@ -14,8 +14,8 @@ import time
 
 import grpc
 
-from services.client import build_request
-from services.common.proto import gateway_pb2_grpc
+from pdserve.client import build_request
+from pdserve.common.proto import gateway_pb2_grpc
 
 from .workload import percentile
 
@@ -88,7 +88,7 @@ async def flood(target: str, prompt_len: int, rate: float, seconds: float, concu
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m bench.flood")
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.flood")
     p.add_argument("target")
     p.add_argument("--prompt-len", type=int, required=True)
     p.add_argument("--rate", type=float, default=0.0, help="requests/s; 0 = closed loop, as fast as possible")

@@ -2,7 +2,7 @@
 
 pdserve's prefill writes one coalesced run of page bytes and then one run of tags into another
 process's registered pool; this does exactly that with the same wrapper and nothing else (no
-forward pass, no checksum, no RPC). The destination is a peer process (`python -m bench.mooncake_raw
+forward pass, no checksum, no RPC). The destination is a peer process (`python -m pdserve.bench.mooncake_raw
 peer NBYTES`), as decode is for prefill.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from services.kvtransfer.engine import Run, TransferEngine
+from pdserve.kvtransfer.engine import Run, TransferEngine
 
 TAG_NBYTES = 64
 
@@ -24,7 +24,7 @@ class RawMooncake:
     def __init__(self, max_nbytes: int):
         env = {**os.environ, "GLOG_minloglevel": "3"}
         self.max_nbytes = max_nbytes
-        self.peer = subprocess.Popen([sys.executable, "-u", "-m", "bench.mooncake_raw", "peer", str(max_nbytes)],
+        self.peer = subprocess.Popen([sys.executable, "-u", "-m", "pdserve.bench.mooncake_raw", "peer", str(max_nbytes)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                      text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
         line = self.peer.stdout.readline()
@@ -85,4 +85,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "peer":
         _peer(int(sys.argv[2]))
     else:
-        sys.exit("usage: python -m bench.mooncake_raw peer NBYTES")
+        sys.exit("usage: python -m pdserve.bench.mooncake_raw peer NBYTES")

@@ -8,9 +8,9 @@ import urllib.request
 
 import grpc
 
-from services.client import build_request
-from services.common.errors import from_rpc_error
-from services.common.proto import gateway_pb2_grpc
+from pdserve.client import build_request
+from pdserve.common.errors import from_rpc_error
+from pdserve.common.proto import gateway_pb2_grpc
 
 from .workload import Record
 

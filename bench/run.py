@@ -4,7 +4,7 @@ One invocation, one checkpoint per preset, one request mix (seeded prompts, gree
 max_tokens 32, closed loop at each concurrency). For every cell the co-located engine and pdserve
 run back to back, so background load drifts between systems as little as it can. Writes
 bench/results/bench-<mode>.md (also printed) and .json, and PNG plots when matplotlib is installed.
-Also runnable as `python -m bench.run [--quick] [--no-profile]`.
+Also runnable as `python -m pdserve.bench.run [--quick] [--no-profile]`.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from .run_preset import Bench
 
 
 def parse(argv=None):
-    p = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.run", description=__doc__)
     p.add_argument("--quick", action="store_true", help="tiny preset only, a few cells: under 3 minutes")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profiles")
     p.add_argument("--report-only", action="store_true",
@@ -66,7 +66,7 @@ def main(args=None) -> int:
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     os.chdir(ROOT)
-    from services.engine.runner import set_threads
+    from pdserve.engine.runner import set_threads
 
     from . import plan as plans
     from .report import write_report

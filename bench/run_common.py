@@ -23,7 +23,7 @@ def _short(s) -> str:
 
 
 def ensure_model(preset: str) -> str:
-    from services.engine.make_model import make_model
+    from pdserve.engine.make_model import make_model
 
     default = os.path.join(ROOT, "models", "pdserve-tiny")
     if preset == "tiny" and os.path.exists(os.path.join(default, "config.json")):

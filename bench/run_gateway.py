@@ -21,7 +21,7 @@ class GatewaySteps:
         from .workload import make_prompts
 
         over = CONTEXT + 1
-        cmd = [sys.executable, "-u", "-m", "bench.flood", stack.gateway, "--prompt-len", str(over)]
+        cmd = [sys.executable, "-u", "-m", "pdserve.bench.flood", stack.gateway, "--prompt-len", str(over)]
         gw_pid = stack.pids()["gateway"]
         log(f"{pp.preset}: over-long flood ({over}-token prompts): capacity, 16 closed-loop clients, "
             f"{self.plan.flood_seconds:.1f} s")
@@ -87,7 +87,7 @@ class GatewaySteps:
         self.res["flood"] = {"capacity": cap, "pairs": pairs, "prompt_len": over, "cell": asdict(cell)}
 
     def admission(self) -> None:
-        out = subprocess.run([sys.executable, "-m", "bench.admission", ensure_model("tiny"),
+        out = subprocess.run([sys.executable, "-m", "pdserve.bench.admission", ensure_model("tiny"),
                               str(self.plan.admission_iters)], capture_output=True, text=True, cwd=ROOT, timeout=300)
         if out.returncode != 0:
             raise RuntimeError(out.stderr[-2000:])

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import time
 
-from services import launcher
+from pdserve import launcher
 
 from .pdclient import delta, run_load, scrape
 from .workload import MAX_TOKENS, Record, Summary, summarize

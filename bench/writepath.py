@@ -13,10 +13,10 @@ import pstats
 import time
 from types import SimpleNamespace
 
-from services.common.config import pages_for
-from services.engine.config import ModelConfig
-from services.engine.kv_pool import KVPool, PoolLayout
-from services.prefill.worker import PrefillWorker, Target
+from pdserve.common.config import pages_for
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.kv_pool import KVPool, PoolLayout
+from pdserve.prefill.worker import PrefillWorker, Target
 
 from .mooncake_raw import RawMooncake
 

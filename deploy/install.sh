@@ -7,7 +7,7 @@
 #                                       virtualenv with torch and pdserve (editable, from this checkout);
 #                                       VARIANT cpu|cuda|auto (auto: cuda where nvidia-smi exists);
 #                                       EXTRAS e.g. test,bench (the image takes none)
-#   install.sh stubs PYTHON             generate the gRPC stubs into services/common/gen
+#   install.sh stubs PYTHON             generate the gRPC stubs into services/v1 (imported as pdserve.v1)
 #   install.sh pins                     print the torch pin `python` installs first (pyproject's own)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -63,9 +63,7 @@ cmd_python() {
 
 cmd_stubs() {
   local py="${1:?install.sh stubs PYTHON}"
-  mkdir -p services/common/gen
-  "$py" -m grpc_tools.protoc -Iprotos --python_out=services/common/gen --grpc_python_out=services/common/gen \
-    --pyi_out=services/common/gen protos/pdserve/v1/*.proto
+  "$py" setup.py -q gen_stubs
 }
 
 cmd_pins() {

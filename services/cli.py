@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         sp = sub.add_parser(name, help=f"run one {name} service")
         # only the chosen service is imported: `generate` stays light, and each process builds its own metrics
         if argv and argv[0] == name:
-            mod = importlib.import_module(f"services.{name}.main")
+            mod = importlib.import_module(f"pdserve.{name}.main")
             mod.add_args(sp)
             sp.set_defaults(fn=mod.main)
 
@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--gateway", default=f"127.0.0.1:{config.GATEWAY_PORT}")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    g.set_defaults(fn=lambda a: __import__("services.client", fromlist=["main"]).main(a))
+    g.set_defaults(fn=lambda a: __import__("pdserve.client", fromlist=["main"]).main(a))
 
     m = sub.add_parser("make-model", help="write a random Llama checkpoint in Hugging Face format")
     m.add_argument("--out", default=config.DEFAULT_MODEL)
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="benchmarks side by side (see bench/)")
     b.add_argument("--quick", action="store_true")
-    b.set_defaults(fn=lambda a: __import__("bench.run", fromlist=["main"]).main(a))
+    b.set_defaults(fn=lambda a: __import__("pdserve.bench.run", fromlist=["main"]).main(a))
 
     args = p.parse_args(argv)
     rc = args.fn(args)

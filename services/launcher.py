@@ -51,7 +51,7 @@ class Proc:
 def start(name: str, args: list[str], env: dict | None = None, timeout: float = 120.0, echo: bool = False,
           log_path: str | None = None) -> Proc:
     """Runs `pdserve <args>` and returns once it prints its ready line; raises with its output otherwise."""
-    cmd = [sys.executable, "-u", "-m", "services.cli", *args]
+    cmd = [sys.executable, "-u", "-m", "pdserve.cli", *args]
     # the child stops when this process dies, even by SIGKILL (services/common/lifeline.py); its own session
     # keeps a terminal's Ctrl-C from reaching it before `pdserve up` stops it in order
     read_end, write_end = lifeline.parent_end()

@@ -17,7 +17,7 @@ def model_dir(tmp_path_factory) -> str:
     default = os.path.join(ROOT, "models", "pdserve-tiny")
     if os.path.exists(os.path.join(default, "model.safetensors")):
         return default
-    from services.engine.make_model import make_model
+    from pdserve.engine.make_model import make_model
     return make_model(str(tmp_path_factory.mktemp("model") / "pdserve-tiny"), "tiny", 0)
 
 

@@ -30,7 +30,7 @@ def check_teacher_forced(logits: torch.Tensor, prompt: list[int], response: list
 
 class Oracle:
     def __init__(self, model_dir: str, max_tokens: int = 4096):
-        from services.engine.runner import ModelRunner
+        from pdserve.engine.runner import ModelRunner
 
         self.model_dir = model_dir
         self.runner = ModelRunner(model_dir, num_pages=max_tokens // 16, page_size=16, device="cpu")

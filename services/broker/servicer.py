@@ -8,11 +8,11 @@ from typing import AsyncIterator, Callable, TypeVar
 import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from services.broker.lease_table import LeaseError, LeaseTable
-from services.broker.watch_stream import revocation_stream
-from services.common.errors import PdError, abort
-from services.common.faults import FAULTS
-from services.common.proto import broker_pb2, broker_pb2_grpc, common_pb2
+from pdserve.broker.lease_table import LeaseError, LeaseTable
+from pdserve.broker.watch_stream import revocation_stream
+from pdserve.common.errors import PdError, abort
+from pdserve.common.faults import FAULTS
+from pdserve.common.proto import broker_pb2, broker_pb2_grpc, common_pb2
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

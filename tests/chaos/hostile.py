@@ -8,8 +8,8 @@ import time
 
 import grpc
 
-from services.common.errors import from_rpc_error
-from services.common.proto import broker_pb2, broker_pb2_grpc, common_pb2, decode_pb2
+from pdserve.common.errors import from_rpc_error
+from pdserve.common.proto import broker_pb2, broker_pb2_grpc, common_pb2, decode_pb2
 from tests.integration.helpers import allocate, collect, decode_stream, prefill
 
 REFUSED = {"PERMISSION_DENIED", "DATA_LOSS", "UNAVAILABLE", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION"}

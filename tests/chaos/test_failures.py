@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from services.common.errors import from_rpc_error
-from services.common.proto import broker_pb2, decode_pb2
+from pdserve.common.errors import from_rpc_error
+from pdserve.common.proto import broker_pb2, decode_pb2
 from tests.integration.helpers import allocate, collect, decode_stream, generate_when_served, prefill, prompt
 
 LOCK_DELAY, WRITER_TTL = 5.5, 2.0

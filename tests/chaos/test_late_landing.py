@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from services.common.errors import from_rpc_error
-from services.common.proto import common_pb2, decode_pb2
+from pdserve.common.errors import from_rpc_error
+from pdserve.common.proto import common_pb2, decode_pb2
 from tests.chaos.test_failures import LOCK_DELAY, drained, state, wait_for
 from tests.integration.helpers import allocate, prefill, prompt
 

@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from services.client import build_request
-from services.common.errors import from_rpc_error
+from pdserve.client import build_request
+from pdserve.common.errors import from_rpc_error
 from tests.chaos.hostile import REFUSED, hostile_calls
 from tests.chaos.test_failures import drained, wait_for
 from tests.integration.helpers import generate_when_served

@@ -93,7 +93,7 @@ class LocalPod:
                     break
             out.append(w)
         assert out[0] == "pdserve", f"{self.name}: command {out} does not run pdserve"
-        return [sys.executable, "-u", "-m", "services.cli", *out[1:]]
+        return [sys.executable, "-u", "-m", "pdserve.cli", *out[1:]]
 
     def run_init_containers(self) -> None:
         for c in self.spec.get("initContainers", []):
@@ -154,7 +154,7 @@ class LocalPod:
 def provide_secrets(pods: list[LocalPod], pki_dir: str) -> None:
     """Each pod's TLS Secret from a throwaway CA, for the identity docs/kubernetes.md tells operators to
     issue: CN ROLE/pdserve-ROLE (make_pki adds the SAN pdserve-ROLE)."""
-    from services.common.pki import make_pki
+    from pdserve.common.pki import make_pki
     for pod in pods:
         role = pod.name.removeprefix("pdserve-")
         files = make_pki(pki_dir, [f"{role}/{pod.name}"])[f"{role}/{pod.name}"]

@@ -76,7 +76,7 @@ def test_grpc_requests_through_the_gateway_pass_the_oracle(pods, oracle):
     port = pods["gateway"].ports()["grpc"]
     for n, seed in ((1, 1), (17, 2), (60, 3)):
         p = prompt(n, 1000 + seed)
-        out = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--json", "--ignore-eos",
+        out = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--json", "--ignore-eos",
                               "--max-tokens", "6", "--gateway", f"{LOOPBACK}:{port}",
                               "--prompt-token-ids", ",".join(map(str, p))],
                              env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)

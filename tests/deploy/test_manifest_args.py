@@ -9,7 +9,7 @@ import io
 
 import pytest
 
-from services import cli
+from pdserve import cli
 from tests.deploy.render import OVERLAYS, containers, render, workloads
 
 POD_IP = "10.1.2.3"
@@ -39,9 +39,9 @@ def parse(monkeypatch, argv: list[str]):
         return 0
 
     for name in cli.SERVICES:
-        monkeypatch.setattr(f"services.{name}.main.main", record)
+        monkeypatch.setattr(f"pdserve.{name}.main.main", record)
     monkeypatch.setattr(cli, "_health", record)
-    monkeypatch.setattr("services.engine.make_model.make_model", lambda *a: seen.append(a) or "")
+    monkeypatch.setattr("pdserve.engine.make_model.make_model", lambda *a: seen.append(a) or "")
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):

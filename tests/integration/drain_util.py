@@ -8,11 +8,11 @@ import urllib.request
 
 import grpc
 
-from services import launcher
-from services.client import build_request
-from services.common.errors import from_rpc_error
-from services.common.pki import files_for
-from services.common.proto import gateway_pb2_grpc
+from pdserve import launcher
+from pdserve.client import build_request
+from pdserve.common.errors import from_rpc_error
+from pdserve.common.pki import files_for
+from pdserve.common.proto import gateway_pb2_grpc
 
 
 def gateway_over(stack, model_dir: str, prefills: list, decodes: list, http: bool = False) -> launcher.Proc:

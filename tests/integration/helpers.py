@@ -7,8 +7,8 @@ import time
 
 import grpc
 
-from services.common.errors import from_rpc_error
-from services.common.proto import common_pb2, decode_pb2, prefill_pb2
+from pdserve.common.errors import from_rpc_error
+from pdserve.common.proto import common_pb2, decode_pb2, prefill_pb2
 
 
 def prompt(n: int, seed: int) -> list[int]:

@@ -6,11 +6,11 @@ import re
 import tempfile
 import urllib.request
 
-from services import launcher
-from services.client import build_request, generate
-from services.common.pki import files_for, issue
-from services.common.tls import TlsConfig, secure_channel
-from services.common.proto import (broker_pb2, broker_pb2_grpc, decode_pb2_grpc, faults_pb2, faults_pb2_grpc,
+from pdserve import launcher
+from pdserve.client import build_request, generate
+from pdserve.common.pki import files_for, issue
+from pdserve.common.tls import TlsConfig, secure_channel
+from pdserve.common.proto import (broker_pb2, broker_pb2_grpc, decode_pb2_grpc, faults_pb2, faults_pb2_grpc,
                                    gateway_pb2_grpc, prefill_pb2_grpc)
 
 

@@ -6,10 +6,10 @@ import sys
 import grpc
 import pytest
 
-from services import launcher
-from services.common.errors import from_rpc_error
-from services.common.proto import broker_pb2 as pb, broker_pb2_grpc, common_pb2, decode_pb2_grpc, prefill_pb2_grpc
-from services.common.tls import ENV, secure_channel
+from pdserve import launcher
+from pdserve.common.errors import from_rpc_error
+from pdserve.common.proto import broker_pb2 as pb, broker_pb2_grpc, common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from pdserve.common.tls import ENV, secure_channel
 from tests.integration.helpers import prompt
 
 
@@ -125,7 +125,7 @@ def test_a_request_through_the_gateway_still_passes_the_oracle(stack, oracle):
 
 def _run_broker(*flags: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ENV.values()}
-    return subprocess.run([sys.executable, "-m", "services.cli", "broker", "--port", "0", "--metrics-port", "0",
+    return subprocess.run([sys.executable, "-m", "pdserve.cli", "broker", "--port", "0", "--metrics-port", "0",
                            *flags], capture_output=True, text=True, timeout=60, env={**env, **(env_extra or {})})
 
 

@@ -7,10 +7,10 @@ import time
 
 import grpc
 
-from services import launcher
-from services.common.errors import from_rpc_error
-from services.common.pki import make_pki
-from services.common.proto import broker_pb2, broker_pb2_grpc
+from pdserve import launcher
+from pdserve.common.errors import from_rpc_error
+from pdserve.common.pki import make_pki
+from pdserve.common.proto import broker_pb2, broker_pb2_grpc
 from tests.integration.helpers import allocate, generate_when_served, prompt
 from tests.integration.proxy import TcpProxy
 from tests.integration.stack import Stack

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from services import launcher
-from services.common.proto import broker_pb2
+from pdserve import launcher
+from pdserve.common.proto import broker_pb2
 from tests.integration.drain_util import Streams, gateway_over, post_completion
 from tests.integration.helpers import prompt
 from tests.integration.stack import Stack
@@ -50,7 +50,7 @@ class Traffic:
         self._thread.start()
 
     def _run(self):
-        from services.client import build_request, generate
+        from pdserve.client import build_request, generate
         i = 0
         while not self._stop.is_set():
             p = prompt(5 + i % 40, self.seed + i)
@@ -160,7 +160,7 @@ def test_gateway_drain_finishes_streams_and_refuses_new_ones(drain_stack, model_
         t0 = time.monotonic()
         os.killpg(gw.popen.pid, signal.SIGTERM)
         time.sleep(0.3)
-        from services.client import build_request, generate
+        from pdserve.client import build_request, generate
         refused = generate(gw.stub, build_request(prompt_token_ids=[5, 6, 7], max_tokens=4), timeout=10)
         status, body = post_completion(gw.http_port, {"prompt": [5, 6, 7], "max_tokens": 4})
         rc = gw.popen.wait(GATEWAY_DRAIN_S + 30)

@@ -9,9 +9,9 @@ import grpc
 import pytest
 import torch
 
-from services.client import build_request
-from services.engine.tags import TAG_NBYTES
-from services.kvtransfer.engine import Run, TransferEngine
+from pdserve.client import build_request
+from pdserve.engine.tags import TAG_NBYTES
+from pdserve.kvtransfer.engine import Run, TransferEngine
 from tests.integration.helpers import allocate, collect, decode_stream, prefill, prompt, wait_no_leases
 
 
@@ -72,7 +72,7 @@ def test_bad_input_is_invalid_argument_and_service_keeps_serving(stack, oracle, 
 
 def test_cli_json_output_and_error_exit_code(stack, oracle):
     gw = stack.procs["gateway"][0].target
-    cli = [sys.executable, "-m", "services.cli", "generate", "--gateway", gw, "--json"]
+    cli = [sys.executable, "-m", "pdserve.cli", "generate", "--gateway", gw, "--json"]
     ok = subprocess.run(cli + ["--prompt-token-ids", "7,8,9,10", "--max-tokens", "6", "--ignore-eos"],
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr

@@ -3,8 +3,8 @@ validated, and a Prefill whose destination addresses point into another request'
 import grpc
 import pytest
 
-from services.common.errors import from_rpc_error
-from services.common.proto import common_pb2, decode_pb2
+from pdserve.common.errors import from_rpc_error
+from pdserve.common.proto import common_pb2, decode_pb2
 from tests.integration.helpers import allocate, collect, decode_stream, prefill, prompt
 
 

@@ -6,8 +6,8 @@ The stack runs with a context (4096) larger than both pools (1024 tokens each), 
 import grpc
 import pytest
 
-from services.common.errors import from_rpc_error
-from services.common.proto import common_pb2, prefill_pb2
+from pdserve.common.errors import from_rpc_error
+from pdserve.common.proto import common_pb2, prefill_pb2
 from tests.integration.helpers import allocate, collect, decode_stream, prefill, prompt, wait_no_leases
 from tests.integration.stack import Stack
 

@@ -12,7 +12,7 @@ import sys
 import time
 import urllib.request
 
-from services.launcher import HTTP_READY, READY
+from pdserve.launcher import HTTP_READY, READY
 from tests.integration.helpers import prompt
 from tests.integration.procnet import listeners
 
@@ -72,7 +72,7 @@ def complete(http_port: int, ids: list[int]) -> list[int]:
 
 def test_sigkilled_up_leaves_no_service_and_frees_its_ports(model_dir, oracle, tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT}
-    up = subprocess.Popen([sys.executable, "-u", "-m", "services.cli", "up", "--model", model_dir, "--free-ports",
+    up = subprocess.Popen([sys.executable, "-u", "-m", "pdserve.cli", "up", "--model", model_dir, "--free-ports",
                            "--tls-dir", str(tmp_path / "tls")], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
     services: dict[int, str] = {}
@@ -89,8 +89,8 @@ def test_sigkilled_up_leaves_no_service_and_frees_its_ports(model_dir, oracle, t
                 break
         assert any(s.startswith("pdserve is up") for s in seen), "".join(seen[-40:])
         assert len(ports) == 8 and http_port, (ports, http_port)
-        services = {pid: cmd for pid, cmd in children(up.pid).items() if "services.cli" in cmd}
-        assert sorted(re.search(r"services\.cli (\w+)", c).group(1) for c in services.values()) == [
+        services = {pid: cmd for pid, cmd in children(up.pid).items() if "pdserve.cli" in cmd}
+        assert sorted(re.search(r"pdserve\.cli (\w+)", c).group(1) for c in services.values()) == [
             "broker", "decode", "gateway", "prefill"], services
         p = prompt(20, 4242)
         oracle.check(p, complete(http_port, p))  # it serves, with tokens from the request's own KV

@@ -8,9 +8,9 @@ import time
 import grpc
 import pytest
 
-from services.common.config import pages_needed
-from services.common.errors import from_rpc_error
-from services.common.proto import broker_pb2
+from pdserve.common.config import pages_needed
+from pdserve.common.errors import from_rpc_error
+from pdserve.common.proto import broker_pb2
 from tests.integration.helpers import allocate, decode_stream, generate_when_served, prefill, prompt
 from tests.integration.proxy import TcpProxy
 from tests.integration.stack import Stack
@@ -142,7 +142,7 @@ def test_a_failed_release_is_revoked_and_drains(live, oracle):
 
 def test_decode_refuses_to_start_with_a_blind_bound_over_half_the_lock_delay(live, model_dir):
     t = live.tls("decode/decode9")
-    r = subprocess.run([sys.executable, "-m", "services.cli", "decode", "--model", model_dir, "--port", "0",
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "decode", "--model", model_dir, "--port", "0",
                         "--metrics-port", "0", "--broker", live.procs["broker"][0].target,
                         "--tls-cert", t.cert_path, "--tls-key", t.key_path, "--tls-ca", t.ca_path,
                         "--max-blind", str(LOCK_DELAY / 2 + 0.5)], capture_output=True, text=True, timeout=120)

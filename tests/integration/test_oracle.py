@@ -33,7 +33,7 @@ def test_fifty_plus_prompts_sixteen_at_a_time_pass_oracle(stack, oracle):
 
 
 def test_text_prompt_streams_and_passes_oracle(stack, oracle):
-    from services.engine.tokenizer import load_tokenizer
+    from pdserve.engine.tokenizer import load_tokenizer
     tok = load_tokenizer(oracle.model_dir, 512)
     out = stack.generate(prompt="hello, the quick brown fox", max_tokens=24, ignore_eos=True)
     assert "error" not in out, out

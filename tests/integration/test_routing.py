@@ -8,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services import launcher
-from services.client import build_request, generate
-from services.common.pki import make_pki
-from services.common.proto import gateway_pb2_grpc
+from pdserve import launcher
+from pdserve.client import build_request, generate
+from pdserve.common.pki import make_pki
+from pdserve.common.proto import gateway_pb2_grpc
 from tests.integration.helpers import prompt, wait_no_leases
 from tests.integration.stack import Stack
 

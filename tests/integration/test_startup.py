@@ -10,14 +10,14 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services import launcher
-from services.common.errors import from_rpc_error
-from services.common.proto import common_pb2, decode_pb2_grpc
+from pdserve import launcher
+from pdserve.common.errors import from_rpc_error
+from pdserve.common.proto import common_pb2, decode_pb2_grpc
 
 
 @pytest.mark.parametrize("service", ["prefill", "decode"])
 def test_pool_smaller_than_context_exits_nonzero_with_numbers(model_dir, service):
-    r = subprocess.run([sys.executable, "-m", "services.cli", service, "--model", model_dir, "--port", "0",
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", service, "--model", model_dir, "--port", "0",
                         "--metrics-port", "0", "--pool-tokens", "1024", "--broker", "127.0.0.1:1",
                         "--insecure", "--allow-unsafe", "insecure"],
                        capture_output=True, text=True, timeout=120)
@@ -32,7 +32,7 @@ def test_decode_is_not_serving_until_its_pool_is_registered(model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "decode", "--model", model_dir,
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "decode", "--model", model_dir,
                              "--metrics-port", "0", "--broker", "127.0.0.1:1", "--port", str(port),
                              "--insecure", "--allow-unsafe", "insecure"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -52,7 +52,7 @@ def test_decode_is_not_serving_until_its_pool_is_registered(model_dir):
 
 
 def _health(port: int, *flags: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "health", "--host", "127.0.0.1", "--port", str(port),
+    return subprocess.run([sys.executable, "-m", "pdserve.cli", "health", "--host", "127.0.0.1", "--port", str(port),
                            "--insecure", "--timeout", "1", *flags], capture_output=True, text=True, timeout=60)
 
 
@@ -66,7 +66,7 @@ def test_health_answers_while_the_model_loads_and_sigterm_then_exits(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "decode", "--model", str(model), "--metrics-port",
+    proc = subprocess.Popen([sys.executable, "-m", "pdserve.cli", "decode", "--model", str(model), "--metrics-port",
                              "0", "--broker", "127.0.0.1:1", "--port", str(port), "--insecure", "--allow-unsafe",
                              "insecure"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -5,8 +5,8 @@ import re
 import subprocess
 import sys
 
-from services import launcher
-from services.common.pki import issue
+from pdserve import launcher
+from pdserve.common.pki import issue
 
 
 def tls_args(tls_dir, identity: str) -> list[str]:
@@ -15,7 +15,7 @@ def tls_args(tls_dir, identity: str) -> list[str]:
 
 
 def test_broker_refuses_a_lock_delay_under_mooncakes_shortest_timeout(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "services.cli", "broker", "--port", "0", "--metrics-port", "0",
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "broker", "--port", "0", "--metrics-port", "0",
                         "--lock-delay", "3", *tls_args(tmp_path, "broker/b0")],
                        capture_output=True, text=True, timeout=60)
     err = r.stderr + r.stdout
@@ -30,7 +30,7 @@ def test_prefill_refuses_to_start_when_its_landing_bound_exceeds_the_brokers_loc
                "--broker", broker.target, *tls_args(tmp_path, "prefill/p0")]
     try:
         # default slack 1 s: 5 s Mooncake timeout + 1 ns/byte of the pool + 1 s > 5.5 s
-        r = subprocess.run([sys.executable, "-m", "services.cli", *prefill], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, "-m", "pdserve.cli", *prefill], capture_output=True, text=True,
                            timeout=120)
         err = r.stderr + r.stdout
         assert r.returncode != 0 and "PDSERVE_READY" not in r.stdout, err

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from services import launcher
+from pdserve import launcher
 from tests.integration.helpers import allocate, prompt
 from tests.integration.procnet import listening_ports
 from tests.integration.stack import Stack

@@ -8,10 +8,10 @@ import urllib.request
 import grpc
 import pytest
 
-from services import launcher
-from services.common.pki import issue
-from services.common.proto import faults_pb2, faults_pb2_grpc
-from services.common.tls import TlsConfig, secure_channel
+from pdserve import launcher
+from pdserve.common.pki import issue
+from pdserve.common.proto import faults_pb2, faults_pb2_grpc
+from pdserve.common.tls import TlsConfig, secure_channel
 
 CHECKSUM_OFF = ["--no-transfer-checksum"]
 OPT_IN = ["--allow-unsafe", "no-transfer-checksum"]
@@ -53,7 +53,7 @@ def tls_args(tls_dir, identity: str) -> list[str]:
 
 @pytest.mark.parametrize("service", ["prefill", "decode"])
 def test_no_transfer_checksum_without_opt_in_refuses_to_start(model_dir, service):
-    r = subprocess.run([sys.executable, "-m", "services.cli", service, "--model", model_dir, "--port", "0",
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", service, "--model", model_dir, "--port", "0",
                         "--metrics-port", "0", "--broker", "127.0.0.1:1", *CHECKSUM_OFF],
                        capture_output=True, text=True, timeout=120)
     err = r.stderr + r.stdout

@@ -1,5 +1,5 @@
 """The launcher never passes the test-only fault switches on from its own environment (issue 9, hole 10)."""
-from services.launcher import child_env
+from pdserve.launcher import child_env
 
 PARENT = {"PATH": "/usr/bin", "HOME": "/home/x", "PDSERVE_ENABLE_FAULTS": "1",
           "PDSERVE_FAULTS": "prefill.short_transfer:0", "PDSERVE_OTHER": "kept"}

@@ -7,9 +7,9 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.broker.lease_table import LeaseError, LeaseTable
-from services.broker.servicer import BrokerServicer
-from services.common.proto import broker_pb2 as pb
+from pdserve.broker.lease_table import LeaseError, LeaseTable
+from pdserve.broker.servicer import BrokerServicer
+from pdserve.common.proto import broker_pb2 as pb
 
 from .test_lease_table import FakeClock
 from .test_servicer import REGION, refused, serving

@@ -3,7 +3,7 @@ writes, acknowledgements, releases, revocations and time passing in any order.""
 from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.broker.lease_table import LeaseError, LeaseTable, PageState
+from pdserve.broker.lease_table import LeaseError, LeaseTable, PageState
 
 from .test_lease_table import FakeClock
 

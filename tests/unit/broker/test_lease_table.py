@@ -1,7 +1,7 @@
 """Lease table rules one by one (the Hypothesis state machine is in test_lease_machine.py)."""
 import pytest
 
-from services.broker.lease_table import LeaseError, LeaseTable, PageState
+from pdserve.broker.lease_table import LeaseError, LeaseTable, PageState
 
 A, B = b"a" * 16, b"b" * 16
 

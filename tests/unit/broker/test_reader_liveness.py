@@ -1,7 +1,7 @@
 """Leases tied to the reader's liveness: owners a live decode no longer holds are revoked after the grace,
 all leases of a pool whose decode stopped renewing are revoked, and both go through quarantine."""
-from services.broker.lease_table import LeaseTable, PageState
-from services.broker.revocation_log import RevocationLog
+from pdserve.broker.lease_table import LeaseTable, PageState
+from pdserve.broker.revocation_log import RevocationLog
 
 from .test_lease_table import FakeClock
 

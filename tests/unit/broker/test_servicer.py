@@ -6,10 +6,10 @@ import grpc
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.broker.lease_table import LeaseTable
-from services.broker.servicer import BrokerServicer
-from services.common.errors import from_rpc_error
-from services.common.proto import broker_pb2 as pb, broker_pb2_grpc, common_pb2
+from pdserve.broker.lease_table import LeaseTable
+from pdserve.broker.servicer import BrokerServicer
+from pdserve.common.errors import from_rpc_error
+from pdserve.common.proto import broker_pb2 as pb, broker_pb2_grpc, common_pb2
 
 OWNER = bytes(range(16))
 REGION = pb.PoolRegion(transfer_session="127.0.0.1:9", data_base=0x1000, tag_base=0x2000)

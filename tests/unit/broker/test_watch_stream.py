@@ -2,9 +2,9 @@
 an explicit gap when the log no longer holds everything after the cursor, heartbeats on an idle stream."""
 import asyncio
 
-from services.broker.lease_table import LeaseTable
-from services.broker.revocation_log import RevocationLog
-from services.common.proto import broker_pb2 as pb
+from pdserve.broker.lease_table import LeaseTable
+from pdserve.broker.revocation_log import RevocationLog
+from pdserve.common.proto import broker_pb2 as pb
 from tests.unit.broker.test_servicer import serving
 
 OWNERS = [bytes([i]) * 16 for i in range(1, 7)]

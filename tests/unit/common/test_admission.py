@@ -5,9 +5,9 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY
 
-from services.common.admission import check_lengths, check_sampling, check_tokens
-from services.common.config import pages_for, pages_needed
-from services.common.errors import PdError
+from pdserve.common.admission import check_lengths, check_sampling, check_tokens
+from pdserve.common.config import pages_for, pages_needed
+from pdserve.common.errors import PdError
 
 
 def _count(reason):

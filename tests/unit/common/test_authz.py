@@ -1,9 +1,9 @@
 """The authorisation table, identity parsing and the resource rule, as plain functions."""
 import pytest
 
-from services.common import authz
-from services.common.pki import parse_identity
-from services.common.proto import broker_pb2 as pb
+from pdserve.common import authz
+from pdserve.common.pki import parse_identity
+from pdserve.common.proto import broker_pb2 as pb
 
 BROKER = "/pdserve.v1.Broker/"
 

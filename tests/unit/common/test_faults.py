@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from services.common.faults import KNOWN, FaultRegistry, faults_enabled
+from pdserve.common.faults import KNOWN, FaultRegistry, faults_enabled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -97,7 +97,7 @@ def test_load_env_bad_count_raises():
 def _fresh_import(**env):
     full = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     full.update(env)
-    code = ("from services.common.faults import FAULTS, KNOWN, faults_enabled;"
+    code = ("from pdserve.common.faults import FAULTS, KNOWN, faults_enabled;"
             "print([FAULTS.fire('prefill.skip_page') for _ in range(3)],"
             " [n for n in sorted(KNOWN) if FAULTS.fire(n) is not None], faults_enabled())")
     return subprocess.run([sys.executable, "-c", code], env=full, cwd=ROOT, capture_output=True, text=True,

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from services.common.faults import KNOWN, FaultRegistry, FaultsDisabled
+from pdserve.common.faults import KNOWN, FaultRegistry, FaultsDisabled
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 EVERY_POINT = ",".join(f"{name}:0:1" for name in sorted(KNOWN))
@@ -14,7 +14,7 @@ EVERY_POINT = ",".join(f"{name}:0:1" for name in sorted(KNOWN))
 
 def test_env_is_ignored_and_logged_when_the_switch_is_off(caplog):
     r = FaultRegistry(enabled=False)
-    with caplog.at_level(logging.ERROR, logger="services.common.faults"):
+    with caplog.at_level(logging.ERROR, logger="pdserve.common.faults"):
         r.load_env(EVERY_POINT)
     assert [name for name in sorted(KNOWN) for _ in range(3) if r.fire(name) is not None] == []
     errors = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.ERROR]
@@ -48,7 +48,7 @@ def test_fire_is_none_when_off_even_if_something_was_armed():
 def _fresh_import(**env):
     full = {k: v for k, v in os.environ.items() if not k.startswith("PDSERVE_")}
     full.update(env)
-    code = ("from services.common.faults import FAULTS, KNOWN;"
+    code = ("from pdserve.common.faults import FAULTS, KNOWN;"
             "print(FAULTS.enabled, [n for n in sorted(KNOWN) for _ in range(2) if FAULTS.fire(n) is not None])")
     return subprocess.run([sys.executable, "-c", code], env=full, cwd=ROOT, capture_output=True, text=True,
                           timeout=60, check=True)

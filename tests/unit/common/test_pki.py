@@ -6,8 +6,8 @@ import stat
 import pytest
 from cryptography import x509
 
-from services.common.pki import common_name, files_for, make_pki
-from services.common.tls import add_tls_args, tls_from_args
+from pdserve.common.pki import common_name, files_for, make_pki
+from pdserve.common.tls import add_tls_args, tls_from_args
 
 
 def _sans(path: str) -> set[str]:

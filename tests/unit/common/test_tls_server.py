@@ -6,14 +6,14 @@ import grpc
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from services.broker.lease_table import LeaseTable
-from services.broker.servicer import BrokerServicer
-from services.common.authz import AuthInterceptor
-from services.common.errors import from_rpc_error
-from services.common.pki import make_pki
-from services.common.proto import broker_pb2 as pb, broker_pb2_grpc
-from services.common.server import ErrorInterceptor
-from services.common.tls import TlsConfig, secure_channel
+from pdserve.broker.lease_table import LeaseTable
+from pdserve.broker.servicer import BrokerServicer
+from pdserve.common.authz import AuthInterceptor
+from pdserve.common.errors import from_rpc_error
+from pdserve.common.pki import make_pki
+from pdserve.common.proto import broker_pb2 as pb, broker_pb2_grpc
+from pdserve.common.server import ErrorInterceptor
+from pdserve.common.tls import TlsConfig, secure_channel
 
 IDS = ["broker/b0", "decode/d0", "decode/d1", "prefill/p0", "operator/o"]
 

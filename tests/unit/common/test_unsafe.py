@@ -6,9 +6,9 @@ import logging
 import pytest
 from prometheus_client import REGISTRY
 
-from services.common import unsafe
-from services.common.cli_args import add_engine_args
-from services.common.unsafe import MODES, UnsafeModeRefused, check_unsafe, enable_unsafe, modes_in_use
+from pdserve.common import unsafe
+from pdserve.common.cli_args import add_engine_args
+from pdserve.common.unsafe import MODES, UnsafeModeRefused, check_unsafe, enable_unsafe, modes_in_use
 
 
 def gauge(service: str, mode: str):
@@ -47,7 +47,7 @@ def test_opt_in_for_another_mode_does_not_count():
 
 
 def test_opt_in_logs_at_error_and_sets_the_gauge(caplog):
-    with caplog.at_level(logging.ERROR, logger="services.common.unsafe"):
+    with caplog.at_level(logging.ERROR, logger="pdserve.common.unsafe"):
         used = enable_unsafe("t-on", ["no-transfer-checksum"], ["no-transfer-checksum"])
     assert used == ["no-transfer-checksum"]
     assert {m: gauge("t-on", m) for m in MODES} == {"no-transfer-checksum": 1.0, "insecure": 0.0, "faults": 0.0}
@@ -94,7 +94,7 @@ def test_reminder_repeats_the_error(caplog):
         await asyncio.sleep(0.2)
         task.cancel()
 
-    with caplog.at_level(logging.ERROR, logger="services.common.unsafe"):
+    with caplog.at_level(logging.ERROR, logger="pdserve.common.unsafe"):
         asyncio.run(run())
     errors = [r.getMessage() for r in caplog.records if "t-remind: UNSAFE MODE no-transfer-checksum" in r.getMessage()]
     assert len(errors) >= 3, errors

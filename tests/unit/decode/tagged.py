@@ -2,8 +2,8 @@
 decode check tests."""
 import torch
 
-from services.engine.kv_pool import KVPool, PoolLayout
-from services.engine.tags import make_tag
+from pdserve.engine.kv_pool import KVPool, PoolLayout
+from pdserve.engine.tags import make_tag
 
 PS = 4
 OWNER = bytes.fromhex("00112233445566778899aabbccddeeff")

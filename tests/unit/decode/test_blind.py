@@ -5,11 +5,11 @@ import asyncio
 import grpc
 import pytest
 
-from services.common.errors import PdError
-from services.decode.scheduler import Scheduler, Sequence
-from services.decode.watch import blind_bound_error
-from services.engine.sampler import SamplingParams
-from services.engine.tags import expected_tags
+from pdserve.common.errors import PdError
+from pdserve.decode.scheduler import Scheduler, Sequence
+from pdserve.decode.watch import blind_bound_error
+from pdserve.engine.sampler import SamplingParams
+from pdserve.engine.tags import expected_tags
 
 LEASES = [(3, 1), (4, 1)]
 BLIND = PdError(grpc.StatusCode.UNAVAILABLE, "WATCH_BLIND", "decode has not heard from the stream for 2.00s")

@@ -6,11 +6,11 @@ import asyncio
 import grpc
 import pytest
 
-from services.common.errors import PdError
-from services.common.metrics import LEASE_VIOLATIONS
-from services.decode.scheduler import Scheduler, Sequence, raise_if_ended
-from services.engine.sampler import SamplingParams
-from services.engine.tags import expected_tags
+from pdserve.common.errors import PdError
+from pdserve.common.metrics import LEASE_VIOLATIONS
+from pdserve.decode.scheduler import Scheduler, Sequence, raise_if_ended
+from pdserve.engine.sampler import SamplingParams
+from pdserve.engine.tags import expected_tags
 
 OWNER = bytes(range(16))
 LEASES = [(3, 1), (4, 1)]

@@ -9,14 +9,14 @@ import grpc
 import pytest
 import torch
 
-from services.common.errors import PdError
-from services.common.metrics import LEASE_VIOLATIONS, SAMPLING_FAILURES
-from services.decode.scheduler import Scheduler, Sequence
-from services.decode.sweep import PromptRecord
-from services.engine import sampler
-from services.engine.runner import ModelRunner
-from services.engine.sampler import SamplingParams
-from services.engine.tags import expected_tags, make_tags
+from pdserve.common.errors import PdError
+from pdserve.common.metrics import LEASE_VIOLATIONS, SAMPLING_FAILURES
+from pdserve.decode.scheduler import Scheduler, Sequence
+from pdserve.decode.sweep import PromptRecord
+from pdserve.engine import sampler
+from pdserve.engine.runner import ModelRunner
+from pdserve.engine.sampler import SamplingParams
+from pdserve.engine.tags import expected_tags, make_tags
 from tests.oracle import check_teacher_forced
 
 PS = 16

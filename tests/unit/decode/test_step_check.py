@@ -3,8 +3,8 @@ page the batch reads must equal the leases, vectorised over the batch; a mismatc
 import pytest
 import torch
 
-from services.decode.verify import step_tag_mismatches
-from services.engine.tags import CHECKSUM, EPOCH, GENERATION, MAGIC, NUM_TOKENS, OWNER_HI, OWNER_LO, PAGE_INDEX, \
+from pdserve.decode.verify import step_tag_mismatches
+from pdserve.engine.tags import CHECKSUM, EPOCH, GENERATION, MAGIC, NUM_TOKENS, OWNER_HI, OWNER_LO, PAGE_INDEX, \
     expected_tags, make_tag
 
 from .tagged import EPOCH_, OTHER, PS, make_pool, write_pages

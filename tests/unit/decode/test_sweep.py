@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from services.decode.sweep import CHECKED, ChecksumSweep, PromptRecord, prompt_checksums
-from services.engine.tags import page_checksums
+from pdserve.decode.sweep import CHECKED, ChecksumSweep, PromptRecord, prompt_checksums
+from pdserve.engine.tags import page_checksums
 
 from .tagged import EPOCH_, PS, make_pool, write_pages
 

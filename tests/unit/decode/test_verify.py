@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from services.decode.verify import Violation, verify_prompt_pages
-from services.engine.tags import (CHECKSUM, EPOCH, GENERATION, MAGIC, NUM_TOKENS, OWNER_HI, OWNER_LO, PAGE_INDEX,
+from pdserve.decode.verify import Violation, verify_prompt_pages
+from pdserve.engine.tags import (CHECKSUM, EPOCH, GENERATION, MAGIC, NUM_TOKENS, OWNER_HI, OWNER_LO, PAGE_INDEX,
                                   make_tag)
 
 from .tagged import EPOCH_, LEASES, NUM_PROMPT, OTHER, OWNER, PS, make_pool, write_pages

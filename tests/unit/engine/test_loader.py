@@ -7,9 +7,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.engine.config import ModelConfig
-from services.engine.loader import load_model
-from services.engine.runner import ModelRunner
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.loader import load_model
+from pdserve.engine.runner import ModelRunner
 
 PROMPT = [0, 17, 300, 42, 99, 511, 3, 250, 128, 64, 7, 1, 400, 401, 402, 9, 10, 11, 12]
 

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from services.engine.runner import ModelRunner
+from pdserve.engine.runner import ModelRunner
 
 LENGTHS = [1, 2, 15, 16, 17, 31, 33, 64, 100, 255, 300]
 

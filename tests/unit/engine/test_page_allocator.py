@@ -1,7 +1,7 @@
 """Prefill's local page allocator: lowest page first, contiguous runs, strict frees."""
 import pytest
 
-from services.engine.page_allocator import PageAllocator
+from pdserve.engine.page_allocator import PageAllocator
 
 
 def test_allocates_lowest_first_and_contiguous():

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from services.engine.sampler import SamplingParams, sample, sample_one
+from pdserve.engine.sampler import SamplingParams, sample, sample_one
 
 
 def _logits(probs):

@@ -7,8 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.common.admission import check_sampling
-from services.engine.sampler import GREEDY_BELOW, SamplingError, SamplingParams, _probs, sample, sample_one
+from pdserve.common.admission import check_sampling
+from pdserve.engine.sampler import GREEDY_BELOW, SamplingError, SamplingParams, _probs, sample, sample_one
 
 # every admitted temperature, weighted towards the edges: 0, subnormal, around the greedy cut-off, huge
 TEMPERATURES = st.one_of(

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from services.engine.config import ModelConfig
-from services.engine.kv_pool import KVPool, PoolLayout
-from services.engine.tags import (CHECKSUM, EPOCH, GENERATION, MAGIC, NUM_TOKENS, OWNER_HI, OWNER_LO, PAGE_INDEX,
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.kv_pool import KVPool, PoolLayout
+from pdserve.engine.tags import (CHECKSUM, EPOCH, GENERATION, MAGIC, NUM_TOKENS, OWNER_HI, OWNER_LO, PAGE_INDEX,
                                   TAG_MAGIC, TAG_NBYTES, TAG_WORDS, expected_tags, make_tag, make_tags, owner_words,
                                   page_checksum)
 

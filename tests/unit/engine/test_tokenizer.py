@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.engine.make_model import VOCAB_SIZE, make_model
-from services.engine.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder, load_tokenizer
+from pdserve.engine.make_model import VOCAB_SIZE, make_model
+from pdserve.engine.tokenizer import ByteTokenizer, HFTokenizer, IncrementalDecoder, load_tokenizer
 
 TEXT = "Grüße, 世界! € 12 — naïve 🙂"
 

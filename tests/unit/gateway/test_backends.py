@@ -3,10 +3,10 @@ never routed to, load polls move backends between states, and a gone backend kee
 requests have ended."""
 import asyncio
 
-from services.common.proto import common_pb2
-from services.gateway import backends as backends_mod
-from services.gateway.backends import BACKENDS, Backends
-from services.gateway.router import DRAINING, PENDING, READY, REFUSED, RETIRING, Backend
+from pdserve.common.proto import common_pb2
+from pdserve.gateway import backends as backends_mod
+from pdserve.gateway.backends import BACKENDS, Backends
+from pdserve.gateway.router import DRAINING, PENDING, READY, REFUSED, RETIRING, Backend
 
 LAYOUT = common_pb2.KvLayout(num_layers=2, num_kv_heads=2, head_dim=8, page_size=16, dtype="float32")
 

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from services.gateway.discovery import Discovery, DnsSource, FileSource, is_ip, parse_spec, split_host_port
+from pdserve.gateway.discovery import Discovery, DnsSource, FileSource, is_ip, parse_spec, split_host_port
 
 
 class FakeResolver:

@@ -6,8 +6,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from services.common.errors import PdError
-from services.gateway.router import DRAINING, READY, REFUSED, RETIRING, UNREACHABLE, Backend, Router
+from pdserve.common.errors import PdError
+from pdserve.gateway.router import DRAINING, READY, REFUSED, RETIRING, UNREACHABLE, Backend, Router
 
 
 def backend(name, free=100, depth=0, state=READY):

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from services.kvtransfer.engine import Run, TransferEngine, TransferError, coalesce
+from pdserve.kvtransfer.engine import Run, TransferEngine, TransferError, coalesce
 
 STRIDE = 256
 NPAGES = 16
@@ -98,7 +98,7 @@ def test_fault_fail_then_land_reports_failure_then_lands_what_the_source_holds_t
     hold when the task runs, so a source page reused after the failure would carry the next request's KV."""
     import time
 
-    from services.common.faults import FAULTS
+    from pdserve.common.faults import FAULTS
 
     monkeypatch.setattr(FAULTS, "enabled", True)
     src_eng, dst_eng = engines

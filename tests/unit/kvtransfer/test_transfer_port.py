@@ -4,8 +4,8 @@ import sys
 
 import pytest
 
-from services.kvtransfer import engine
-from services.kvtransfer.engine import transfer_ports
+from pdserve.kvtransfer import engine
+from pdserve.kvtransfer.engine import transfer_ports
 
 
 @pytest.mark.parametrize("port", [1024, 15000, 32766, 61000, 65534])

@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from services.common.errors import PdError
-from services.common.proto import broker_pb2, common_pb2, prefill_pb2
-from services.engine.page_allocator import PageAllocator
-from services.kvtransfer.engine import TransferError
-from services.prefill.servicer import PrefillServicer
+from pdserve.common.errors import PdError
+from pdserve.common.proto import broker_pb2, common_pb2, prefill_pb2
+from pdserve.engine.page_allocator import PageAllocator
+from pdserve.kvtransfer.engine import TransferError
+from pdserve.prefill.servicer import PrefillServicer
 
 PAGE, LAND_S, BOUND_S = 4, 0.2, 1.5
 
