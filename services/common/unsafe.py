@@ -22,7 +22,6 @@ from typing import Iterable
 from prometheus_client import Gauge
 
 from .faults import FAULTS, SWITCH
-from .tasks import spawn
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +96,9 @@ def log_unsafe(service: str, used: Iterable[str]) -> None:
         log.error("%s: UNSAFE MODE %s is on (%s): it %s", service, m.name, m.switch, m.removes)
 
 
+_REMINDERS: list[asyncio.Task] = []
+
+
 async def remind(service: str, used: list[str], every_s: float = REMINDER_S) -> None:
     while True:
         await asyncio.sleep(every_s)
@@ -107,5 +109,7 @@ def check_unsafe(service: str, args: argparse.Namespace, every_s: float = REMIND
     """Call first thing in a service's async serve(): refuses, or logs, exports and keeps reminding."""
     used = enable_unsafe(service, modes_in_use(args), getattr(args, "allow_unsafe", None) or [])
     if used:
-        spawn(remind(service, used, every_s))
+        # held here, not spawned: spawned tasks are the give-backs a drain waits for (drain.settle), and this
+        # one never ends
+        _REMINDERS.append(asyncio.ensure_future(remind(service, used, every_s)))
     return used

@@ -13,7 +13,6 @@ from ..common.errors import PdError
 from ..common.metrics import init_metrics
 from ..common.proto import gateway_pb2, gateway_pb2_grpc
 from ..common.server import Service, setup_logging
-from ..common.tasks import spawn
 from ..common.tls import add_tls_args, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..engine.tokenizer import load_tokenizer
@@ -137,7 +136,8 @@ async def serve(args) -> None:
     health = Health(svc, servicer, backends)
     backends.on_change = health.on_change
     await svc.start()  # NOT_SERVING until discovery has found a prefill and a decode that agree
-    tasks = [spawn(d.run()) for d in discoveries(args, backends)]
+    # loops that end only when cancelled below: plain tasks, not spawned give-backs (which the drain waits for)
+    tasks = [asyncio.ensure_future(d.run()) for d in discoveries(args, backends)]
     await svc.starting(health.first.wait())  # a SIGTERM before any backend answered exits at once
     cap = servicer.cap
     servicer.tokenizer = load_tokenizer(args.model, cap.vocab_size)
@@ -146,7 +146,7 @@ async def serve(args) -> None:
         http = await start_http(servicer, cap.model, args.host, args.http_port)
         args.http_port = http.sockets[0].getsockname()[1]
         print(f"PDSERVE_HTTP port={args.http_port}", flush=True)
-    tasks.append(spawn(health.run()))
+    tasks.append(asyncio.ensure_future(health.run()))
     health.changed.set()
     await svc.wait_for_termination(drain=lambda: drain(servicer, args.drain_timeout), drain_timeout=args.drain_timeout)
     if http is not None:
