@@ -39,6 +39,7 @@ class Proc:
     http_port: int = 0
     lines: list[str] = field(default_factory=list)
     lifeline_fd: int = -1  # the write end of the child's lifeline: only this process holds it
+    ready: threading.Event = field(default_factory=threading.Event)  # set at its ready line, or when it exits
 
     @property
     def target(self) -> str:
@@ -51,6 +52,13 @@ class Proc:
 def start(name: str, args: list[str], env: dict | None = None, timeout: float = 120.0, echo: bool = False,
           log_path: str | None = None) -> Proc:
     """Runs `pdserve <args>` and returns once it prints its ready line; raises with its output otherwise."""
+    return wait_ready(launch(name, args, env, echo, log_path), timeout)
+
+
+def launch(name: str, args: list[str], env: dict | None = None, echo: bool = False,
+           log_path: str | None = None) -> Proc:
+    """Runs `pdserve <args>` without waiting for it (wait_ready does): services that do not depend on each
+    other load their models side by side."""
     cmd = [sys.executable, "-u", "-m", "pdserve.cli", *args]
     # the child stops when this process dies, even by SIGKILL (services/common/lifeline.py); its own session
     # keeps a terminal's Ctrl-C from reaching it before `pdserve up` stops it in order
@@ -65,7 +73,7 @@ def start(name: str, args: list[str], env: dict | None = None, timeout: float = 
     finally:
         os.close(read_end)
     proc = Proc(name, args, popen, lifeline_fd=write_end)
-    ready = threading.Event()
+    ready = proc.ready
     sink = open(log_path, "a") if log_path else None
 
     def pump():
@@ -87,8 +95,13 @@ def start(name: str, args: list[str], env: dict | None = None, timeout: float = 
         ready.set()
 
     threading.Thread(target=pump, daemon=True).start()
+    return proc
+
+
+def wait_ready(proc: Proc, timeout: float = 120.0) -> Proc:
+    name, popen = proc.name, proc.popen
     deadline = time.monotonic() + timeout
-    while not ready.wait(0.1):
+    while not proc.ready.wait(0.1):
         if time.monotonic() > deadline:
             stop(proc)
             raise RuntimeError(f"{name} not ready after {timeout:.0f}s:\n{''.join(proc.lines[-40:])}")
@@ -99,12 +112,18 @@ def start(name: str, args: list[str], env: dict | None = None, timeout: float = 
     return proc
 
 
-def stop(proc: Proc, timeout: float = 10.0) -> int | None:
+def terminate(proc: Proc) -> None:
+    """SIGTERM to the service's process group (it drains and exits); stop() waits for it."""
     if proc.alive():
         try:
             os.killpg(proc.popen.pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
+
+
+def stop(proc: Proc, timeout: float = 10.0) -> int | None:
+    if proc.alive():
+        terminate(proc)
         try:
             proc.popen.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -161,17 +180,19 @@ def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0
                        echo=echo, log_path=log("broker"))
         procs["broker"].append(broker)
         for i in range(num_prefill):
-            procs["prefill"].append(start(f"prefill{i}", ["prefill", *ports("prefill", i), *tls("prefill", i),
+            procs["prefill"].append(launch(f"prefill{i}", ["prefill", *ports("prefill", i), *tls("prefill", i),
                                                           "--broker", broker.target,
                                                           *common, "--pool-tokens", str(prefill_pool_tokens),
                                                           *extra.get("prefill", [])], env, echo=echo,
-                                          log_path=log(f"prefill{i}")))
+                                           log_path=log(f"prefill{i}")))
         for i in range(num_decode):
-            procs["decode"].append(start(f"decode{i}", ["decode", *ports("decode", i), *tls("decode", i),
+            procs["decode"].append(launch(f"decode{i}", ["decode", *ports("decode", i), *tls("decode", i),
                                                         "--broker", broker.target,
                                                         *common, "--pool-tokens", str(decode_pool_tokens),
                                                         *extra.get("decode", [])], env, echo=echo,
-                                         log_path=log(f"decode{i}")))
+                                          log_path=log(f"decode{i}")))
+        for p in [*procs["prefill"], *procs["decode"]]:  # they depend on the broker only: loaded side by side
+            wait_ready(p)
         gw = ["gateway", *ports("gateway", 0), *tls("gateway", 0), "--model", model, *extra.get("gateway", [])]
         for p in procs["prefill"]:
             gw += ["--prefill", p.target]
@@ -185,6 +206,10 @@ def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0
 
 
 def stop_stack(procs: dict[str, list[Proc]]) -> None:
+    """Tier by tier (gateway, decodes, prefills, broker); the instances of one tier drain side by side."""
     for name in ("gateway", "decode", "prefill", "broker"):
-        for p in procs.get(name, []):
+        tier = procs.get(name, [])
+        for p in tier:
+            terminate(p)
+        for p in tier:
             stop(p)
