@@ -20,6 +20,10 @@ RUNTIME_APT=(libibverbs1 librdmacm1 libnuma1 libcurl4)
 DEV_APT=("${RUNTIME_APT[@]}" python3 python3-venv gcc libc6-dev spin prometheus)
 # packages whose maintainer scripts start a daemon on a systemd host; the tests need only their binaries
 DAEMONS=(prometheus)
+# where Debian looks for the policy that holds daemons back, and how a host shows it runs systemd (sd_booted);
+# tests/unit/deploy/test_install_apt.py points both into a temporary folder
+POLICY_RC=${PDSERVE_POLICY_RC:-/usr/sbin/policy-rc.d}
+SYSTEMD_DIR=${PDSERVE_SYSTEMD_DIR:-/run/systemd/system}
 
 # torch is installed on its own first, with the exact pin pyproject.toml declares (read, not repeated here)
 torch_pin() {
@@ -46,17 +50,9 @@ apt_list() {
   esac
 }
 
-# root runs apt-get itself; anyone else through sudo, said on stderr; neither: the command to run, and stop
+# root runs apt-get itself, anyone else through sudo (cmd_apt checks there is one and says so first)
 as_root() {
-  if [ "$(id -u)" = 0 ]; then
-    "$@"
-  elif command -v sudo >/dev/null 2>&1; then
-    echo "install.sh: not root (uid $(id -u)): running through sudo: $*" >&2
-    sudo "$@"
-  else
-    echo "install.sh: not root (uid $(id -u)) and no sudo: run as root: $*" >&2
-    exit 1
-  fi
+  if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi
 }
 
 cmd_apt() {
@@ -67,10 +63,16 @@ cmd_apt() {
   [ ${#missing[@]} -eq 0 ] && return 0
   command -v apt-get >/dev/null 2>&1 || {
     echo "install.sh: ${#missing[@]} Debian packages missing (${missing[*]}) and no apt-get here" >&2; exit 1; }
+  if [ "$(id -u)" != 0 ]; then
+    command -v sudo >/dev/null 2>&1 || {
+      echo "install.sh: Debian packages missing: ${missing[*]}; not root (uid $(id -u)) and no sudo: as root, run" \
+           "apt-get install --no-install-recommends ${missing[*]}" >&2; exit 1; }
+    echo "install.sh: not root (uid $(id -u)): apt-get runs through sudo" >&2
+  fi
   echo "installing Debian packages: ${missing[*]}"
   # policy-rc.d 101 keeps maintainer scripts from starting daemons (invoke-rc.d and deb-systemd-invoke obey it);
   # one that exists already (container images have one) is left as it is
-  local policy=/usr/sbin/policy-rc.d ours=""
+  local policy=$POLICY_RC ours=""
   if [ ! -e "$policy" ]; then
     as_root sh -c "printf '#!/bin/sh\nexit 101\n' > $policy && chmod 755 $policy"
     ours=1
@@ -82,7 +84,7 @@ cmd_apt() {
   if [ -n "$ours" ]; then as_root rm -f "$policy"; trap - EXIT; fi
   # a daemon we installed is not enabled at boot either (systemd hosts only; nothing runs it elsewhere)
   for p in "${DAEMONS[@]}"; do
-    if [[ " ${missing[*]} " == *" $p "* ]] && [ -d /run/systemd/system ]; then
+    if [[ " ${missing[*]} " == *" $p "* ]] && [ -d "$SYSTEMD_DIR" ]; then
       as_root systemctl disable --now "$p.service" >/dev/null || {
         echo "install.sh: could not stop and disable $p.service, which its package started: stop it yourself" >&2
         exit 1; }
@@ -119,6 +121,7 @@ case "$sub" in
   python) cmd_python "$@" ;;
   stubs) cmd_stubs "$@" ;;
   pins) cmd_pins "$@" ;;
-  *) echo "usage: install.sh apt runtime|dev | packages runtime|dev | python VENV cpu|cuda|auto [EXTRAS] | stubs PYTHON | pins" >&2
+  *) echo "usage: install.sh apt runtime|dev | packages runtime|dev | python VENV cpu|cuda|auto [EXTRAS]" \
+          "| stubs PYTHON | pins" >&2
      exit 2 ;;
 esac

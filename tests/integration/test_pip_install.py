@@ -84,8 +84,8 @@ def test_installed_pdserve_serves_from_outside_the_repository(installed, tmp_pat
     pdserve = str(installed / "bin/pdserve")
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
-    where = run([str(installed / "bin/python"), "-c", "import pdserve.v1.gateway_pb2, pdserve; print(pdserve.__file__)"],
-                cwd=cwd, env=env()).stdout.strip()
+    code = "import pdserve.v1.gateway_pb2, pdserve; print(pdserve.__file__)"
+    where = run([str(installed / "bin/python"), "-c", code], cwd=cwd, env=env()).stdout.strip()
     assert where.startswith(str(installed)), where
     version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert run([pdserve, "--version"], cwd=cwd, env=env()).stdout == f"pdserve {version}\n"
