@@ -99,3 +99,15 @@ def test_unknown_list_is_refused():
     out = subprocess.run([str(ROOT / "deploy/install.sh"), "apt", "everything"], capture_output=True, text=True,
                          timeout=30)
     assert out.returncode == 2 and "runtime or dev, got 'everything'" in out.stderr
+
+
+def test_the_venv_is_made_after_the_debian_packages(tmp_path):
+    # asked for the venv alone, make still installs the Debian packages (python3-venv) first
+    venv = tmp_path / "venv"
+    out = subprocess.run(["make", "-n", "-B", f"VENV={venv}", f"{venv}/.installed"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    apt = [i for i, x in enumerate(lines) if "install.sh apt dev" in x]
+    python = [i for i, x in enumerate(lines) if "install.sh python" in x]
+    assert apt and python and apt[0] < python[0], lines
