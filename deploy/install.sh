@@ -15,7 +15,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# engine.so links libibverbs, libnuma and libcurl and opens librdmacm; formal/check.sh compiles SPIN's pan.c
+# runtime: Mooncake's engine.so links libibverbs, libnuma and libcurl even for tcp (librdmacm: its RDMA transport).
+# dev: Debian's python3 has no ensurepip without python3-venv; formal/check.sh compiles SPIN's pan.c with gcc
 RUNTIME_APT=(libibverbs1 librdmacm1 libnuma1 libcurl4)
 DEV_APT=("${RUNTIME_APT[@]}" python3 python3-venv gcc libc6-dev spin prometheus)
 # packages whose maintainer scripts start a daemon on a systemd host; the tests need only their binaries
