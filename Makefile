@@ -1,4 +1,5 @@
-# Two commands a fresh machine needs: `make run` and `make test`. Everything else is set up on demand.
+# Two commands a fresh machine needs: `make run` and `make test`. Everything else is set up on demand; a bare
+# Debian or Ubuntu needs only git and make first (deploy/install.sh apt installs the rest, python3-venv included).
 SHELL := /bin/bash
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -13,13 +14,14 @@ PROTOS := $(wildcard protos/pdserve/v1/*.proto)
 
 setup: .deps-apt $(VENV)/.installed $(STUBS) $(MODEL)/config.json
 
-# Debian packages that Mooncake needs even for tcp, SPIN for the formal model, Prometheus for its tests; the
-# lists and pip steps live in $(INSTALL), which the images (deploy/docker) run too
-.deps-apt:
+# Debian packages: python3-venv (before the venv), what Mooncake needs even for tcp, gcc and SPIN for the formal
+# model, Prometheus for its tests; the lists and pip steps live in $(INSTALL), which the images (deploy/docker)
+# run too. Done again when the script (its lists) changes.
+.deps-apt: $(INSTALL)
 	$(INSTALL) apt dev
 	@touch $@
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml | .deps-apt
 	$(INSTALL) python $(VENV) auto test,bench
 	@touch $@
 

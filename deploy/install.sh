@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The one place that says how pdserve is installed: the Makefile (`make setup`) and both Dockerfiles
 # (deploy/docker) call these sub-commands, so a host and an image get the same packages and pins.
-#   install.sh apt runtime|dev          Debian packages: runtime (what Mooncake needs even for tcp) or dev
-#                                       (runtime + SPIN for the formal model + Prometheus for its tests)
+#   install.sh apt runtime|dev          Debian packages a bare Debian/Ubuntu lacks: runtime (what Mooncake's
+#                                       engine.so needs even for tcp) or dev (runtime + python3-venv for the
+#                                       virtualenv, gcc + libc6-dev for SPIN's verifier, SPIN, Prometheus's
+#                                       binaries for its tests); apt-get through sudo when not root
+#   install.sh packages runtime|dev     print that list (tests/unit/deploy checks it against a bare Debian)
 #   install.sh python VENV VARIANT [EXTRAS]
 #                                       virtualenv with torch and pdserve (editable, from this checkout);
 #                                       VARIANT cpu|cuda|auto (auto: cuda where nvidia-smi exists);
@@ -12,8 +15,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-RUNTIME_APT=(libibverbs1 librdmacm1 libnuma1)
-DEV_APT=("${RUNTIME_APT[@]}" spin prometheus)
+# runtime: Mooncake's engine.so links libibverbs, libnuma and libcurl even for tcp (librdmacm: its RDMA transport).
+# dev: Debian's python3 has no ensurepip without python3-venv; formal/check.sh compiles SPIN's pan.c with gcc
+RUNTIME_APT=(libibverbs1 librdmacm1 libnuma1 libcurl4)
+DEV_APT=("${RUNTIME_APT[@]}" python3 python3-venv gcc libc6-dev spin prometheus)
+# packages whose maintainer scripts start a daemon on a systemd host; the tests need only their binaries
+DAEMONS=(prometheus)
+# where Debian looks for the policy that holds daemons back, and how a host shows it runs systemd (sd_booted);
+# tests/unit/deploy/test_install_apt.py points both into a temporary folder
+POLICY_RC=${PDSERVE_POLICY_RC:-/usr/sbin/policy-rc.d}
+SYSTEMD_DIR=${PDSERVE_SYSTEMD_DIR:-/run/systemd/system}
 
 # torch is installed on its own first, with the exact pin pyproject.toml declares (read, not repeated here)
 torch_pin() {
@@ -32,23 +43,56 @@ variant_of() {
   esac
 }
 
-cmd_apt() {
-  local pkgs
+apt_list() {
   case "${1:-}" in
-    runtime) pkgs=("${RUNTIME_APT[@]}") ;;
-    dev) pkgs=("${DEV_APT[@]}") ;;
-    *) echo "install.sh apt: runtime or dev, got '${1:-}'" >&2; exit 2 ;;
+    runtime) echo "${RUNTIME_APT[@]}" ;;
+    dev) echo "${DEV_APT[@]}" ;;
+    *) echo "install.sh: runtime or dev, got '${1:-}'" >&2; exit 2 ;;
   esac
-  local missing=() p
+}
+
+# root runs apt-get itself, anyone else through sudo (cmd_apt checks there is one and says so first)
+as_root() {
+  if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+cmd_apt() {
+  local list pkgs missing=() p
+  list=$(apt_list "${1:-}")
+  read -r -a pkgs <<<"$list"
   for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   [ ${#missing[@]} -eq 0 ] && return 0
+  command -v apt-get >/dev/null 2>&1 || {
+    echo "install.sh: ${#missing[@]} Debian packages missing (${missing[*]}) and no apt-get here" >&2; exit 1; }
+  if [ "$(id -u)" != 0 ]; then
+    command -v sudo >/dev/null 2>&1 || {
+      echo "install.sh: Debian packages missing: ${missing[*]}; not root (uid $(id -u)) and no sudo: as root, run" \
+           "apt-get install --no-install-recommends ${missing[*]}" >&2; exit 1; }
+    echo "install.sh: not root (uid $(id -u)): apt-get runs through sudo" >&2
+  fi
   echo "installing Debian packages: ${missing[*]}"
-  local sudo=""
-  [ "$(id -u)" = 0 ] || sudo=sudo
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # policy-rc.d 101 keeps maintainer scripts from starting daemons (invoke-rc.d and deb-systemd-invoke obey it);
+  # one that exists already (container images have one) is left as it is
+  local policy=$POLICY_RC ours=""
+  if [ ! -e "$policy" ]; then
+    as_root sh -c "printf '#!/bin/sh\nexit 101\n' > $policy && chmod 755 $policy"
+    ours=1
+    trap 'as_root rm -f '"$policy" EXIT
+  fi
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" \
+    >/dev/null
+  if [ -n "$ours" ]; then as_root rm -f "$policy"; trap - EXIT; fi
+  # a daemon we installed is not enabled at boot either (systemd hosts only; nothing runs it elsewhere)
+  for p in "${DAEMONS[@]}"; do
+    if [[ " ${missing[*]} " == *" $p "* ]] && [ -d "$SYSTEMD_DIR" ]; then
+      as_root systemctl disable --now "$p.service" >/dev/null || {
+        echo "install.sh: could not stop and disable $p.service, which its package started: stop it yourself" >&2
+        exit 1; }
+    fi
+  done
   # an image keeps no package lists; a host keeps its own
-  if [ -f /.dockerenv ] || [ -n "${container:-}" ]; then rm -rf /var/lib/apt/lists/*; fi
+  if [ -f /.dockerenv ] || [ -n "${container:-}" ]; then as_root rm -rf /var/lib/apt/lists/*; fi
 }
 
 cmd_python() {
@@ -74,9 +118,11 @@ sub="${1:-}"
 shift || true
 case "$sub" in
   apt) cmd_apt "$@" ;;
+  packages) apt_list "$@" ;;
   python) cmd_python "$@" ;;
   stubs) cmd_stubs "$@" ;;
   pins) cmd_pins "$@" ;;
-  *) echo "usage: install.sh apt runtime|dev | python VENV cpu|cuda|auto [EXTRAS] | stubs PYTHON | pins" >&2
+  *) echo "usage: install.sh apt runtime|dev | packages runtime|dev | python VENV cpu|cuda|auto [EXTRAS]" \
+          "| stubs PYTHON | pins" >&2
      exit 2 ;;
 esac

@@ -9,6 +9,7 @@ import sys
 import tempfile
 
 from .common import config
+from .common.argparsing import Parser, VersionAction
 
 SERVICES = ("broker", "prefill", "decode", "gateway")
 
@@ -95,16 +96,15 @@ def _make_certs(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    from .common.lifeline import watch_from_env
-    watch_from_env()  # started by services/launcher.py: stop when it dies
-    p = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+def build_parser(argv: list[str], load_all: bool = False) -> argparse.ArgumentParser:
+    """The whole command line; a service's own flags are added only when argv runs it (or load_all: tests)."""
+    p = Parser(prog="pdserve", description=__doc__)
+    p.add_argument("--version", action=VersionAction, help="print the installed version and exit")
     sub = p.add_subparsers(dest="cmd", required=True)
-    argv = sys.argv[1:] if argv is None else argv
     for name in SERVICES:
         sp = sub.add_parser(name, help=f"run one {name} service")
         # only the chosen service is imported: `generate` stays light, and each process builds its own metrics
-        if argv and argv[0] == name:
+        if load_all or (argv and argv[0] == name):
             mod = importlib.import_module(f"pdserve.{name}.main")
             mod.add_args(sp)
             sp.set_defaults(fn=mod.main)
@@ -173,8 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("bench", help="benchmarks side by side (see bench/)")
     b.add_argument("--quick", action="store_true")
     b.set_defaults(fn=lambda a: __import__("pdserve.bench.run", fromlist=["main"]).main(a))
+    return p
 
-    args = p.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    from .common.lifeline import watch_from_env
+    watch_from_env()  # started by services/launcher.py: stop when it dies
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     rc = args.fn(args)
     return rc if isinstance(rc, int) else 0
 

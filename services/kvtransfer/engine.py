@@ -71,7 +71,8 @@ def check_mooncake_version() -> str:
             raise RuntimeError(f"{dist} {version} reports TCP writes complete before the peer has them (#2850); "
                                "pdserve needs 0.3.12.post1 or later")
         return version
-    raise RuntimeError("no Mooncake transfer engine package is installed; run `make setup`")
+    raise RuntimeError("no Mooncake transfer engine package is installed: pip install 'pdserve[cpu]' (its non-CUDA "
+                       "build) or 'pdserve[cuda]' on a CUDA host; in a checkout, `make setup`")
 
 
 class TransferError(Exception):
@@ -117,8 +118,10 @@ class TransferEngine:
         pair = _pin_ports(port) if port else None
         try:
             from mooncake.engine import TransferEngine as _MooncakeEngine
-        except ImportError as e:  # the library needs libibverbs1, librdmacm1, libnuma1 even for tcp
-            raise RuntimeError(f"Mooncake transfer engine unavailable ({e}); run `make setup`") from e
+        except ImportError as e:  # engine.so needs Debian's libraries (deploy/install.sh apt runtime) even for tcp
+            raise RuntimeError(f"Mooncake transfer engine unavailable ({e}): on Debian or Ubuntu it needs "
+                               "libibverbs1 librdmacm1 libnuma1 libcurl4 (`deploy/install.sh apt runtime`; in a "
+                               "checkout, `make setup`)") from e
         # set explicitly, never inherited: every timing bound of the lease protocol is derived from it
         os.environ["MC_TRANSFER_TIMEOUT"] = str(int(timeout_s))
         self.timeout_s = int(timeout_s)
