@@ -18,7 +18,8 @@ def guidellm_section(res: dict) -> list[str]:
           "back for an unfinished UTF-8 character arrives later there. *ITL* here is guidellm's: each request's "
           "mean gap, (last token − first) / (tokens − 1), taken the same way from pdserve's client (the tables "
           "above take every gap). *tokens per request*: what guidellm counted (prompt / output), to show the "
-          "load matched.", ""]
+          "load matched. guidellm's worker processes share the machine's cores with the stack, where pdserve's "
+          "client is one lighter process: on 2 cores part of the gap is the client's own CPU.", ""]
     rows = []
     for c in g["cells"]:
         gl, pd = c["guidellm"], c["pdserve"]
