@@ -139,7 +139,10 @@ class ChatTemplate:
         path = os.path.join(model_dir, "tokenizer_config.json")
         if os.path.exists(path):
             with open(path, encoding="utf-8") as f:
-                config = json.load(f)
+                try:
+                    config = json.load(f)
+                except json.JSONDecodeError as e:
+                    raise ChatTemplateError(f"{path} is not valid JSON: {e}") from e
             if not isinstance(config, dict):
                 raise ChatTemplateError(f"{path} is not a JSON object")
         templates = _read_templates(model_dir, config)
@@ -153,7 +156,9 @@ class ChatTemplate:
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None,
                **kwargs) -> str:
         """The prompt text; extra keyword arguments reach the template as variables (e.g. `enable_thinking`)."""
-        if not isinstance(messages, list) or not messages:
+        if not isinstance(messages, list):
+            raise ChatTemplateError(f"messages must be a list, got {type(messages).__name__}")
+        if not messages:
             raise ChatTemplateError("a chat needs at least one message (got 0)")
         for i, m in enumerate(messages):
             if not isinstance(m, dict):

@@ -155,12 +155,21 @@ def test_bad_checkpoints_refused(with_template, config, match):
         ChatTemplate.from_dir(with_template(**config))
 
 
+def test_broken_config_refused(with_template):
+    model_dir = with_template(chat_template="x")
+    with open(os.path.join(model_dir, "tokenizer_config.json"), "a") as f:
+        f.write(",")
+    with pytest.raises(ChatTemplateError, match="tokenizer_config.json is not valid JSON: Extra data"):
+        ChatTemplate.from_dir(model_dir)
+
+
 @pytest.mark.parametrize("template, messages, match", [
     ("{{ ''.__class__.__mro__ }}", [USER1], "unsafe|access"),
     ("{% set ns = namespace() %}{% set ns._x = 1 %}", [USER1], "_x"),
     ("{{ messages[0]['content'] + 1 }}", [USER1], "refused the conversation"),
     ("x", [], "at least one message"),
     ("x", ["hello"], "message 0 is a str"),
+    ("x", {"role": "user"}, "must be a list, got dict"),
 ])
 def test_bad_conversations_refused(with_template, template, messages, match):
     with pytest.raises(ChatTemplateError, match=match):
