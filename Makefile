@@ -12,7 +12,7 @@ PROTOS := $(wildcard protos/pdserve/v1/*.proto)
 
 .PHONY: setup run test unit integration chaos formal bench bench-quick soak clean deps stubs model image
 
-setup: .deps-apt $(VENV)/.installed $(STUBS) $(MODEL)/config.json
+setup: .deps-apt $(VENV)/.installed $(STUBS) $(MODEL)/tokenizer_config.json
 
 # Debian packages: python3-venv (before the venv), what Mooncake needs even for tcp, gcc and SPIN for the formal
 # model, Prometheus for its tests; the lists and pip steps live in $(INSTALL), which the images (deploy/docker)
@@ -29,7 +29,8 @@ $(STUBS): $(PROTOS) $(VENV)/.installed
 	$(INSTALL) stubs $(PY)
 	@touch $@
 
-$(MODEL)/config.json: $(VENV)/.installed
+# tokenizer_config.json is the newest file make-model writes: a checkpoint from before it is written again
+$(MODEL)/tokenizer_config.json: $(VENV)/.installed
 	$(VENV)/bin/pdserve make-model --out $(MODEL) --preset tiny --seed 0
 
 run: setup

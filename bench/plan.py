@@ -32,6 +32,7 @@ class PresetPlan:
     ab: tuple[Cell, ...] = ()
     flood: Cell | None = None              # admitted traffic for the over-long flood A/B
     profile: tuple[Cell, ...] = ()         # py-spy'd pdserve and co-located runs
+    guidellm: tuple[Cell, ...] = ()        # guidellm over HTTP, then pdserve's own client, same load
 
 
 @dataclass(slots=True)
@@ -51,7 +52,8 @@ def _cells(spec: dict[int, dict[int, int]]) -> list[Cell]:
 
 def quick() -> Plan:
     tiny = PresetPlan("tiny", _cells({128: {1: 3, 4: 8, 16: 16}, 1024: {1: 3, 4: 8, 16: 16}}), hf_requests=2,
-                      ab=(Cell(1024, 1, 3), Cell(128, 16, 16)), flood=Cell(128, 4, 8))
+                      ab=(Cell(1024, 1, 3), Cell(128, 16, 16)), flood=Cell(128, 4, 8),
+                      guidellm=(Cell(128, 1, 4), Cell(128, 4, 16)))
     return Plan("quick", [tiny], repeats=3, raw_repeats=5, flood_seconds=1.5, admission_iters=1000, skipped=[
         "quick: small preset (its checkpoint, a second stack and a 107M-parameter model on 1 CPU thread per "
         "service cost minutes) — run `make bench`",
@@ -66,7 +68,8 @@ def full() -> Plan:
         1024: {1: 4, 4: 8, 16: 32, 64: 64},
         LONG: {1: 2, 4: 4, 16: 16},
     }), hf_requests=3, probe_requests=8, ab=(Cell(1024, 1, 6), Cell(128, 16, 32)), flood=Cell(128, 4, 16),
-        profile=(Cell(128, 16, 64), Cell(1024, 16, 32)))
+        profile=(Cell(128, 16, 64), Cell(1024, 16, 32)),
+        guidellm=(Cell(128, 1, 8), Cell(128, 4, 16), Cell(128, 16, 64), Cell(1024, 4, 8)))
     small = PresetPlan("small", _cells({128: {1: 2, 4: 8, 16: 16}, 1024: {1: 2, 4: 4}}), hf_requests=2,
                        probe_requests=4)
     return Plan("full", [tiny, small], repeats=5, raw_repeats=10, flood_seconds=3.0, admission_iters=3000,

@@ -8,6 +8,7 @@ from .report_breakdown import cpu_per_request, profiles, ttft_breakdown
 from .report_format import guard_fractions
 from .report_gateway import admission_and_flood
 from .report_guards import checksum_ab, guard_overhead
+from .report_guidellm import guidellm_section
 from .report_latency import headline_ratios, latency_table, paired_gap
 from .report_targets import targets
 from .report_transfer import transfer_table
@@ -54,6 +55,7 @@ def build(res: dict) -> str:
                   key=lambda k: (k[0] != "tiny", k[1], k[2]))
     L += latency_table(res, runs, keys)
     L += headline_ratios(runs, keys)
+    L += guidellm_section(res)
     lines, gaps = paired_gap(res)
     L += lines
     L += ttft_breakdown(runs, keys)

@@ -20,7 +20,7 @@ from .run_preset import Bench
 
 def parse(argv=None):
     p = argparse.ArgumentParser(prog="python -m pdserve.bench.run", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="tiny preset only, a few cells: under 3 minutes")
+    p.add_argument("--quick", action="store_true", help="tiny preset only, a few cells: ~3 minutes")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profiles")
     p.add_argument("--report-only", action="store_true",
                    help="measure nothing: rebuild the table and plots from bench/results/bench-<mode>.json")

@@ -25,11 +25,12 @@ def _short(s) -> str:
 def ensure_model(preset: str) -> str:
     from pdserve.engine.make_model import make_model
 
+    # tokenizer_config.json is the newest file make-model writes (guidellm needs it): an older checkpoint is not used
     default = os.path.join(ROOT, "models", "pdserve-tiny")
-    if preset == "tiny" and os.path.exists(os.path.join(default, "config.json")):
+    if preset == "tiny" and os.path.exists(os.path.join(default, "tokenizer_config.json")):
         return default
     path = os.path.join(MODELS, f"pdserve-{preset}")
-    if not os.path.exists(os.path.join(path, "config.json")):
+    if not os.path.exists(os.path.join(path, "tokenizer_config.json")):
         log(f"writing the {preset} checkpoint to {os.path.relpath(path, ROOT)} (seed 0) ...")
         make_model(path, preset, 0)
     return path

@@ -12,11 +12,12 @@ from dataclasses import asdict
 
 from .run_common import ROOT, _short, ensure_model, log
 from .run_gateway import GatewaySteps
+from .run_guidellm import GuidellmStep
 from .run_profile import ProfileStep
 from .run_transfer import TransferSteps
 
 
-class Bench(GatewaySteps, ProfileStep, TransferSteps):
+class Bench(GatewaySteps, GuidellmStep, ProfileStep, TransferSteps):
     """One bench run: every preset's measurements, then the steps after them; results collect in res."""
 
     def __init__(self, plan, profile: bool):
@@ -76,6 +77,8 @@ class Bench(GatewaySteps, ProfileStep, TransferSteps):
             self._matrix(pp, stack_a, colo, vocab)
             self._probe(pp, stacks, colo, vocab, lens)
             self._transformers(pp, model_dir, vocab, lens)
+            if pp.guidellm:
+                self._guidellm(pp, stack_a, model_dir, vocab)
             if pp.ab and stack_b is not None:
                 self._checksum_ab(pp, stack_a, stack_b, vocab)
             if pp.flood:
