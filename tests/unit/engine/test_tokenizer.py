@@ -53,10 +53,14 @@ def test_hf_skips_special_tokens(hf_dir):
     assert tok.decode([0] + ids + [1]) == "hello there"  # <s>=0, </s>=1 in make_model
 
 
-def test_load_tokenizer_picks_by_file(hf_dir, tmp_path):
+def test_load_tokenizer_needs_the_file_unless_bytes_are_asked_for(hf_dir, tmp_path):
     assert isinstance(load_tokenizer(hf_dir, VOCAB_SIZE), HFTokenizer)
-    fallback = load_tokenizer(str(tmp_path), 300)
-    assert isinstance(fallback, ByteTokenizer) and fallback.vocab_size == 300
+    with pytest.raises(ValueError) as e:
+        load_tokenizer(str(tmp_path), 300)
+    assert str(tmp_path / "tokenizer.json") in str(e.value) and "--byte-tokenizer" in str(e.value)
+    chosen = load_tokenizer(str(tmp_path), 300, byte_tokenizer=True)
+    assert isinstance(chosen, ByteTokenizer) and chosen.vocab_size == 300
+    assert chosen.encode("hé") == [104, 195, 169]
 
 
 def _stream(tok, ids, chunk=1):
