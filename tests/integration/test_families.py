@@ -1,6 +1,9 @@
 """Each family served by the whole disaggregated stack from a checkpoint transformers wrote: greedy tokens
 streamed through the gateway are, one by one, the argmax of transformers' logits given the prompt and the
 tokens before them (teacher forcing), so prefill, the KV transfer and paged decode are checked per family."""
+import json
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -49,3 +52,20 @@ def test_streamed_greedy_tokens_are_transformers_argmax(family, stacks):
     expected = logits[len(prompt) - 1:-1].argmax(-1).tolist()
     assert generated == expected
     assert len(set(generated)) > 1  # not a constant stream that any broken model could produce
+
+
+def test_a_service_refuses_a_checkpoint_it_would_serve_wrongly(tmp_path, model_dir):
+    """The issue's case: transformers wrote Llama attention biases, config.json says there are none. Decode
+    exits 2 with the tensors named, before it registers anything, and without a traceback."""
+    path = write_checkpoint("llama", str(tmp_path / "biased"), model_dir)
+    with open(f"{path}/config.json") as f:
+        raw = json.load(f)
+    with open(f"{path}/config.json", "w") as f:
+        json.dump({**raw, "attention_bias": False}, f)
+    run = subprocess.run([sys.executable, "-m", "pdserve.cli", "decode", "--model", path, "--port", "0",
+                          "--metrics-port", "0", "--broker", "127.0.0.1:1", "--insecure", "--allow-unsafe", "insecure"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "8 tensors in the checkpoint are not used by the model" in run.stderr
+    assert "model.layers.0.self_attn.q_proj.bias" in run.stderr
+    assert "Traceback" not in run.stderr + run.stdout
