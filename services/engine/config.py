@@ -24,6 +24,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # every id config.json lists as an end of sequence (Llama 3.x lists three); eos_token_id is the first
+    eos_token_ids: tuple[int, ...] = ()
     head_dim: int = 0
     family: str = "llama"
     qkv_bias: bool = False

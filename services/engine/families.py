@@ -98,8 +98,7 @@ def read_config(raw: dict) -> dict:
         raise CheckpointError(f"hidden_act {act!r} is not supported (only 'silu')")
     theta, scaling = _rope(raw)
     eos = raw.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
+    eos_ids = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
     attention_bias = bool(raw.get("attention_bias", False))
     kw = dict(
         vocab_size=raw["vocab_size"], hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"],
@@ -107,7 +106,8 @@ def read_config(raw: dict) -> dict:
         num_key_value_heads=raw.get("num_key_value_heads") or raw["num_attention_heads"],
         max_position_embeddings=raw.get("max_position_embeddings", 2048), rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
         rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id"), eos_token_id=eos, head_dim=raw.get("head_dim") or 0, family=family,
+        bos_token_id=raw.get("bos_token_id"), eos_token_id=eos_ids[0] if eos_ids else None,
+        eos_token_ids=eos_ids, head_dim=raw.get("head_dim") or 0, family=family,
         # Qwen2 always has q/k/v biases and none on o_proj; Llama's and Qwen3's attention_bias covers all four
         qkv_bias=family == "qwen2" or attention_bias, o_bias=attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=family in ("qwen3", "qwen3_moe"),

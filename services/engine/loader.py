@@ -6,7 +6,6 @@ serving without it would give wrong logits with no error. Nothing is loaded unle
 """
 from __future__ import annotations
 
-import glob
 import json
 import os
 
@@ -21,15 +20,18 @@ SHOWN = 5  # names quoted per kind of mismatch; the count says how many there ar
 
 
 def _weight_files(path: str) -> list[str]:
+    """The files transformers reads: the shards the index names, else model.safetensors. Other
+    *.safetensors beside them (a hub repo's consolidated.safetensors, a stray copy) are not the checkpoint."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
         return [os.path.join(path, s) for s in shards]
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors under {path}: run `pdserve make-model --out {path}`")
-    return files
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json under {path}: run "
+                                f"`pdserve make-model --out {path}`")
+    return [single]
 
 
 def _listed(kind: str, names: list[str]) -> str:

@@ -112,6 +112,18 @@ def test_no_weights_raises(model_dir, tmp_path):
         load_model(str(tmp_path))
 
 
+def test_only_model_safetensors_is_read_without_an_index(model_dir, state, tmp_path):
+    """As transformers: a hub repo's consolidated.safetensors beside model.safetensors is not the checkpoint."""
+    _copy_config(model_dir, str(tmp_path))
+    shutil.copy(os.path.join(model_dir, "model.safetensors"), tmp_path)
+    save_file({"tok_embeddings.weight": torch.zeros(3, 4)}, str(tmp_path / "consolidated.safetensors"))
+    m = load_model(str(tmp_path))
+    assert torch.equal(m.model.embed_tokens.weight, state["model.embed_tokens.weight"])
+    os.remove(tmp_path / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        load_model(str(tmp_path))
+
+
 def test_load_in_bfloat16(model_dir, state):
     m = load_model(model_dir, dtype=torch.bfloat16)
     w = m.model.layers[0].self_attn.q_proj.weight
@@ -160,7 +172,7 @@ def test_config_fields(model_dir, tmp_path):
     assert (cfg.bos_token_id, cfg.eos_token_id) == (0, 1)
     _copy_config(model_dir, str(tmp_path), eos_token_id=[7, 1], head_dim=64)
     cfg2 = ModelConfig.from_dir(str(tmp_path))
-    assert cfg2.eos_token_id == 7 and cfg2.head_dim == 64
+    assert cfg2.eos_token_id == 7 and cfg2.eos_token_ids == (7, 1) and cfg2.head_dim == 64
 
 
 def test_config_rejects_other_architectures_and_bad_heads(model_dir, tmp_path):

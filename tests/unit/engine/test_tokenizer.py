@@ -145,3 +145,17 @@ def test_incremental_push_decodes_a_window_not_the_whole_stream():
     for b in ("x" * 500).encode():
         dec.push([b])
     assert max(calls) <= 2  # the old decoder re-decoded all 500 ids on the last push
+
+
+def test_up_passes_byte_tokenizer_to_the_gateway(hf_dir, monkeypatch):
+    from pdserve import cli, launcher
+    seen = {}
+
+    def start_stack(model, **kw):
+        seen.update(kw)
+        raise KeyboardInterrupt  # stop `up` here: nothing is started
+    monkeypatch.setattr(launcher, "start_stack", start_stack)
+    for argv, extra in ((["--byte-tokenizer"], {"gateway": ["--byte-tokenizer"]}), ([], None)):
+        with pytest.raises(KeyboardInterrupt):
+            cli.main(["up", "--model", hf_dir, *argv])
+        assert seen["extra"] == extra
