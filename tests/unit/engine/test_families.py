@@ -1,6 +1,6 @@
 """Each family, from a checkpoint transformers wrote: the engine's logits equal transformers' through prefill
-and paged decode (fp32 < 1e-3; bf16 < BF16_TOL against transformers run in bf16), and checkpoints the engine
-does not implement are refused at load, by name."""
+and paged decode (fp32 < 1e-3; bf16 and fp16 within HALF_TOL of transformers run in the same dtype), and
+checkpoints the engine does not implement are refused at load, by name."""
 import json
 import os
 
@@ -18,9 +18,9 @@ PAGES = [9, 2, 14, 5, 11, 0]  # not contiguous, not in order
 N, HEAD = 44, 25              # tokens in all; the prompt prefilled, the rest decoded one at a time
 # bf16 keeps 8 bits of mantissa: logits (std ~1.2, |max| < 8) move by up to ~0.2 from fp32. The engine and
 # transformers round at the same places except in paged decode attention (another order of sums), so between
-# them the gap is a few bf16 steps at |logit| in [4, 8) (one step: 0.0625; measured: 0.0625); a dropped tensor
-# or wrong rope moves logits by whole units
-BF16_TOL = 0.25
+# them the gap is a few bf16 steps at |logit| in [4, 8) (one step: 0.0625; measured: 0.0625). fp16 keeps 11
+# bits (one step there: 0.0078; measured: up to 0.016). A dropped tensor or a wrong rope moves logits by units.
+HALF_TOL = {"bfloat16": 0.25, "float16": 0.05}
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +54,13 @@ def test_fp32_logits_match_transformers(checkpoints, family):
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("dtype", HALF_TOL)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_bf16_logits_match_transformers(checkpoints, family):
+def test_half_precision_logits_match_transformers(checkpoints, family, dtype):
     ids = _ids(2)
-    ref = load_reference(checkpoints[family], torch.bfloat16)(torch.tensor([ids])).logits[0].float()
-    ours = _engine_logits(checkpoints[family], ids, "bfloat16")
-    assert (ours - ref).abs().max().item() < BF16_TOL
+    ref = load_reference(checkpoints[family], getattr(torch, dtype))(torch.tensor([ids])).logits[0].float()
+    ours = _engine_logits(checkpoints[family], ids, dtype)
+    assert (ours - ref).abs().max().item() < HALF_TOL[dtype]
 
 
 @torch.inference_mode()
