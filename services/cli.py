@@ -32,7 +32,8 @@ def _up(args) -> int:
             args.model, base_ports=not args.free_ports, context_length=args.context_length, page_size=args.page_size,
             prefill_pool_tokens=args.prefill_pool_tokens, decode_pool_tokens=args.decode_pool_tokens,
             allow_small=args.allow_pool_smaller_than_context, num_prefill=args.prefill_instances,
-            num_decode=args.decode_instances, echo=True, tls_dir=tls_dir)
+            num_decode=args.decode_instances, echo=True, tls_dir=tls_dir,
+            extra={"gateway": ["--byte-tokenizer"]} if args.byte_tokenizer else None)
     except BaseException:
         if not args.tls_dir:
             shutil.rmtree(tls_dir, ignore_errors=True)
@@ -118,6 +119,8 @@ def build_parser(argv: list[str], load_all: bool = False) -> argparse.ArgumentPa
     up.add_argument("--allow-pool-smaller-than-context", action="store_true")
     up.add_argument("--prefill-instances", type=int, default=1)
     up.add_argument("--decode-instances", type=int, default=1)
+    up.add_argument("--byte-tokenizer", action="store_true",
+                    help="encode text as UTF-8 bytes (ids 0..255) instead of the checkpoint's tokenizer.json")
     up.add_argument("--free-ports", action="store_true",
                     help="every port picked by the OS instead of the defaults (a second stack on one host, tests)")
     up.add_argument("--tls-dir", default=None,
@@ -136,14 +139,18 @@ def build_parser(argv: list[str], load_all: bool = False) -> argparse.ArgumentPa
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.set_defaults(fn=lambda a: __import__("pdserve.client", fromlist=["main"]).main(a))
 
-    m = sub.add_parser("make-model", help="write a random Llama checkpoint in Hugging Face format")
+    m = sub.add_parser("make-model", help="write a random checkpoint of one model family in Hugging Face format")
     m.add_argument("--out", default=config.DEFAULT_MODEL)
+    m.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"],
+                   help="model family (its model_type)")
     m.add_argument("--preset", default="tiny", choices=["tiny", "small"])
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the written tensors")
 
     def _make(a):
         from .engine.make_model import make_model
-        print(make_model(a.out, a.preset, a.seed))
+        print(make_model(a.out, a.preset, a.seed, a.arch, a.dtype))
         return 0
     m.set_defaults(fn=_make)
 
@@ -178,10 +185,15 @@ def build_parser(argv: list[str], load_all: bool = False) -> argparse.ArgumentPa
 
 def main(argv: list[str] | None = None) -> int:
     from .common.lifeline import watch_from_env
+    from .engine.config import CheckpointError
     watch_from_env()  # started by services/launcher.py: stop when it dies
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    rc = args.fn(args)
+    try:
+        rc = args.fn(args)
+    except CheckpointError as e:  # a checkpoint the engine cannot serve: the user's to fix, not a crash
+        print(f"pdserve {args.cmd}: {e}", file=sys.stderr)
+        return 2
     return rc if isinstance(rc, int) else 0
 
 

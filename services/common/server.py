@@ -148,6 +148,8 @@ class Service:
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             stop.cancel()
+            if task.exception() is not None:  # e.g. a refused checkpoint: stopped here, not torn down by the GC
+                await self.server.stop(0)
             return task.result()
         log.info("%s: stopped during start-up; exiting", self.name)
         logging.shutdown()

@@ -1,9 +1,13 @@
-"""Model configuration read from a Hugging Face `config.json` (Llama architecture)."""
+"""Model configuration read from a Hugging Face `config.json` (the families in families.py)."""
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass, field
+
+
+class CheckpointError(ValueError):
+    """A checkpoint the engine cannot serve exactly as written: the CLI prints the message, no traceback."""
 
 
 @dataclass(slots=True)
@@ -20,7 +24,23 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # every id config.json lists as an end of sequence (Llama 3.x lists three); eos_token_id is the first
+    eos_token_ids: tuple[int, ...] = ()
     head_dim: int = 0
+    family: str = "llama"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # RoPE frequency scaling: {"rope_type": "llama3"|"linear", "factor": ..., ...}; empty for plain RoPE
+    rope_scaling: dict = field(default_factory=dict)
+    # positions at or past the sliding window would attend differently: the runner refuses them (0: no window)
+    sliding_window: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[int, ...] = ()
     name: str = "model"
     path: str = ""
     extra: dict = field(default_factory=dict)
@@ -29,9 +49,15 @@ class ModelConfig:
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
+            raise CheckpointError(
                 f"num_attention_heads {self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_key_value_heads}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise CheckpointError(f"num_experts_per_tok {self.num_experts_per_tok} exceeds num_experts "
+                                  f"{self.num_experts}")
+        if self.sliding_window:
+            # served context capped at the window, where sliding-window attention equals full attention
+            self.max_position_embeddings = min(self.max_position_embeddings, self.sliding_window)
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -39,34 +65,12 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, path: str) -> "ModelConfig":
+        from .families import read_config
+
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)
-        arch = raw.get("architectures") or ["LlamaForCausalLM"]
-        if raw.get("model_type", "llama") != "llama" and "LlamaForCausalLM" not in arch:
-            raise ValueError(f"{path}: model_type {raw.get('model_type')!r} is not a Llama checkpoint")
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ValueError(f"{path}: rope_type {rope_type!r} is not supported (only default RoPE)")
-        theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
-        eos = raw.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        return cls(
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=raw["num_attention_heads"],
-            num_key_value_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-5),
-            rope_theta=float(theta),
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            bos_token_id=raw.get("bos_token_id"),
-            eos_token_id=eos,
-            head_dim=raw.get("head_dim") or 0,
-            name=os.path.basename(os.path.normpath(path)),
-            path=path,
-            extra=raw,
-        )
+        try:
+            kw = read_config(raw)
+        except CheckpointError as e:
+            raise CheckpointError(f"{path}/config.json: {e}") from None
+        return cls(**kw, name=os.path.basename(os.path.normpath(path)), path=path, extra=raw)

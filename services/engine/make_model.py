@@ -1,4 +1,4 @@
-"""`pdserve make-model`: writes a random Llama checkpoint in Hugging Face format.
+"""`pdserve make-model`: writes a random checkpoint of one family in Hugging Face format.
 
 No weights can be downloaded here, so the default model is random. `initializer_range` 0.1 (not
 the usual 0.02) makes the logits depend strongly on the context, so stale or foreign KV changes the
@@ -13,8 +13,10 @@ import torch
 from safetensors.torch import save_file
 
 from .config import ModelConfig
+from .families import ARCHITECTURES, read_config
+from .kv_pool import DTYPES
 from .make_tokenizer import VOCAB_SIZE, write_tokenizer
-from .model import LlamaForCausalLM
+from .model import CausalLM
 
 PRESETS = {
     # a few million parameters: the embedded default, fast on two CPU cores
@@ -24,29 +26,52 @@ PRESETS = {
     "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=9, num_attention_heads=16,
                   num_key_value_heads=8, max_position_embeddings=4096),
 }
-def make_model(out: str, preset: str = "tiny", seed: int = 0) -> str:
+# what each family adds to the Llama config, so its own tensors and keys are exercised
+FAMILY_KEYS = {
+    "llama": dict(attention_bias=False, mlp_bias=False),
+    "mistral": dict(sliding_window=4096),
+    "qwen2": dict(use_sliding_window=False, sliding_window=None, tie_word_embeddings=True),
+    # head_dim 64 is not hidden_size / heads (32): Qwen3's explicit head_dim
+    "qwen3": dict(attention_bias=False, head_dim=64),
+    "qwen3_moe": dict(attention_bias=False, head_dim=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[0]),
+}
+MOE_INTERMEDIATE = {"tiny": 128, "small": 704}
+
+
+def _config(arch: str, preset: str, dtype: str) -> dict:
+    raw = dict(architectures=[ARCHITECTURES[arch]], model_type=arch, vocab_size=VOCAB_SIZE,
+               rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu", initializer_range=0.1,
+               tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, torch_dtype=dtype)
+    if arch == "llama":  # the key order of the original default checkpoint, whose bytes must not change
+        return dict(raw, **FAMILY_KEYS[arch], **PRESETS[preset])
+    moe = dict(moe_intermediate_size=MOE_INTERMEDIATE[preset]) if arch == "qwen3_moe" else {}
+    return dict(raw, **PRESETS[preset], **FAMILY_KEYS[arch], **moe)
+
+
+def make_model(out: str, preset: str = "tiny", seed: int = 0, arch: str = "llama", dtype: str = "float32") -> str:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
+    raw = _config(arch, preset, dtype)
+    cfg = ModelConfig(**read_config(raw))
     os.makedirs(out, exist_ok=True)
     write_tokenizer(out)
-    raw = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB_SIZE,
-               rms_norm_eps=1e-5, rope_theta=10000.0, hidden_act="silu", initializer_range=0.1,
-               tie_word_embeddings=False, bos_token_id=0, eos_token_id=1, torch_dtype="float32",
-               attention_bias=False, mlp_bias=False, **PRESETS[preset])
-    cfg = ModelConfig(**{k: raw[k] for k in ("vocab_size", "hidden_size", "intermediate_size",
-                                               "num_hidden_layers", "num_attention_heads",
-                                               "num_key_value_heads", "max_position_embeddings")})
     gen = torch.Generator().manual_seed(seed)
-    model = LlamaForCausalLM(cfg)
     state = {}
-    for name, p in model.state_dict().items():
+    for name, p in CausalLM(cfg).state_dict().items():
         if name.endswith("norm.weight"):
             # not all ones, so a loader that drops norm weights is caught by the parity test
             state[name] = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
         else:
             state[name] = 0.1 * torch.randn(p.shape, generator=gen)
-    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(out, "model.safetensors"),
-              metadata={"format": "pt"})
+    if cfg.tie_word_embeddings:
+        del state["lm_head.weight"]
+    save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in state.items()},
+              os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(raw, f, indent=2)
     with open(os.path.join(out, "generation_config.json"), "w") as f:

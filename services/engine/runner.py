@@ -7,7 +7,7 @@ import sys
 import torch
 
 from .context import AttentionContext, reset_context, set_context
-from .kv_pool import KVPool, PoolLayout
+from .kv_pool import DTYPES, KVPool, PoolLayout
 from .loader import load_model
 
 
@@ -29,8 +29,7 @@ class ModelRunner:
     def __init__(self, model_dir: str, num_pages: int, page_size: int, dtype: str = "float32",
                  device: torch.device | str | None = None):
         self.device = torch.device(device) if device is not None else pick_device()
-        self.model = load_model(model_dir, self.device, torch.float32 if dtype == "float32" else
-                                {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype])
+        self.model = load_model(model_dir, self.device, DTYPES[dtype])
         self.config = self.model.config
         self.layout = PoolLayout.for_model(self.config, page_size, dtype)
         self.pool = KVPool(self.layout, num_pages, self.device)
@@ -39,6 +38,13 @@ class ModelRunner:
     @property
     def page_size(self) -> int:
         return self.layout.page_size
+
+    def _check_window(self, last_position: int) -> None:
+        """Past a sliding window attention would differ from the full attention computed here: refuse."""
+        window = self.config.sliding_window
+        if window and last_position >= window:
+            raise ValueError(f"position {last_position} is past the model's sliding_window {window}; the served "
+                             f"context is capped at {window} tokens")
 
     def _tensor(self, data) -> torch.Tensor:
         return torch.tensor(data, dtype=torch.int64, device=self.device)
@@ -49,6 +55,7 @@ class ModelRunner:
         n, ps = len(token_ids), self.page_size
         if len(pages) * ps < n:
             raise ValueError(f"{len(pages)} pages of {ps} tokens cannot hold {n} tokens")
+        self._check_window(n - 1)
         positions = torch.arange(n, device=self.device)
         page_of = self._tensor(pages)[positions // ps]
         set_context(AttentionContext(True, page_of, positions % ps))
@@ -64,6 +71,7 @@ class ModelRunner:
         """One step for B sequences: token b sits at positions[b]; returns logits [B, V]."""
         ps = self.page_size
         B = len(token_ids)
+        self._check_window(max(positions))
         max_pages = max(len(t) for t in page_tables)
         table = torch.zeros((B, max_pages), dtype=torch.int64)
         for b, t in enumerate(page_tables):

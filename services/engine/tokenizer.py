@@ -1,7 +1,9 @@
-"""Tokenizer: `tokenizer.json` through the `tokenizers` package when present, bytes otherwise."""
+"""Tokenizer: the checkpoint's `tokenizer.json` through the `tokenizers` package, or bytes when asked for."""
 from __future__ import annotations
 
 import os
+
+from .config import CheckpointError
 
 
 class ByteTokenizer:
@@ -33,9 +35,16 @@ class HFTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
-def load_tokenizer(model_dir: str, vocab_size: int):
+def load_tokenizer(model_dir: str, vocab_size: int, byte_tokenizer: bool = False):
+    """A missing tokenizer.json is an error: bytes fed to a model trained on another vocabulary give
+    fluent-looking garbage, so the byte tokenizer is only ever chosen explicitly."""
+    if byte_tokenizer:
+        return ByteTokenizer(vocab_size)
     path = os.path.join(model_dir, "tokenizer.json")
-    return HFTokenizer(path) if os.path.exists(path) else ByteTokenizer(vocab_size)
+    if not os.path.exists(path):
+        raise CheckpointError(f"no tokenizer at {path}; add the model's tokenizer.json there, or pass "
+                              f"--byte-tokenizer to encode text as UTF-8 bytes (ids 0..255)")
+    return HFTokenizer(path)
 
 
 class IncrementalDecoder:

@@ -43,6 +43,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--discovery-interval", type=float, default=1.0, help="seconds between two DNS/file looks")
     p.add_argument("--load-interval", type=float, default=0.5, help="seconds between two GetInfo polls of a backend")
     p.add_argument("--model", default=config.DEFAULT_MODEL, help="checkpoint directory (for the tokenizer)")
+    p.add_argument("--byte-tokenizer", action="store_true",
+                   help="encode text as UTF-8 bytes (ids 0..255) instead of the checkpoint's tokenizer.json")
     p.add_argument("--queue-limit", type=int, default=256)
     p.add_argument("--queue-timeout", type=float, default=30.0, help="bound on waiting for free KV pages, seconds")
     p.add_argument("--prefill-timeout", type=float, default=60.0, help="bound on one Prefill call, seconds")
@@ -140,7 +142,7 @@ async def serve(args) -> None:
     tasks = [asyncio.ensure_future(d.run()) for d in discoveries(args, backends)]
     await svc.starting(health.first.wait())  # a SIGTERM before any backend answered exits at once
     cap = servicer.cap
-    servicer.tokenizer = load_tokenizer(args.model, cap.vocab_size)
+    servicer.tokenizer = load_tokenizer(args.model, cap.vocab_size, args.byte_tokenizer)
     http = None
     if args.http_port >= 0:
         http = await start_http(servicer, cap.model, args.host, args.http_port)

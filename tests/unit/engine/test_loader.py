@@ -88,7 +88,7 @@ def test_missing_tensor_names_it(model_dir, state, tmp_path):
     with pytest.raises(ValueError) as e:
         load_model(str(tmp_path))
     assert gone in str(e.value)
-    assert "lacks 1 tensors" in str(e.value)
+    assert "1 tensors the model needs are missing" in str(e.value)
 
 
 def test_missing_shard_tensor_names_it(model_dir, state, tmp_path):
@@ -112,6 +112,18 @@ def test_no_weights_raises(model_dir, tmp_path):
         load_model(str(tmp_path))
 
 
+def test_only_model_safetensors_is_read_without_an_index(model_dir, state, tmp_path):
+    """As transformers: a hub repo's consolidated.safetensors beside model.safetensors is not the checkpoint."""
+    _copy_config(model_dir, str(tmp_path))
+    shutil.copy(os.path.join(model_dir, "model.safetensors"), tmp_path)
+    save_file({"tok_embeddings.weight": torch.zeros(3, 4)}, str(tmp_path / "consolidated.safetensors"))
+    m = load_model(str(tmp_path))
+    assert torch.equal(m.model.embed_tokens.weight, state["model.embed_tokens.weight"])
+    os.remove(tmp_path / "model.safetensors")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        load_model(str(tmp_path))
+
+
 def test_load_in_bfloat16(model_dir, state):
     m = load_model(model_dir, dtype=torch.bfloat16)
     w = m.model.layers[0].self_attn.q_proj.weight
@@ -119,24 +131,28 @@ def test_load_in_bfloat16(model_dir, state):
     assert torch.equal(w, state["model.layers.0.self_attn.q_proj.weight"].to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-    {"rope_scaling": {"type": "linear", "factor": 2.0}},
-    {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}},
+@pytest.mark.parametrize("rope, kind", [
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 8.0}}, "'dynamic'"),
+    ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "'longrope'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "'yarn'"),
 ])
-def test_non_default_rope_raises(model_dir, tmp_path, rope):
+def test_unimplemented_rope_raises(model_dir, tmp_path, rope, kind):
     _copy_config(model_dir, str(tmp_path), **rope)
-    with pytest.raises(ValueError, match="not supported"):
+    with pytest.raises(ValueError, match=f"rope_type {kind} is not supported"):
         ModelConfig.from_dir(str(tmp_path))
     shutil.copy(os.path.join(model_dir, "model.safetensors"), tmp_path)
     with pytest.raises(ValueError, match="rope_type"):
         load_model(str(tmp_path))
 
 
-def test_llama3_rope_message_names_the_type(model_dir, tmp_path):
-    _copy_config(model_dir, str(tmp_path), rope_scaling={"rope_type": "llama3", "factor": 8.0})
-    with pytest.raises(ValueError, match="'llama3'"):
-        ModelConfig.from_dir(str(tmp_path))
+def test_scaled_rope_parameters_are_read(model_dir, tmp_path):
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    _copy_config(model_dir, str(tmp_path), rope_scaling=llama3, rope_theta=500000.0)
+    cfg = ModelConfig.from_dir(str(tmp_path))
+    assert cfg.rope_scaling == llama3 and cfg.rope_theta == 500000.0
+    _copy_config(model_dir, str(tmp_path), rope_scaling={"type": "linear", "factor": 2.0})
+    assert ModelConfig.from_dir(str(tmp_path)).rope_scaling == {"rope_type": "linear", "factor": 2.0}
 
 
 def test_default_rope_accepted_and_theta_from_rope_parameters(model_dir, tmp_path):
@@ -156,12 +172,12 @@ def test_config_fields(model_dir, tmp_path):
     assert (cfg.bos_token_id, cfg.eos_token_id) == (0, 1)
     _copy_config(model_dir, str(tmp_path), eos_token_id=[7, 1], head_dim=64)
     cfg2 = ModelConfig.from_dir(str(tmp_path))
-    assert cfg2.eos_token_id == 7 and cfg2.head_dim == 64
+    assert cfg2.eos_token_id == 7 and cfg2.eos_token_ids == (7, 1) and cfg2.head_dim == 64
 
 
 def test_config_rejects_other_architectures_and_bad_heads(model_dir, tmp_path):
-    _copy_config(model_dir, str(tmp_path), model_type="mistral", architectures=["MistralForCausalLM"])
-    with pytest.raises(ValueError, match="mistral"):
+    _copy_config(model_dir, str(tmp_path), model_type="phi3", architectures=["Phi3ForCausalLM"])
+    with pytest.raises(ValueError, match="phi3"):
         ModelConfig.from_dir(str(tmp_path))
     with pytest.raises(ValueError, match="multiple"):
         ModelConfig(vocab_size=8, hidden_size=24, intermediate_size=8, num_hidden_layers=1,

@@ -53,10 +53,14 @@ def test_hf_skips_special_tokens(hf_dir):
     assert tok.decode([0] + ids + [1]) == "hello there"  # <s>=0, </s>=1 in make_model
 
 
-def test_load_tokenizer_picks_by_file(hf_dir, tmp_path):
+def test_load_tokenizer_needs_the_file_unless_bytes_are_asked_for(hf_dir, tmp_path):
     assert isinstance(load_tokenizer(hf_dir, VOCAB_SIZE), HFTokenizer)
-    fallback = load_tokenizer(str(tmp_path), 300)
-    assert isinstance(fallback, ByteTokenizer) and fallback.vocab_size == 300
+    with pytest.raises(ValueError) as e:
+        load_tokenizer(str(tmp_path), 300)
+    assert str(tmp_path / "tokenizer.json") in str(e.value) and "--byte-tokenizer" in str(e.value)
+    chosen = load_tokenizer(str(tmp_path), 300, byte_tokenizer=True)
+    assert isinstance(chosen, ByteTokenizer) and chosen.vocab_size == 300
+    assert chosen.encode("hé") == [104, 195, 169]
 
 
 def _stream(tok, ids, chunk=1):
@@ -141,3 +145,17 @@ def test_incremental_push_decodes_a_window_not_the_whole_stream():
     for b in ("x" * 500).encode():
         dec.push([b])
     assert max(calls) <= 2  # the old decoder re-decoded all 500 ids on the last push
+
+
+def test_up_passes_byte_tokenizer_to_the_gateway(hf_dir, monkeypatch):
+    from pdserve import cli, launcher
+    seen = {}
+
+    def start_stack(model, **kw):
+        seen.update(kw)
+        raise KeyboardInterrupt  # stop `up` here: nothing is started
+    monkeypatch.setattr(launcher, "start_stack", start_stack)
+    for argv, extra in ((["--byte-tokenizer"], {"gateway": ["--byte-tokenizer"]}), ([], None)):
+        with pytest.raises(KeyboardInterrupt):
+            cli.main(["up", "--model", hf_dir, *argv])
+        assert seen["extra"] == extra
