@@ -42,6 +42,18 @@ def test_streaming_sse_carries_the_same_tokens(stack):
 def test_bad_input_is_http_400_with_reason(stack):
     status, body = post(stack, {"prompt": "", "max_tokens": 5})
     assert status == 400
-    assert json.loads(body)["error"]["reason"] == "EMPTY_PROMPT"
+    assert json.loads(body)["error"]["code"] == "invalid_value"  # an empty prompt is refused by the schema
     status, body = post(stack, {"prompt": "hi", "max_tokens": 5000})
-    assert status == 400 and json.loads(body)["error"]["reason"] == "CONTEXT_EXCEEDED"
+    assert status == 400 and json.loads(body)["error"]["code"] == "context_exceeded"
+
+
+def test_a_batch_of_prompts_gets_its_own_choices_each(stack):
+    prompts = [prompt(11, 902), prompt(17, 903)]
+    status, body = post(stack, {"prompt": prompts, "n": 2, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert status == 200, body
+    out = json.loads(body)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    for i, c in enumerate(out["choices"]):
+        assert c["token_ids"] == stack.generate(prompt_token_ids=prompts[i // 2], max_tokens=4,
+                                                ignore_eos=True)["token_ids"]
+    assert out["usage"] == {"prompt_tokens": 28, "completion_tokens": 16, "total_tokens": 44}

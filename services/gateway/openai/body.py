@@ -62,8 +62,9 @@ def _validation_error(e: ValidationError) -> ApiError:
     extra = [".".join(map(str, x["loc"])) for x in errors if x["type"] == "extra_forbidden"]
     if extra:
         return ApiError(400, "unsupported_field", f"unsupported field(s): {', '.join(extra)}", param=extra[0])
-    first = errors[0]
-    # in a union, pydantic names the branch tried ('list[constrained-int]'): the client's path has no such step
+    # in a union: the branch that got furthest into the value, and one whose type matched
+    first = max(errors, key=lambda x: (len(x["loc"]), not x["type"].endswith("_type")))
+    # pydantic names the union branch it tried ('list[constrained-int]'): the client's path has no such step
     loc = [str(p) for p in first["loc"] if not (isinstance(p, str) and ("[" in p or "constrained" in p))]
     param = ".".join(loc)
     got = repr(first.get("input"))[:80]

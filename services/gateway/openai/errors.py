@@ -13,6 +13,8 @@ STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDI
           grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.CANCELLED: 499,
           grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
           grpc.StatusCode.DEADLINE_EXCEEDED: 504}
+# refused at admission (INVALID_ARGUMENT, so gRPC clients do not retry it on the same gateway), yet transient
+BY_REASON = {"OVERLOADED": 429}
 TYPES = {401: "authentication_error", 429: "rate_limit_error"}
 NO_RETRY = {grpc.StatusCode.DATA_LOSS, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
             grpc.StatusCode.UNIMPLEMENTED}
@@ -29,7 +31,7 @@ class ApiError(Exception):
 
     @classmethod
     def from_pd(cls, e: PdError) -> "ApiError":
-        status = STATUS.get(e.code, 500)
+        status = BY_REASON.get(e.reason, STATUS.get(e.code, 500))
         headers = {}
         if status in (429, 503):
             headers["Retry-After"] = RETRY_AFTER_S
