@@ -3,6 +3,7 @@ streaming, stop, n, logprobs, seed, include_usage; checked against an independen
 chat template and the log-softmax, gRPC Generate and unstopped runs for the text)."""
 import json
 import os
+import signal
 import socket
 import time
 
@@ -61,7 +62,7 @@ def test_greedy_streaming_equals_json_and_grpc(client, model, stack):
     (choice,) = out.choices
     assert out.usage.prompt_tokens == 20 and out.usage.completion_tokens == 9 and choice.finish_reason == "length"
     ref = stack.generate(prompt_token_ids=p, max_tokens=9, ignore_eos=True)
-    assert choice.text == ref["text"] and choice.model_extra["token_ids"] == ref["token_ids"]
+    assert choice.text == ref["text"] and choice.token_ids == ref["token_ids"]
     chunks = list(client.completions.create(model=model, prompt=p, max_tokens=9, stream=True,
                                             stream_options={"include_usage": True}, **greedy()))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == choice.text
@@ -96,6 +97,20 @@ def test_stop_ends_the_text_before_the_stop_string(client, model):
         chunks = list(out) if stream else [out]
         assert "".join(c.choices[0].text for c in chunks) == full[:k], (stop, full)
         assert chunks[-1].choices[0].finish_reason == "stop"
+    ids = client.completions.create(model=model, prompt=p, max_tokens=16, **greedy()).choices[0].token_ids
+    j = next(i for i in range(2, len(ids)) if ids.index(ids[i]) == i)
+    out = client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0,
+                                    extra_body={"ignore_eos": True, "stop_token_ids": [ids[j]]}).choices[0]
+    # the stop token's text is not returned; whether its id is listed is the engine's choice
+    assert out.token_ids in (ids[:j], ids[:j + 1]) and out.finish_reason == "stop"
+
+
+def test_top_k_1_samples_the_greedy_text(client, model):
+    p = prompt(14, 1206)
+    want = client.completions.create(model=model, prompt=p, max_tokens=10, **greedy()).choices[0].text
+    got = client.completions.create(model=model, prompt=p, max_tokens=10, temperature=1.5, seed=3,
+                                    extra_body={"ignore_eos": True, "top_k": 1})
+    assert got.choices[0].text == want
 
 
 def test_n2_with_a_seed_is_seed_plus_i(client, model):
@@ -117,7 +132,7 @@ def test_logprobs_are_the_log_softmax_of_transformers(client, model, oracle):
     p = prompt(10, 1202)
     out = client.completions.create(model=model, prompt=p, max_tokens=5, logprobs=3, echo=True, **greedy())
     (c,) = out.choices
-    ids = c.model_extra["token_ids"]
+    ids = c.token_ids
     ref = torch.log_softmax(oracle.hf_logits(p + ids), dim=-1)
     lp = c.logprobs
     assert len(lp.tokens) == len(p) + 5 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
@@ -168,6 +183,7 @@ def test_data_loss_is_not_retried(client, model, stack):
 def test_a_client_that_leaves_cancels_its_generation(stack, gw, stream):
     def cancelled():
         return stack_metric(gw, 'pdserve_requests_total{code="CANCELLED"}')
+    assert all(st.num_leased == 0 for st in wait_no_leases(stack, timeout=30))  # leases seen below are ours
     before = cancelled()
     body = json.dumps({"prompt": prompt(8, 1204), "max_tokens": 3000, "ignore_eos": True, "stream": stream}).encode()
     s = socket.create_connection(("127.0.0.1", gw.http_port), timeout=30)
@@ -177,11 +193,27 @@ def test_a_client_that_leaves_cancels_its_generation(stack, gw, stream):
     while all(st.num_leased == 0 for st in stack.pool_states()):
         time.sleep(0.02)  # until decode holds its pages: the request is generating
     s.close()
-    assert all(st.num_leased == 0 for st in wait_no_leases(stack, timeout=20))
-    assert cancelled() == before + 1
+    assert all(st.num_leased == 0 for st in wait_no_leases(stack, timeout=20)), "".join(gw.lines[-15:])
+    assert cancelled() == before + 1, "".join(gw.lines[-15:])
 
 
 def stack_metric(proc, series: str) -> float:
     import urllib.request
     text = urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " "))
+
+
+def test_zz_drain_finishes_http_streams_and_refuses_new_requests(client, model, gw):
+    """Last in this module: it stops the module's gateway."""
+    stream = client.completions.create(model=model, prompt=prompt(6, 1205), max_tokens=150, stream=True,
+                                       **greedy())
+    chunks = [next(iter(stream))]
+    os.killpg(gw.popen.pid, signal.SIGTERM)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model=model, prompt="hi", max_tokens=2)
+    assert e.value.status_code == 503 and e.value.code == "draining"
+    assert float(e.value.response.headers["retry-after"]) > 0
+    chunks += list(stream)
+    assert sum(len(c.choices[0].token_ids) for c in chunks) == 150
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert gw.popen.wait(60) == 0, "".join(gw.lines[-20:])

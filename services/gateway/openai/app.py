@@ -9,13 +9,14 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from ...common.drain import draining_error
 from ...common.errors import PdError
 from . import chat, completions
 from .errors import ApiError
+from .generation import ClientGone
 from .server import Limits
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,10 @@ def create_app(front: Front, api_key: str | None) -> Envelope:
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError):
         return e.response()
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, e: ClientGone):
+        return Response(status_code=499)  # nobody reads it: uvicorn drops it with the connection
 
     @app.exception_handler(PdError)
     async def _pd_error(request: Request, e: PdError):

@@ -8,8 +8,10 @@ import json
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from .errors import ApiError
+from .generation import ClientGone
 
 
 def _no_constant(name: str):
@@ -32,6 +34,8 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
             chunk = await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - loop.time()))
         except StopAsyncIteration:
             break
+        except ClientDisconnect:
+            raise ClientGone(f"the client left after {size} bytes of its body") from None
         except asyncio.TimeoutError:
             raise ApiError(408, "body_timeout", f"body not received within {timeout_s:g}s "
                                                 f"({size} bytes by then)") from None

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from ...engine.chat import ChatTemplateError
 from .body import parse, read_body
 from .errors import ApiError
-from .generation import ClientGone, Output, build, collect
+from .generation import Output, build, collect
 from .schema import ChatRequest
 from .stream import event_stream, open_stream, usage
 
@@ -90,10 +90,7 @@ async def handle(front, request: Request) -> Response:
             if with_usage:
                 yield {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(len(ids), sum(counts))}
         return event_stream(*await open_stream(front.servicer, reqs, rid), chunks, tail, rid)
-    try:
-        outs = await collect(front.servicer, reqs, request, rid)
-    except ClientGone:
-        return Response(status_code=499)
+    outs = await collect(front.servicer, reqs, request, rid)
     choices = [{"index": i, "message": {"role": "assistant", "content": "".join(o.text)},
                 "logprobs": logprobs_of(tok, o) if body.logprobs else None, "finish_reason": o.finish}
                for i, o in enumerate(outs)]

@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from .body import parse, read_body
-from .generation import ClientGone, Output, build, collect
+from .generation import Output, build, collect
 from .schema import CompletionRequest
 from .stream import event_stream, open_stream, usage
 
@@ -106,8 +106,5 @@ async def handle(front, request: Request) -> Response:
             if with_usage:
                 yield {**head, "choices": [], "usage": state.usage()}
         return event_stream(gen, first, chunks, tail, rid)
-    try:
-        outs = await collect(front.servicer, reqs, request, rid)
-    except ClientGone:
-        return Response(status_code=499)
+    outs = await collect(front.servicer, reqs, request, rid)
     return {**head, "choices": [state.choice(i, o) for i, o in enumerate(outs)], "usage": state.usage()}

@@ -100,7 +100,8 @@ class HttpServer:
         self.config = uvicorn.Config(
             app, host=host, port=port, http=functools.partial(LimitedH11, limits=limits), lifespan="off",
             timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=limits.max_header_bytes,
-            timeout_graceful_shutdown=drain_timeout_s, access_log=False, log_level="warning", server_header=False)
+            timeout_graceful_shutdown=drain_timeout_s, access_log=False, log_config=None, log_level="warning",
+            server_header=False)  # log_config=None: uvicorn logs through the gateway's own handlers
         self.server = uvicorn.Server(self.config)
         self._ticks: asyncio.Task | None = None
 
