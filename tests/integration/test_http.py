@@ -57,3 +57,16 @@ def test_a_batch_of_prompts_gets_its_own_choices_each(stack):
         assert c["token_ids"] == stack.generate(prompt_token_ids=prompts[i // 2], max_tokens=4,
                                                 ignore_eos=True)["token_ids"]
     assert out["usage"] == {"prompt_tokens": 28, "completion_tokens": 16, "total_tokens": 44}
+
+
+def test_guidellm_body_streams_with_running_usage(stack):
+    """The body guidellm sends (vLLM's continuous_usage_stats, stop null, ignore_eos): every chunk counts the
+    tokens so far."""
+    status, body = post(stack, {"model": "pdserve-tiny", "prompt": "the quick brown fox", "max_tokens": 5,
+                                "stop": None, "ignore_eos": True, "stream": True,
+                                "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert status == 200, body
+    events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    ids = [t for e in events if e["choices"] for t in e["choices"][0]["token_ids"]]
+    assert len(ids) == 5 and counts[-1] == 5 and counts == sorted(counts) and events[-1]["choices"] == []

@@ -36,8 +36,12 @@ class Front:
         if body.model is not None and body.model != self.model:
             raise ApiError(404, "model_not_found", f"the model `{body.model}` does not exist; this server "
                                                    f"serves `{self.model}`", param="model")
-        if body.stream_options is not None and not body.stream:
+        opts = body.stream_options
+        if opts is not None and not body.stream:
             raise ApiError(400, "invalid_value", "stream_options needs stream: true", param="stream_options")
+        if opts is not None and opts.continuous_usage_stats and not opts.include_usage:
+            raise ApiError(400, "invalid_value", "stream_options.continuous_usage_stats needs include_usage: true",
+                           param="stream_options.continuous_usage_stats")
         if self.servicer.draining:
             raise ApiError.from_pd(draining_error("gateway", "new requests are refused; send them to another "
                                                              "gateway"))

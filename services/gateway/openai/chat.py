@@ -15,7 +15,7 @@ from .body import parse, read_body
 from .errors import ApiError
 from .generation import Output, build, collect
 from .schema import ChatRequest
-from .stream import event_stream, open_stream, usage
+from .stream import event_stream, open_stream, usage, usage_fields
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +84,12 @@ async def handle(front, request: Request) -> Response:
             choice = {"index": i, "delta": delta, "logprobs": logprobs_of(tok, o) if body.logprobs else None,
                       "finish_reason": o.finish}
             yield {**head, "object": "chat.completion.chunk", "choices": [choice],
-                   **({"usage": None} if with_usage else {})}
+                   **usage_fields(body, lambda: usage(len(ids), sum(counts)))}
 
         def tail():
             if with_usage:
-                yield {**head, "object": "chat.completion.chunk", "choices": [], "usage": usage(len(ids), sum(counts))}
+                yield {**head, "object": "chat.completion.chunk", "choices": [],
+                       "usage": usage(len(ids), sum(counts))}
         return event_stream(*await open_stream(front.servicer, reqs, rid), chunks, tail, rid)
     outs = await collect(front.servicer, reqs, request, rid)
     choices = [{"index": i, "message": {"role": "assistant", "content": "".join(o.text)},

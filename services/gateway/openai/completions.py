@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from .body import parse, read_body
 from .generation import Output, build, collect
 from .schema import CompletionRequest
-from .stream import event_stream, open_stream, usage
+from .stream import event_stream, open_stream, usage, usage_fields
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
@@ -100,7 +100,7 @@ async def handle(front, request: Request) -> Response:
         def chunks(i, r):
             o = Output()
             o.add(r)
-            yield {**head, "choices": [state.choice(i, o)], **({"usage": None} if with_usage else {})}
+            yield {**head, "choices": [state.choice(i, o)], **usage_fields(body, state.usage)}
 
         def tail():
             if with_usage:

@@ -20,6 +20,7 @@ class Strict(BaseModel):
 
 class StreamOptions(Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far (guidellm asks for it)
 
 
 class Sampling(Strict):

@@ -21,6 +21,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
+def usage_fields(body, current: Callable[[], dict]) -> dict:
+    """What a chunk carries under stream_options: nothing, usage null (include_usage: the last chunk has it), or
+    the usage so far (continuous_usage_stats)."""
+    opts = body.stream_options
+    if opts is None or not opts.include_usage:
+        return {}
+    return {"usage": current() if opts.continuous_usage_stats else None}
+
+
 def _event(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
