@@ -79,6 +79,7 @@ def port(stack):
     (b'{"prompt": [[5], [-1]], "max_tokens": 3}', "invalid_value", "prompt.1.0"),
     (b'{"prompt": "\xff\xfe hi", "max_tokens": 3}', "invalid_utf8", None),
     (b'{"prompt": "hi", "max_tokens": 3, "logit_bias": {"5": 100}}', "unsupported_field", "logit_bias"),
+    (b'{"prompt": ["a", "b", "c", "d", "e"], "n": 16, "max_tokens": 3}', "too_many_choices", "n"),
 ])
 def test_malformed_bodies_get_400_with_an_error_object(port, body, code, param):
     status, out = post(port, body)

@@ -11,12 +11,14 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from .body import parse, read_body
+from .errors import ApiError
 from .generation import Output, build, collect
 from .schema import CompletionRequest
 from .stream import event_stream, open_stream, usage, usage_fields
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_CHOICES = 64  # prompts x n: one request must not fan out into more generate calls than this
 
 
 def prompts_of(body: CompletionRequest) -> list:
@@ -85,6 +87,9 @@ async def handle(front, request: Request) -> Response:
                  CompletionRequest)
     front.check(body)
     prompts = prompts_of(body)
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise ApiError(400, "too_many_choices", f"{len(prompts)} prompts x n {body.n} = {len(prompts) * body.n} "
+                                                f"choices; the limit is {MAX_CHOICES}", param="n")
     log.info("http request %s: completion, %d prompt(s) x %d choice(s)%s", rid, len(prompts), body.n,
              f", user {body.user!r}" if body.user else "")
     prompt_logprobs = body.logprobs if body.echo else None
