@@ -90,7 +90,7 @@ async def handle(front, request: Request) -> Response:
             if with_usage:
                 yield {**head, "object": "chat.completion.chunk", "choices": [],
                        "usage": usage(len(ids), sum(counts))}
-        return event_stream(*await open_stream(front.servicer, reqs, rid), chunks, tail, rid)
+        return event_stream(*await open_stream(front.servicer, reqs, request, rid), chunks, tail, rid)
     outs = await collect(front.servicer, reqs, request, rid)
     choices = [{"index": i, "message": {"role": "assistant", "content": "".join(o.text)},
                 "logprobs": logprobs_of(tok, o) if body.logprobs else None, "finish_reason": o.finish}

@@ -100,7 +100,7 @@ async def handle(front, request: Request) -> Response:
             "model": front.model}
     if body.stream:
         with_usage = body.stream_options is not None and body.stream_options.include_usage
-        gen, first = await open_stream(front.servicer, reqs, rid)
+        gen, first = await open_stream(front.servicer, reqs, request, rid)
 
         def chunks(i, r):
             o = Output()

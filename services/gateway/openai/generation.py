@@ -117,18 +117,23 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def collect(servicer, reqs, request: Request, rid: str) -> list[Output]:
-    """Runs every call to its end while watching the connection: a client that leaves cancels them."""
-    work = asyncio.ensure_future(_gather(servicer, reqs, rid))
+async def until_disconnect(request: Request, work, rid: str):
+    """Awaits work while watching the connection: a client that leaves cancels it (and the calls it runs)."""
+    task = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
-        for t in (work, gone):
+        for t in (task, gone):
             if not t.done():
                 t.cancel()
-    if not work.done() or work.cancelled():
-        await asyncio.gather(work, return_exceptions=True)
-        log.info("http request %s: the client left; its %d generate calls are cancelled", rid, len(reqs))
+    if not task.done() or task.cancelled():
+        await asyncio.gather(task, return_exceptions=True)
+        log.info("http request %s: the client left; its generate calls are cancelled", rid)
         raise ClientGone(rid)
-    return work.result()
+    return task.result()
+
+
+async def collect(servicer, reqs, request: Request, rid: str) -> list[Output]:
+    """Runs every call to its end, unless the client leaves first."""
+    return await until_disconnect(request, _gather(servicer, reqs, rid), rid)

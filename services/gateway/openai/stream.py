@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from ...common.errors import PdError
 from .errors import ApiError
-from .generation import merged
+from .generation import merged, until_disconnect
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +34,19 @@ def _event(obj) -> bytes:
     return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
 
-async def open_stream(servicer, reqs, rid: str):
-    """The merged calls and their first message; raises the refusal of a request that never started."""
-    gen = merged(servicer, reqs, rid)
+async def _first(gen):
     try:
-        first = await gen.__anext__()
+        return await gen.__anext__()
     except BaseException:
         await gen.aclose()
         raise
-    return gen, first
+
+
+async def open_stream(servicer, reqs, request, rid: str):
+    """The merged calls and their first message; raises the refusal of a request that never started, or
+    ClientGone when the client leaves while it waits (in the admission queue, during prefill)."""
+    gen = merged(servicer, reqs, rid)
+    return gen, await until_disconnect(request, _first(gen), rid)
 
 
 def event_stream(gen, first, chunks: Callable[[int, object], Iterable[dict]], tail: Callable[[], Iterable[dict]],
