@@ -15,12 +15,14 @@ from ..common.proto import gateway_pb2, gateway_pb2_grpc
 from ..common.server import Service, setup_logging
 from ..common.tls import add_tls_args, tls_from_args
 from ..common.unsafe import check_unsafe
+from ..engine.chat import ChatTemplate, ChatTemplateError
 from ..engine.tokenizer import load_tokenizer
 from ..common.drain import settle
 from .backends import Backends
 from .discovery import Discovery
 from .drain import drain
-from .http import start_http
+from .openai.app import Front, create_app
+from .openai.server import HttpServer, add_http_args, api_key, http_limits
 from .servicer import Capacity, GatewayServicer
 
 log = logging.getLogger(__name__)
@@ -30,7 +32,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=config.GATEWAY_PORT)
     p.add_argument("--http-port", type=int, default=config.GATEWAY_HTTP_PORT,
-                   help="OpenAI-compatible HTTP API (POST /v1/completions); -1 disables it")
+                   help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+                        "/health); -1 disables it")
+    add_http_args(p)
     p.add_argument("--metrics-port", type=int, default=config.METRICS_PORTS["gateway"])
     add_service_args(p)
     p.add_argument("--prefill", action="append", default=None, help="prefill HOST:PORT (repeatable)")
@@ -126,6 +130,7 @@ class Health:
 
 async def serve(args) -> None:
     check_unsafe("gateway", args)
+    limits, key = http_limits(args), api_key(args)
     tls = tls_from_args(args, "gateway", "gateway")
     init_metrics("gateway")
     backends = Backends(tls, args.load_interval)
@@ -145,14 +150,20 @@ async def serve(args) -> None:
     servicer.tokenizer = load_tokenizer(args.model, cap.vocab_size, args.byte_tokenizer)
     http = None
     if args.http_port >= 0:
-        http = await start_http(servicer, cap.model, args.host, args.http_port)
-        args.http_port = http.sockets[0].getsockname()[1]
+        try:
+            template = ChatTemplate.from_dir(args.model)
+        except ChatTemplateError as e:
+            raise SystemExit(f"gateway: {args.model}: {e}") from None
+        front = Front(servicer, cap.model, limits, template)
+        http = HttpServer(create_app(front, key), args.host, args.http_port, front.limits,
+                          args.drain_timeout)
+        args.http_port = await http.start()
         print(f"PDSERVE_HTTP port={args.http_port}", flush=True)
     tasks.append(asyncio.ensure_future(health.run()))
     health.changed.set()
     await svc.wait_for_termination(drain=lambda: drain(servicer, args.drain_timeout), drain_timeout=args.drain_timeout)
     if http is not None:
-        http.close()
+        await http.close()
     await settle(2.0)  # the Release of a stream cancelled at the drain timeout
     for t in tasks:
         t.cancel()

@@ -90,6 +90,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         check_lengths(num_prompt, max_tokens, c.context_length, c.page_size, c.decode_pool_pages,
                       c.prefill_pool_tokens)
 
+    def generate(self, request, deadline=None):
+        return self.Generate(request, None)
+
     async def Generate(self, request, context):
         start = time.perf_counter()
         code = "OK"

@@ -15,11 +15,12 @@ from pdserve.common.pki import files_for
 from pdserve.common.proto import gateway_pb2_grpc
 
 
-def gateway_over(stack, model_dir: str, prefills: list, decodes: list, http: bool = False) -> launcher.Proc:
+def gateway_over(stack, model_dir: str, prefills: list, decodes: list, http: bool = False,
+                 extra: tuple[str, ...] = ()) -> launcher.Proc:
     """A gateway process that knows only these instances (so its requests can run nowhere else)."""
     f = files_for(stack.tls_dir, "gateway/gateway0")
     args = ["gateway", "--port", "0", "--metrics-port", "0", "--http-port", "0" if http else "-1",
-            "--model", model_dir, "--tls-cert", f.cert, "--tls-key", f.key, "--tls-ca", f.ca]
+            "--model", model_dir, "--tls-cert", f.cert, "--tls-key", f.key, "--tls-ca", f.ca, *extra]
     for p in prefills:
         args += ["--prefill", p.target]
     for d in decodes:

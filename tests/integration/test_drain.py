@@ -171,7 +171,7 @@ def test_gateway_drain_finishes_streams_and_refuses_new_ones(drain_stack, model_
     print(f"gateway drained in {took:.2f}s")
     assert refused.get("error", {}).get("code") == "UNAVAILABLE", refused
     assert refused["error"]["reason"] == "DRAINING", refused
-    assert status == 503 and body["error"]["reason"] == "DRAINING", (status, body)
+    assert status == 503 and body["error"]["code"] == "draining", (status, body)
     assert rc == 0, "".join(gw.lines[-30:])
     assert took < GATEWAY_DRAIN_S + GRACE_S, took
     _check_all(oracle, streams.results(), max_tokens=120)

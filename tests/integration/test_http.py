@@ -42,6 +42,31 @@ def test_streaming_sse_carries_the_same_tokens(stack):
 def test_bad_input_is_http_400_with_reason(stack):
     status, body = post(stack, {"prompt": "", "max_tokens": 5})
     assert status == 400
-    assert json.loads(body)["error"]["reason"] == "EMPTY_PROMPT"
+    assert json.loads(body)["error"]["code"] == "invalid_value"  # an empty prompt is refused by the schema
     status, body = post(stack, {"prompt": "hi", "max_tokens": 5000})
-    assert status == 400 and json.loads(body)["error"]["reason"] == "CONTEXT_EXCEEDED"
+    assert status == 400 and json.loads(body)["error"]["code"] == "context_exceeded"
+
+
+def test_a_batch_of_prompts_gets_its_own_choices_each(stack):
+    prompts = [prompt(11, 902), prompt(17, 903)]
+    status, body = post(stack, {"prompt": prompts, "n": 2, "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+    assert status == 200, body
+    out = json.loads(body)
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    for i, c in enumerate(out["choices"]):
+        assert c["token_ids"] == stack.generate(prompt_token_ids=prompts[i // 2], max_tokens=4,
+                                                ignore_eos=True)["token_ids"]
+    assert out["usage"] == {"prompt_tokens": 28, "completion_tokens": 16, "total_tokens": 44}
+
+
+def test_guidellm_body_streams_with_running_usage(stack):
+    """The body guidellm sends (vLLM's continuous_usage_stats, stop null, ignore_eos): every chunk counts the
+    tokens so far."""
+    status, body = post(stack, {"model": "pdserve-tiny", "prompt": "the quick brown fox", "max_tokens": 5,
+                                "stop": None, "ignore_eos": True, "stream": True,
+                                "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert status == 200, body
+    events = [json.loads(line[6:]) for line in body.splitlines() if line.startswith("data: {")]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    ids = [t for e in events if e["choices"] for t in e["choices"][0]["token_ids"]]
+    assert len(ids) == 5 and counts[-1] == 5 and counts == sorted(counts) and events[-1]["choices"] == []

@@ -1,0 +1,134 @@
+"""The FastAPI application: request ids and the API key around every route, the error object for every
+failure, /health, /v1/models and the two generation routes."""
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException
+
+from ...common.drain import draining_error
+from ...common.errors import PdError
+from . import chat, completions
+from .errors import ApiError
+from .generation import ClientGone
+from .server import Limits
+
+log = logging.getLogger(__name__)
+MAX_REQUEST_ID = 128
+
+
+class Front:
+    """What the routes share: the servicer (admission, tokenizer, capacity), the served name and limits."""
+
+    def __init__(self, servicer, model: str, limits: Limits, template=None):
+        self.servicer, self.model, self.limits, self.template = servicer, model, limits, template
+        self.created = int(time.time())
+
+    def check(self, body) -> None:
+        """What both generation routes refuse before any work: another model, stream_options without a
+        stream, a draining gateway."""
+        if body.model is not None and body.model != self.model:
+            raise ApiError(404, "model_not_found", f"the model `{body.model}` does not exist; this server "
+                                                   f"serves `{self.model}`", param="model")
+        opts = body.stream_options
+        if opts is not None and not body.stream:
+            raise ApiError(400, "invalid_value", "stream_options needs stream: true", param="stream_options")
+        if opts is not None and opts.continuous_usage_stats and not opts.include_usage:
+            raise ApiError(400, "invalid_value", "stream_options.continuous_usage_stats needs include_usage: true",
+                           param="stream_options.continuous_usage_stats")
+        if self.servicer.draining:
+            raise ApiError.from_pd(draining_error("gateway", "new requests are refused; send them to another "
+                                                             "gateway"))
+
+
+class Envelope:
+    """Pure ASGI (a BaseHTTPMiddleware would buffer streams and hide disconnects): X-Request-Id in (echoed)
+    or out (made up), and the API key on everything but /health."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        rid = headers.get(b"x-request-id", b"")
+        err = None
+        if not 0 < len(rid) <= MAX_REQUEST_ID:
+            if rid:
+                err = ApiError(400, "bad_request_id", f"X-Request-Id is {len(rid)} bytes; the limit is "
+                                                      f"{MAX_REQUEST_ID}", param="X-Request-Id")
+            rid = f"req-{uuid.uuid4().hex}".encode()
+        scope.setdefault("state", {})["request_id"] = rid.decode("latin-1")
+
+        async def send_with_id(msg):
+            if msg["type"] == "http.response.start":
+                msg["headers"] = [*msg.get("headers", []), (b"x-request-id", rid)]
+            await send(msg)
+
+        if err is None and self.api_key and scope["path"] != "/health":
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, b"Bearer " + self.api_key.encode()):
+                err = ApiError(401, "invalid_api_key", "missing or wrong API key (Authorization: Bearer ...)")
+        if err is not None:
+            return await err.response()(scope, receive, send_with_id)
+        await self.app(scope, receive, send_with_id)
+
+
+def create_app(front: Front, api_key: str | None) -> Envelope:
+    app = FastAPI(title="pdserve", openapi_url=None, docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError):
+        return e.response()
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, e: ClientGone):
+        return Response(status_code=499)  # nobody reads it: uvicorn drops it with the connection
+
+    @app.exception_handler(PdError)
+    async def _pd_error(request: Request, e: PdError):
+        return ApiError.from_pd(e).response()
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, e: HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return ApiError(e.status_code, code, f"{request.method} {request.url.path}: {e.detail}").response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, e: RequestValidationError):
+        return ApiError(400, "invalid_value", str(e.errors()[:3])).response()
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, e: Exception):
+        log.exception("http request %s failed", request.state.request_id)
+        return ApiError(500, "internal_error", f"{type(e).__name__}: {e}",
+                        headers={"x-should-retry": "false"}).response()
+
+    @app.get("/health")
+    async def health():
+        if front.servicer.draining:
+            return ApiError.from_pd(draining_error("gateway", "it takes no new requests")).response()
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        cap = front.servicer.cap
+        return {"object": "list", "data": [{"id": front.model, "object": "model", "created": front.created,
+                                            "owned_by": "pdserve", "max_model_len": cap.context_length}]}
+
+    @app.post("/v1/completions")
+    async def _completions(request: Request):
+        return await completions.handle(front, request)
+
+    @app.post("/v1/chat/completions")
+    async def _chat(request: Request):
+        return await chat.handle(front, request)
+
+    return Envelope(app, api_key)

@@ -1,0 +1,139 @@
+"""From an OpenAI request to gateway Generate calls and back: one call per (prompt, choice), run side by side
+on the same admission and streaming path as gRPC; a client that leaves cancels every call it started."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from ...common.proto import common_pb2, gateway_pb2
+from .schema import Sampling
+
+log = logging.getLogger(__name__)
+
+FINISH = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop"}
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its answer was ready."""
+
+
+def build(body: Sampling, prompt: str | list[int], max_tokens: int, choice: int, logprobs: int | None,
+          prompt_logprobs: int | None) -> gateway_pb2.GenerateRequest:
+    """Choice i of a request with a seed samples with seed + i, so n > 1 gives n different, reproducible
+    choices."""
+    req = gateway_pb2.GenerateRequest(
+        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, ignore_eos=body.ignore_eos,
+        frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty, stop=body.stops(),
+        stop_token_ids=body.stop_token_ids)
+    if isinstance(prompt, str):
+        req.prompt = prompt
+    else:
+        req.prompt_token_ids.extend(prompt)
+    if body.top_k:
+        req.top_k = body.top_k
+    if body.repetition_penalty is not None:
+        req.repetition_penalty = body.repetition_penalty
+    if body.seed is not None:
+        req.seed = (body.seed + choice) % 2**64
+    if logprobs is not None:
+        req.logprobs = logprobs
+    if prompt_logprobs is not None:
+        req.prompt_logprobs = prompt_logprobs
+    return req
+
+
+@dataclass
+class Output:
+    """One choice's messages gathered: tokens, text, logprobs, and the prompt as the first message gave it."""
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish: str | None = None
+    prompt_tokens: int = 0
+    prompt_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)
+
+    def add(self, r: gateway_pb2.GenerateResponse) -> None:
+        self.token_ids.extend(r.token_ids)
+        self.text.append(r.text)
+        self.logprobs.extend(r.logprobs)
+        self.finish = FINISH.get(r.finish_reason, self.finish)
+        self.prompt_tokens = r.prompt_tokens or self.prompt_tokens
+        self.prompt_ids.extend(r.prompt_token_ids)
+        self.prompt_logprobs.extend(r.prompt_logprobs)
+
+
+async def merged(servicer, reqs: list[gateway_pb2.GenerateRequest], rid: str
+                 ) -> AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]]:
+    """(choice index, message) from all calls as they arrive; the first error ends them all. Close it
+    (contextlib.aclosing) so that the calls are cancelled with it."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, req) -> None:
+        try:
+            async for r in servicer.generate(req, None):
+                if r.request_id:
+                    log.info("http request %s choice %d: internal request %s", rid, i, r.request_id.hex())
+                queue.put_nowait((i, r))
+            queue.put_nowait((i, None))
+        except Exception as e:  # handed to the reader, which raises it
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, req)) for i, req in enumerate(reqs)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _gather(servicer, reqs, rid: str) -> list[Output]:
+    outs = [Output() for _ in reqs]
+    gen = merged(servicer, reqs, rid)
+    try:
+        async for i, r in gen:
+            outs[i].add(r)
+    finally:
+        await gen.aclose()
+    return outs
+
+
+async def _disconnected(request: Request) -> None:
+    # the body is read: the next ASGI message is the disconnect (or the end once the response is sent)
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work, rid: str):
+    """Awaits work while watching the connection: a client that leaves cancels it (and the calls it runs)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, gone):
+            if not t.done():
+                t.cancel()
+    if not task.done() or task.cancelled():
+        await asyncio.gather(task, return_exceptions=True)
+        log.info("http request %s: the client left; its generate calls are cancelled", rid)
+        raise ClientGone(rid)
+    return task.result()
+
+
+async def collect(servicer, reqs, request: Request, rid: str) -> list[Output]:
+    """Runs every call to its end, unless the client leaves first."""
+    return await until_disconnect(request, _gather(servicer, reqs, rid), rid)

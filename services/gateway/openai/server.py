@@ -1,0 +1,156 @@
+"""uvicorn inside the gateway's event loop, beside the gRPC server. uvicorn's own `serve()` would install
+its signal handlers over the gateway's (whose SIGTERM drain must keep working), so the server is started and
+stopped piecewise. The h11 protocol gets the limits uvicorn lacks: a connection limit, and a bound on the
+time to send a request's head (an idle or slow-loris connection is closed, not kept forever)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import functools
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from .errors import ApiError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Limits:
+    max_body_bytes: int = 4 << 20
+    max_header_bytes: int = 64 << 10
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    max_connections: int = 1024
+    keep_alive_s: float = 5.0
+
+
+class LimitedH11(H11Protocol):
+    def __init__(self, *args, limits: Limits, **kw):
+        super().__init__(*args, **kw)
+        self.limits = limits
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._cycle = None
+
+    def connection_made(self, transport) -> None:
+        if len(self.connections) >= self.limits.max_connections:
+            log.warning("http: %d connections open (limit %d); closing a new one", len(self.connections),
+                        self.limits.max_connections)
+            transport.abort()
+            return
+        super().connection_made(transport)
+        self._arm()
+
+    def _arm(self) -> None:
+        self._disarm()
+        self._head_timer = self.loop.call_later(self.limits.header_timeout_s, self._head_timeout)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timeout(self) -> None:
+        if not self.transport.is_closing():
+            log.info("http: no complete request head within %.1fs from %s; closing", self.limits.header_timeout_s,
+                     self.client)
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is not self._cycle:  # a new request's head is complete: the body has its own bound
+            self._cycle = self.cycle
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.cycle is self._cycle:
+            self._arm()  # the next request's head is bounded too (the keep-alive timer stops at its first byte)
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        if self.transport is not None:  # None: refused by the connection limit, never registered
+            super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        """A request h11 cannot parse (a head over the size limit, a malformed line): the error object, then
+        the connection is closed."""
+        err = ApiError(400, "bad_http_request", f"invalid HTTP request (malformed, or a head over "
+                                                f"{self.limits.max_header_bytes} bytes)")
+        data = json.dumps(err.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close"),
+                   (b"content-length", str(len(data)).encode())]
+        try:
+            self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers)))
+            self.transport.write(self.conn.send(h11.Data(data=data)) + self.conn.send(h11.EndOfMessage()))
+        except h11.LocalProtocolError:
+            pass  # a response had already begun on this connection: closing is all that is left
+        self.transport.close()
+
+
+class HttpServer:
+    def __init__(self, app, host: str, port: int, limits: Limits, drain_timeout_s: float):
+        self.config = uvicorn.Config(
+            app, host=host, port=port, http=functools.partial(LimitedH11, limits=limits), lifespan="off",
+            timeout_keep_alive=limits.keep_alive_s, h11_max_incomplete_event_size=limits.max_header_bytes,
+            timeout_graceful_shutdown=drain_timeout_s, access_log=False, log_config=None, log_level="warning",
+            server_header=False)  # log_config=None: uvicorn logs through the gateway's own handlers
+        self.server = uvicorn.Server(self.config)
+        self._ticks: asyncio.Task | None = None
+
+    async def start(self) -> int:
+        self.config.load()
+        self.server.lifespan = self.config.lifespan_class(self.config)
+        await self.server.startup()
+        self._ticks = asyncio.ensure_future(self.server.main_loop())  # the Date header, once a second
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        """After the gateway's drain: running responses get the graceful timeout, then are cancelled."""
+        self.server.should_exit = True
+        if self._ticks is not None:
+            await self._ticks
+        await self.server.shutdown()
+
+
+def add_http_args(p: argparse.ArgumentParser) -> None:
+    d = Limits()
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on the HTTP API except /health; default: env "
+                        "PDSERVE_API_KEY, else no key")
+    p.add_argument("--http-max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="largest request body, counted as it arrives (Content-Length or chunked); larger: 413")
+    p.add_argument("--http-max-header-bytes", type=int, default=d.max_header_bytes,
+                   help="largest request line + headers; larger: 400 and the connection is closed")
+    p.add_argument("--http-header-timeout", type=float, default=d.header_timeout_s,
+                   help="seconds a connection gets to send a complete request head, then it is closed")
+    p.add_argument("--http-body-timeout", type=float, default=d.body_timeout_s,
+                   help="seconds a request gets to send its whole body; slower: 408")
+    p.add_argument("--http-max-connections", type=int, default=d.max_connections,
+                   help="open HTTP connections; one more is closed at once")
+    p.add_argument("--http-keep-alive", type=float, default=d.keep_alive_s,
+                   help="seconds an idle keep-alive connection is kept")
+
+
+def http_limits(args) -> Limits:
+    limits = Limits(args.http_max_body_bytes, args.http_max_header_bytes, args.http_header_timeout,
+                    args.http_body_timeout, args.http_max_connections, args.http_keep_alive)
+    bad = {f.name: getattr(limits, f.name) for f in dataclasses.fields(limits) if not getattr(limits, f.name) > 0}
+    if bad:
+        raise SystemExit(f"gateway: HTTP limits must be > 0, got {bad}")
+    return limits
+
+
+def api_key(args) -> str | None:
+    """--api-key, else PDSERVE_API_KEY; an empty key is refused (it would read as "no key")."""
+    key = args.api_key if args.api_key is not None else os.environ.get("PDSERVE_API_KEY")
+    if key is not None and not key.strip():
+        raise SystemExit("gateway: the API key (--api-key or PDSERVE_API_KEY) is empty")
+    return key

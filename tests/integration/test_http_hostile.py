@@ -1,0 +1,163 @@
+"""Hostile HTTP against the gateway (issue 11, acceptance 2), over raw sockets: every bad request gets a 4xx
+with an OpenAI error object, or its connection is closed (size and time limits); /health keeps answering and a
+good request afterwards still gets the right tokens."""
+import json
+import socket
+
+import pytest
+
+from pdserve import launcher
+from tests.integration.drain_util import gateway_over
+from tests.integration.helpers import prompt
+
+HEAD = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+
+
+def exchange(port: int, data: bytes, timeout: float = 30) -> tuple[int | None, dict | None]:
+    """Sends data, reads until the server closes; (status, JSON body), or (None, None) for a connection the
+    server closed (or reset) without an answer."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    out = b""
+    try:
+        try:
+            s.sendall(data)
+        except OSError:
+            pass  # closed while we sent (a size limit): whatever came back is read below
+        while chunk := s.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    finally:
+        s.close()
+    if not out:
+        return None, None
+    head, _, body = out.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    if b"transfer-encoding: chunked" in head.lower():
+        body = b"".join(body.split(b"\r\n")[1::2])
+    return status, json.loads(body)
+
+
+def post(port: int, body: bytes, extra: bytes = b"") -> tuple[int | None, dict | None]:
+    return exchange(port, HEAD + extra + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+def is_error(status, body, want: int, code: str | None = None, param: str | None = None) -> bool:
+    err = (body or {}).get("error", {})
+    return (status == want and set(err) == {"message", "type", "param", "code"} and bool(err["message"])
+            and (code is None or err["code"] == code) and (param is None or err["param"] == param))
+
+
+def health(port: int) -> int | None:
+    return exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n", timeout=10)[0]
+
+
+def good_request_works(stack, port: int) -> None:
+    p = prompt(15, 1300)
+    status, out = post(port, json.dumps({"prompt": p, "max_tokens": 4, "temperature": 0, "ignore_eos": True}).encode())
+    assert status == 200, out
+    want = stack.generate(prompt_token_ids=p, max_tokens=4, ignore_eos=True)["token_ids"]
+    assert out["choices"][0]["token_ids"] == want
+
+
+@pytest.fixture(scope="module")
+def port(stack):
+    return stack.procs["gateway"][0].http_port
+
+
+@pytest.mark.parametrize("body, code, param", [
+    (b'{"prompt": "hi", "max_tokens": ', "invalid_json", None),
+    (b'[{"prompt": "hi"}]', "invalid_json", None),
+    (b'"hi"', "invalid_json", None),
+    (b'{"prompt": "hi", "max_tokens": 4, "temperature": NaN}', "invalid_json", None),
+    (b'{"prompt": "hi", "max_tokens": 1e999}', "invalid_value", "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": 1' + b"0" * 5000 + b"}", "invalid_json", None),
+    (b'{"prompt": "hi", "max_tokens": -3}', "invalid_value", "max_tokens"),
+    (b'{"prompt": "hi", "max_tokens": "5"}', "invalid_value", "max_tokens"),
+    (b'{"prompt": [5, 600], "max_tokens": 3}', "token_out_of_vocab", None),
+    (b'{"prompt": [5, 1099511627776], "max_tokens": 3}', "invalid_value", "prompt.1"),
+    (b'{"prompt": [[5], [-1]], "max_tokens": 3}', "invalid_value", "prompt.1.0"),
+    (b'{"prompt": "\xff\xfe hi", "max_tokens": 3}', "invalid_utf8", None),
+    (b'{"prompt": "hi", "max_tokens": 3, "logit_bias": {"5": 100}}', "unsupported_field", "logit_bias"),
+    (b'{"prompt": ["a", "b", "c", "d", "e"], "n": 16, "max_tokens": 3}', "too_many_choices", "n"),
+])
+def test_malformed_bodies_get_400_with_an_error_object(port, body, code, param):
+    status, out = post(port, body)
+    assert is_error(status, out, 400, code, param), (status, out)
+
+
+def test_oversized_and_chunked_bodies(stack, port):
+    status, out = exchange(port, HEAD + b"Content-Length: 100000000000\r\n\r\n" + b'{"prompt": ')
+    assert is_error(status, out, 413, "body_too_large"), (status, out)
+    p = prompt(9, 1301)
+    body = json.dumps({"prompt": p, "max_tokens": 3, "temperature": 0, "ignore_eos": True}).encode()
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 7]), body[i:i + 7]) for i in range(0, len(body), 7))
+    status, out = exchange(port, HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + chunked + b"0\r\n\r\n")
+    assert status == 200, out  # a chunked body is read, not taken as empty
+    want = stack.generate(prompt_token_ids=p, max_tokens=3, ignore_eos=True)["token_ids"]
+    assert out["choices"][0]["token_ids"] == want
+    big = b"x" * (1 << 20)
+    status, out = exchange(port, HEAD + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(big), big) * 5)
+    assert status is None or is_error(status, out, 413, "body_too_large"), (status, out)
+    good_request_works(stack, port)
+
+
+def test_a_2mib_header_is_refused(stack, port):
+    status, out = exchange(port, HEAD + b"X-Big: " + b"a" * (2 << 20) + b"\r\nContent-Length: 2\r\n\r\n{}")
+    assert status is None or is_error(status, out, 400, "bad_http_request"), (status, out)
+    assert health(port) == 200
+    good_request_works(stack, port)
+
+
+def test_300_idle_connections_leave_health_answering(stack, port):
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(300)]
+    try:
+        assert health(port) == 200
+        good_request_works(stack, port)
+    finally:
+        for s in idle:
+            s.close()
+
+
+@pytest.fixture(scope="module")
+def tight(stack, model_dir):
+    """A gateway with short time limits and room for 8 connections."""
+    proc = gateway_over(stack, model_dir, stack.procs["prefill"], stack.procs["decode"], http=True, extra=(
+        "--http-header-timeout", "1", "--http-body-timeout", "1", "--http-max-connections", "8"))
+    yield proc.http_port
+    launcher.stop(proc)
+
+
+def closed_by_server(s: socket.socket) -> bytes:
+    """What the server sent before closing s (the socket's own timeout bounds the wait)."""
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except ConnectionResetError:
+        pass
+    return out
+
+
+def test_slow_heads_and_bodies_are_cut_off(tight):
+    loris = socket.create_connection(("127.0.0.1", tight), timeout=20)
+    loris.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # and never the rest of the head
+    slow = socket.create_connection(("127.0.0.1", tight), timeout=20)
+    slow.sendall(HEAD + b"Content-Length: 100\r\n\r\n" + b'{"prompt": ')  # 11 of 100 bytes
+    assert closed_by_server(loris) == b""
+    head, _, body = closed_by_server(slow).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408") and is_error(408, json.loads(body), 408, "body_timeout"), head
+    assert health(tight) == 200
+
+
+def test_connections_over_the_limit_are_closed(stack, tight):
+    held = [socket.create_connection(("127.0.0.1", tight), timeout=20) for _ in range(8)]
+    try:
+        assert health(tight) is None  # the ninth connection is closed at once
+        for s in held:
+            assert closed_by_server(s) == b""  # idle past the head timeout
+        assert health(tight) == 200
+        good_request_works(stack, tight)
+    finally:
+        for s in held:
+            s.close()
