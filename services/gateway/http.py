@@ -88,7 +88,7 @@ class HttpFront:
     async def _complete(self, writer, req) -> None:
         ids, text, finish, prompt_tokens, rid = [], [], None, 0, b""
         try:
-            async for r in self.servicer.Generate(req, None):
+            async for r in self.servicer.generate(req):
                 ids.extend(r.token_ids)
                 text.append(r.text)
                 prompt_tokens = r.prompt_tokens or prompt_tokens
@@ -106,7 +106,7 @@ class HttpFront:
     async def _stream(self, writer, req) -> None:
         started = False
         try:
-            async for r in self.servicer.Generate(req, None):
+            async for r in self.servicer.generate(req):
                 if not started:
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\n"
                                  b"Connection: close\r\n\r\n")
