@@ -1,4 +1,5 @@
-"""Stop strings over streamed text: the text ends before the first stop string, also one split across tokens.
+"""Stop strings over streamed text: the text ends before the first stop string to complete, also one split across
+tokens.
 
 Streaming holds back only the tail that could still be the start of a stop string, so a client never receives
 text that a later token turns into part of a stop string, and is never made to wait for text that cannot be.
@@ -18,10 +19,12 @@ class StopStrings:
         if self.stopped:
             raise RuntimeError("text pushed after a stop string ended the output")
         buf = self.pending + text
-        hits = [i for i in (buf.find(s) for s in self.stops) if i >= 0]
+        # (end, start) of each stop string's first occurrence: the output stops where a stop string first
+        # completes, whatever the token boundaries, and at its earliest start when several complete there
+        hits = [(i + len(s), i) for s, i in ((s, buf.find(s)) for s in self.stops) if i >= 0]
         if hits:
             self.pending, self.stopped = "", True
-            return buf[:min(hits)]
+            return buf[:min(hits)[1]]
         hold = self._partial(buf)
         self.pending = buf[len(buf) - hold:]
         return buf[:len(buf) - hold]
