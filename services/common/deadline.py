@@ -26,5 +26,7 @@ def timeout_within(deadline: float | None, bound_s: float, what: str) -> float:
 
 
 def deadline_exceeded(deadline: float, what: str) -> PdError:
+    # clamped: a callee's own timer may fire a moment before this process's clock reaches the deadline
+    late = max(0.0, time.monotonic() - deadline)
     return PdError(grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED",
-                   f"the request's deadline passed {time.monotonic() - deadline:.3f}s ago, {what}")
+                   f"the request's deadline passed {late:.3f}s ago, {what}")

@@ -173,11 +173,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
     return out
 
 
-def logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int]) -> list[TokenLogprobs]:
-    """logits: [R, V] raw model logits; row r's log-softmax at tokens[r], with its num_top[r] most likely."""
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(tokens, device=lp.device)[:, None])[:, 0].tolist()
-    k = min(max(num_top, default=0), lp.shape[-1])
-    vals, ids = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
-    vals, ids = vals.tolist(), ids.tolist()
-    return [TokenLogprobs(c, i[:n], v[:n]) for c, i, v, n in zip(chosen, ids, vals, num_top)]
+def logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int], chunk: int = 512) -> list[TokenLogprobs]:
+    """logits: [R, V] raw model logits; row r's log-softmax at tokens[r], with its num_top[r] most likely.
+    In chunks of rows: a long prompt's [T, V] log-softmax in one piece would double prefill's peak memory."""
+    out: list[TokenLogprobs] = []
+    for s in range(0, logits.shape[0], chunk):
+        lp = torch.log_softmax(logits[s:s + chunk].float(), dim=-1)
+        tops = num_top[s:s + chunk]
+        chosen = lp.gather(1, torch.tensor(tokens[s:s + chunk], device=lp.device)[:, None])[:, 0].tolist()
+        k = min(max(tops), lp.shape[-1])
+        vals, ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        out += [TokenLogprobs(c, i[:n], v[:n]) for c, i, v, n in zip(chosen, ids.tolist(), vals.tolist(), tops)]
+    return out

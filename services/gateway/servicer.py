@@ -136,9 +136,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                     else spawn(self._release(decode, request_id)))
             raise
         want_prompt_lps = request.HasField("prompt_logprobs")
-        preq = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, destination=dest)
-        if want_prompt_lps:
-            preq.prompt_logprobs = request.prompt_logprobs
+        preq = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, destination=dest,
+                                          prompt_logprobs=request.prompt_logprobs if want_prompt_lps else None)
         try:
             timeout = timeout_within(deadline, self.rpc_timeout_s, "before the prefill call")
         except PdError:
@@ -220,7 +219,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             while True:
                 try:
-                    timeout = timeout_within(request_deadline, 10.0, "before decode Allocate")
+                    timeout = timeout_within(request_deadline, 10.0, "before decode Allocate (waiting for KV pages)")
                     resp = await call(decode.stub.Allocate(req, timeout=timeout), f"decode {decode.target}")
                     return resp.destination
                 except PdError as e:
@@ -232,14 +231,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                                                         f"(limit {self.queue_limit})") from None
                         self._waiting += 1
                         queued = True
-                    if request_deadline is not None and time.monotonic() + delay > request_deadline:
-                        TIMEOUTS.labels("queue").inc()
-                        raise deadline_exceeded(request_deadline, f"while waiting for KV pages ({e.message})") from None
                     if time.monotonic() + delay > deadline:
                         TIMEOUTS.labels("queue").inc()
                         raise PdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_TIMEOUT",
                                       f"no KV pages freed within {self.queue_timeout_s:.0f}s: {e.message}") from None
-                    await asyncio.sleep(delay)
+                    # never past the request's deadline: the next attempt then ends it with DEADLINE_EXCEEDED
+                    await asyncio.sleep(delay if request_deadline is None else
+                                        max(0.0, min(delay, request_deadline - time.monotonic())))
                     delay = min(delay * 2, 0.1)
         finally:
             if queued:

@@ -106,3 +106,10 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_n():
         order = sorted(range(V), key=lambda t: -row[t])[:n]
         assert lp.top_ids == order
         assert all(math.isclose(a, row[t] - lse, abs_tol=1e-5) for a, t in zip(lp.top_logprobs, order))
+
+
+def test_logprobs_in_chunks_equal_one_piece():
+    logits = torch.randn(37, V, generator=torch.Generator().manual_seed(8))
+    tokens, tops = list(range(37)), [i % 4 for i in range(37)]
+    assert logprobs(logits, tokens, tops, chunk=5) == logprobs(logits, tokens, tops, chunk=64)
+    assert logprobs(logits[:0], [], []) == []
