@@ -46,7 +46,8 @@ class Sequence:
     err: PdError | None = None  # why it was cancelled, when the request must end with an error
     done: bool = False
     prompt: PromptRecord | None = None  # prompt pages and their verified checksums, for the sweep
-    prompt_token_ids: list[int] = field(default_factory=list)  # only when repetition_penalty counts them
+    # only when repetition_penalty counts them; a tensor, so a long prompt is not converted again at every step
+    prompt_token_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
     @property
     def position(self) -> int:

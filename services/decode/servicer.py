@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from ..common.admission import check_lengths, check_sampling
 from ..common.deadline import deadline_of, timeout_within
@@ -193,7 +194,7 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
         try:
             seq.sampling = admit_decode(request, alloc.num_prompt_tokens, alloc.max_tokens,
                                         self.runner.config.vocab_size)
-            seq.prompt_token_ids = list(request.prompt_token_ids)
+            seq.prompt_token_ids = torch.tensor(request.prompt_token_ids, dtype=torch.int64)
             cov = request.coverage
             with GUARD_SECONDS.labels("prompt_verify").time():
                 verify_prompt_pages(self.pool, owner, alloc.epoch, alloc.leases, alloc.num_prompt_tokens,

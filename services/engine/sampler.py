@@ -67,31 +67,37 @@ def _step_generator(seed: int, step: int) -> torch.Generator:
     return g
 
 
-def _counts(rows: Sequence[Sequence[int]], vocab: int, device) -> torch.Tensor:
-    """[R, V] float32: how often each token occurs in each row, with one index_add over all rows."""
-    counts = torch.zeros(len(rows) * vocab, dtype=torch.float32, device=device)
-    flat = [r * vocab + t for r, ids in enumerate(rows) for t in ids]
-    if flat:
-        counts.index_add_(0, torch.tensor(flat, device=device), torch.ones(len(flat), device=device))
-    return counts.view(len(rows), vocab)
+def _flat(rows: Sequence[Sequence[int] | torch.Tensor], vocab: int, device) -> torch.Tensor:
+    """The rows' token ids as indices into the flattened [R * V] logits (row r's token t at r * V + t). A row may
+    be an int64 tensor already (decode keeps a long prompt as one, rather than converting it at every step)."""
+    parts = [torch.as_tensor(ids, dtype=torch.int64) + r * vocab for r, ids in enumerate(rows) if len(ids)]
+    return torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.int64, device=device)
 
 
-def apply_penalties(x: torch.Tensor, params: list[SamplingParams], prompts: Sequence[Sequence[int]],
+def apply_penalties(x: torch.Tensor, params: list[SamplingParams], prompts: Sequence[Sequence[int] | torch.Tensor],
                     outputs: Sequence[Sequence[int]]) -> torch.Tensor:
-    """x: [R, V] float32 logits of penalised rows; returns them penalised (vectorised over the rows)."""
-    vocab, dev = x.shape[1], x.device
-    out = _counts(outputs, vocab, dev)
-    rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[:, None]
-    if bool((rep != 1.0).any()):
-        # CTRL / transformers' RepetitionPenaltyLogitsProcessor: any token seen in prompt or output
-        seen = (out + _counts([pr if p.repetition_penalty != 1.0 else () for p, pr in zip(params, prompts)],
-                              vocab, dev)) > 0
-        x = torch.where(seen, torch.where(x < 0, x * rep, x / rep), x)
-    freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], device=dev)[:, None]
-    x = x - freq * out - pres * (out > 0).float()
-    # an extreme penalty saturates at the float32 range rather than overflowing to inf (NaN stays NaN: caught below)
-    return x.clamp(-_FMAX, _FMAX)
+    """x: [R, V] logits of penalised rows; returns them penalised (a new tensor). Only the positions of tokens
+    that occurred are touched, each once (no atomics, so the result is the same on every run and device)."""
+    num_rows, vocab = x.shape
+    dev = x.device
+    x = x.float().clone().view(-1)
+    out = _flat(outputs, vocab, dev)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        # CTRL / transformers' RepetitionPenaltyLogitsProcessor: every token seen in prompt or output, once
+        seen = torch.unique(torch.cat([out, _flat([pr if p.repetition_penalty != 1.0 else ()
+                                                   for p, pr in zip(params, prompts)], vocab, dev)]))
+        rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[seen // vocab]
+        v = x[seen]
+        x[seen] = torch.where(v < 0, v * rep, v / rep).clamp(-_FMAX, _FMAX)
+    if out.numel() and any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        # OpenAI: minus frequency_penalty per occurrence in the output, minus presence_penalty once
+        ids, counts = torch.unique(out, return_counts=True)
+        row = ids // vocab
+        freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[row]
+        pres = torch.tensor([p.presence_penalty for p in params], device=dev)[row]
+        x[ids] = (x[ids] - (freq * counts + pres)).clamp(-_FMAX, _FMAX)
+    # an extreme penalty saturates at the float32 range rather than overflowing to inf (NaN stays NaN: caught later)
+    return x.view(num_rows, vocab)
 
 
 def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -153,7 +159,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
     out: list[int | SamplingError] = [0] * len(params)
     plain = [i for i, p in enumerate(params) if p.is_greedy and not p.has_penalties]
     if plain:
-        for i, t in zip(plain, torch.argmax(logits[plain], dim=-1).tolist()):
+        # the common batch (all greedy, no options) takes its arg-max without copying the logits
+        for i, t in zip(plain, torch.argmax(logits if len(plain) == len(params) else logits[plain], dim=-1).tolist()):
             out[i] = t
     rest = [i for i, p in enumerate(params) if not (p.is_greedy and not p.has_penalties)]
     if not rest:
@@ -165,7 +172,12 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
             raise ValueError(f"{len(pen)} rows have penalties but no prompt and output tokens were given")
         x[pen] = apply_penalties(x[pen], [params[rest[j]] for j in pen], [prompts[rest[j]] for j in pen],
                                  [outputs[rest[j]] for j in pen])
+    greedy = [j for j, i in enumerate(rest) if params[i].is_greedy]  # penalised: one arg-max for them all
+    for j, t in zip(greedy, torch.argmax(x[greedy], dim=-1).tolist() if greedy else []):
+        out[rest[j]] = t
     for j, i in enumerate(rest):
+        if params[i].is_greedy:
+            continue
         try:
             out[i] = _choose(x[j], params[i], steps[i])
         except Exception as e:  # whatever broke, it broke for this row alone
