@@ -77,7 +77,8 @@ def _flat(rows: Sequence[Sequence[int] | torch.Tensor], vocab: int, device) -> t
 def apply_penalties(x: torch.Tensor, params: list[SamplingParams], prompts: Sequence[Sequence[int] | torch.Tensor],
                     outputs: Sequence[Sequence[int]]) -> torch.Tensor:
     """x: [R, V] logits of penalised rows; returns them penalised (a new tensor). Only the positions of tokens
-    that occurred are touched, each once (no atomics, so the result is the same on every run and device)."""
+    that occurred are touched, each once (no atomics, so the result is the same on every run and device). An
+    extreme penalty saturates at the float32 range rather than overflowing to inf (NaN stays NaN: caught later)."""
     num_rows, vocab = x.shape
     dev = x.device
     x = x.float().clone().view(-1)
@@ -96,7 +97,6 @@ def apply_penalties(x: torch.Tensor, params: list[SamplingParams], prompts: Sequ
         freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[row]
         pres = torch.tensor([p.presence_penalty for p in params], device=dev)[row]
         x[ids] = (x[ids] - (freq * counts + pres)).clamp(-_FMAX, _FMAX)
-    # an extreme penalty saturates at the float32 range rather than overflowing to inf (NaN stays NaN: caught later)
     return x.view(num_rows, vocab)
 
 
@@ -151,7 +151,7 @@ def sample_one(logits: torch.Tensor, params: SamplingParams, step: int, prompt: 
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
-           prompts: Sequence[Sequence[int]] | None = None,
+           prompts: Sequence[Sequence[int] | torch.Tensor] | None = None,
            outputs: Sequence[Sequence[int]] | None = None) -> list[int | SamplingError]:
     """logits: [B, V]. Greedy rows without penalties share one arg-max; penalties are applied to all penalised
     rows at once; each sampled row draws with its own (seed, step) generator, so it is drawn alone; a row whose
