@@ -8,6 +8,7 @@ import shutil
 import sys
 import tempfile
 
+from . import client
 from .common import config
 from .common.argparsing import Parser, VersionAction
 
@@ -128,16 +129,8 @@ def build_parser(argv: list[str], load_all: bool = False) -> argparse.ArgumentPa
     up.set_defaults(fn=_up)
 
     g = sub.add_parser("generate", help="stream one completion from the gateway")
-    g.add_argument("prompt", nargs="?", default="")
-    g.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids instead of text")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--gateway", default=f"127.0.0.1:{config.GATEWAY_PORT}")
-    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    g.set_defaults(fn=lambda a: __import__("pdserve.client", fromlist=["main"]).main(a))
+    client.add_arguments(g)
+    g.set_defaults(fn=client.main)
 
     m = sub.add_parser("make-model", help="write a random checkpoint of one model family in Hugging Face format")
     m.add_argument("--out", default=config.DEFAULT_MODEL)

@@ -6,34 +6,77 @@ import sys
 
 import grpc
 
+from .common import config
 from .common.errors import from_rpc_error
 from .common.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 FINISH_NAMES = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
                 common_pb2.FINISH_REASON_UNSPECIFIED: None}
+# GenerateRequest fields a caller sets only when given (None: unset, the gateway's default applies)
+OPTIONAL = ("top_p", "seed", "top_k", "repetition_penalty", "logprobs", "prompt_logprobs")
+
+
+def _ids(text: str) -> list[int]:
+    return [int(x) for x in text.split(",")] if text else []
+
+
+def add_arguments(g) -> None:
+    g.add_argument("prompt", nargs="?", default="")
+    g.add_argument("--prompt-token-ids", type=_ids, default=None, help="comma-separated token ids instead of text")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens (0: no limit)")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2], over output tokens")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2], over output tokens")
+    g.add_argument("--repetition-penalty", type=float, default=None, help="> 0 (1: off), over prompt and output")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable, at most 4)")
+    g.add_argument("--stop-token-ids", type=_ids, default=[], help="comma-separated stop token ids")
+    g.add_argument("--logprobs", type=int, default=None, help="log-probabilities with this many top tokens (0..20)")
+    g.add_argument("--prompt-logprobs", type=int, default=None,
+                   help="the prompt's log-probabilities with this many top tokens (0..20); with --json")
+    g.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole request, seconds")
+    g.add_argument("--gateway", default=f"127.0.0.1:{config.GATEWAY_PORT}")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
 def build_request(prompt: str = "", prompt_token_ids=None, max_tokens: int = 32, temperature: float = 0.0,
-                  top_p: float | None = None, seed: int | None = None, ignore_eos: bool = False):
+                  ignore_eos: bool = False, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                  stop=(), stop_token_ids=(), **optional):
+    """optional: any of OPTIONAL, None meaning unset."""
+    if unknown := set(optional) - set(OPTIONAL):
+        raise TypeError(f"unknown GenerateRequest options {sorted(unknown)}")
     req = gateway_pb2.GenerateRequest(prompt=prompt, prompt_token_ids=prompt_token_ids or [],
-                                      max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos)
-    if top_p is not None:
-        req.top_p = top_p
-    if seed is not None:
-        req.seed = seed
+                                      max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos,
+                                      frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                                      stop=stop, stop_token_ids=stop_token_ids)
+    for name, value in optional.items():
+        if value is not None:
+            setattr(req, name, value)
     return req
+
+
+def _logprobs(msgs) -> list[dict]:
+    return [{"logprob": m.logprob, "top": [[t, lp] for t, lp in zip(m.top_token_ids, m.top_logprobs)]} for m in msgs]
 
 
 def generate(stub, req, on_text=None, timeout: float = 300.0) -> dict:
     """Runs one Generate call; returns the --json result (or its error object)."""
     ids: list[int] = []
     text = []
+    lps: list[dict] = []
+    extra: dict = {}
     finish = None
     prompt_tokens = 0
     try:
         for r in stub.Generate(req, timeout=timeout):
             ids.extend(r.token_ids)
             text.append(r.text)
+            lps.extend(_logprobs(r.logprobs))
+            if r.prompt_token_ids:
+                extra = {"prompt_token_ids": list(r.prompt_token_ids), "prompt_logprobs": _logprobs(r.prompt_logprobs)}
             prompt_tokens = r.prompt_tokens or prompt_tokens
             if r.finish_reason:
                 finish = FINISH_NAMES[r.finish_reason]
@@ -43,21 +86,24 @@ def generate(stub, req, on_text=None, timeout: float = 300.0) -> dict:
         err = from_rpc_error(e)
         return {"error": {"code": err.code.name, "reason": err.reason, "message": err.message},
                 "token_ids": ids}
-    return {"token_ids": ids, "text": "".join(text), "prompt_tokens": prompt_tokens, "finish_reason": finish}
+    out = {"token_ids": ids, "text": "".join(text), "prompt_tokens": prompt_tokens, "finish_reason": finish}
+    if req.HasField("logprobs"):
+        out["logprobs"] = lps
+    return {**out, **extra}
 
 
 def main(args) -> int:
-    ids = [int(x) for x in args.prompt_token_ids.split(",")] if args.prompt_token_ids else None
-    req = build_request(args.prompt or "", ids, args.max_tokens, args.temperature, args.top_p, args.seed,
-                        args.ignore_eos)
+    req = build_request(args.prompt or "", args.prompt_token_ids, args.max_tokens, args.temperature, args.ignore_eos,
+                        args.frequency_penalty, args.presence_penalty, args.stop, args.stop_token_ids,
+                        **{name: getattr(args, name) for name in OPTIONAL})
     with grpc.insecure_channel(args.gateway) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
         if args.json:
-            out = generate(stub, req)
+            out = generate(stub, req, timeout=args.timeout)
             out.pop("token_ids", None) if "error" in out else None
             print(json.dumps(out))
             return 2 if "error" in out else 0
-        out = generate(stub, req, on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()))
+        out = generate(stub, req, on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()), timeout=args.timeout)
         print()
         if "error" in out:
             e = out["error"]

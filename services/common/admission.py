@@ -11,6 +11,12 @@ from .errors import PdError, invalid
 from .metrics import ADMISSION_REJECTIONS
 
 
+MAX_LOGPROBS = 20       # top log-probabilities per position, as OpenAI allows
+MAX_STOP_STRINGS = 4    # as OpenAI allows
+MAX_STOP_CHARS = 256    # each: the gateway holds back up to this much text while a stop string may be starting
+MAX_STOP_TOKEN_IDS = 64
+
+
 def _reject(reason: str, message: str) -> PdError:
     ADMISSION_REJECTIONS.labels(reason).inc()
     return invalid(reason, message)
@@ -36,6 +42,39 @@ def check_sampling(max_tokens: int, temperature: float, top_p: float) -> None:
         raise _reject("BAD_TOP_P", f"top_p must be in (0, 1], got {top_p}")
 
 
+def check_options(p, vocab_size: int, prompt_logprobs: int | None = None) -> None:
+    """The options beyond temperature and top_p, on a SamplingParams (engine/sampler.py)."""
+    if p.top_k > vocab_size:
+        raise _reject("BAD_TOP_K", f"top_k must be <= the vocabulary size {vocab_size} (0 for no limit), got "
+                                   f"{p.top_k}")
+    for name, v in (("frequency_penalty", p.frequency_penalty), ("presence_penalty", p.presence_penalty)):
+        if not -2.0 <= v <= 2.0:  # NaN fails it too
+            raise _reject("BAD_PENALTY", f"{name} must be in [-2, 2], got {v}")
+    check_repetition_penalty(p.repetition_penalty)
+    ids = p.stop_token_ids
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise _reject("BAD_STOP", f"{len(ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}")
+    if bad := [t for t in ids if not 0 <= t < vocab_size]:
+        raise _reject("BAD_STOP", f"{len(bad)} stop token ids outside [0, {vocab_size}), first {bad[0]}")
+    for name, n in (("logprobs", p.logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if n is not None and not 0 <= n <= MAX_LOGPROBS:
+            raise _reject("BAD_LOGPROBS", f"{name} must be in [0, {MAX_LOGPROBS}], got {n}")
+
+
+def check_repetition_penalty(v: float) -> None:
+    if not (math.isfinite(v) and v > 0):
+        raise _reject("BAD_PENALTY", f"repetition_penalty must be finite and > 0 (1 is off), got {v}")
+
+
+def check_stop_strings(stop) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise _reject("BAD_STOP", f"{len(stop)} stop strings; at most {MAX_STOP_STRINGS}")
+    for i, s in enumerate(stop):
+        if not 0 < len(s) <= MAX_STOP_CHARS:
+            raise _reject("BAD_STOP", f"stop string {i} is {len(s)} characters; each must have 1 to "
+                                      f"{MAX_STOP_CHARS}")
+
+
 def check_lengths(num_prompt: int, max_tokens: int, context_length: int, page_size: int,
                   decode_pool_pages: int | None, prefill_pool_tokens: int | None) -> None:
     if num_prompt + max_tokens > context_length:
@@ -53,4 +92,5 @@ def check_lengths(num_prompt: int, max_tokens: int, context_length: int, page_si
                           f"({decode_pool_pages * page_size} tokens)")
 
 
-__all__ = ["check_tokens", "check_sampling", "check_lengths"]
+__all__ = ["check_tokens", "check_sampling", "check_options", "check_repetition_penalty", "check_stop_strings",
+           "check_lengths"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import grpc
 
-from ..engine.sampler import SamplingParams
+from ..engine.sampler import SamplingParams, TokenLogprobs
 from .errors import PdError, from_rpc_error
 from .proto import common_pb2
 
@@ -18,7 +18,14 @@ def leases_from_pb(msgs) -> list[tuple[int, int]]:
 
 def sampling_from_pb(m) -> SamplingParams:
     return SamplingParams(temperature=m.temperature, top_p=m.top_p or 1.0, seed=m.seed,
-                          max_tokens=m.max_tokens, ignore_eos=m.ignore_eos)
+                          max_tokens=m.max_tokens, ignore_eos=m.ignore_eos, top_k=m.top_k,
+                          frequency_penalty=m.frequency_penalty, presence_penalty=m.presence_penalty,
+                          repetition_penalty=m.repetition_penalty or 1.0, stop_token_ids=tuple(m.stop_token_ids),
+                          logprobs=m.logprobs if m.HasField("logprobs") else None)
+
+
+def logprobs_to_pb(lp: TokenLogprobs):
+    return common_pb2.Logprobs(logprob=lp.logprob, top_token_ids=lp.top_ids, top_logprobs=lp.top_logprobs)
 
 
 def layout_to_pb(layout, tag_nbytes: int):

@@ -21,7 +21,7 @@ from ..common.tasks import spawn
 from ..common.faults import FAULTS
 from ..common.metrics import FORWARD_SECONDS, LEASE_VIOLATIONS, SAMPLING_FAILURES, TIMEOUTS
 from ..engine.runner import ModelRunner
-from ..engine.sampler import SamplingError, SamplingParams, sample
+from ..engine.sampler import SamplingError, SamplingParams, TokenLogprobs, logprobs, sample
 from ..engine.tags import OWNER_LO, make_tag
 from .sweep import ChecksumSweep, PromptRecord
 from .guards import StepGuards
@@ -46,6 +46,8 @@ class Sequence:
     err: PdError | None = None  # why it was cancelled, when the request must end with an error
     done: bool = False
     prompt: PromptRecord | None = None  # prompt pages and their verified checksums, for the sweep
+    # only when repetition_penalty counts them; a tensor, so a long prompt is not converted again at every step
+    prompt_token_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
 
     @property
     def position(self) -> int:
@@ -56,11 +58,15 @@ class Sequence:
         self.pages = [p for p, _ in self.leases]
         self.page_ids = torch.tensor(self.pages, dtype=torch.int64)
 
-    def is_finished(self) -> bool:
+    def is_stopped(self) -> bool:
+        """Ended by its last token: end-of-sequence (unless ignore_eos) or one of its stop tokens."""
         last = self.generated[-1]
         if not self.sampling.ignore_eos and self.eos_token_id is not None and last == self.eos_token_id:
             return True
-        return len(self.generated) >= self.sampling.max_tokens
+        return last in self.sampling.stop_token_ids
+
+    def is_finished(self) -> bool:
+        return self.is_stopped() or len(self.generated) >= self.sampling.max_tokens
 
 
 class Scheduler(StepGuards):
@@ -152,11 +158,21 @@ class Scheduler(StepGuards):
             page, gen = seq.leases[i]
             self.runner.pool.tags[page] = torch.tensor(make_tag(seq.owner, seq.epoch, gen, i, 0, 0))
 
-    def _step(self, batch: list[Sequence], tables: list[list[int]]) -> list[int]:
+    def _step(self, batch: list[Sequence], tables: list[list[int]]
+              ) -> list[tuple[int | SamplingError, TokenLogprobs | None]]:
         """One forward step and its sampling, in the worker thread (on a GPU, sampling is what waits)."""
         with FORWARD_SECONDS.labels("decode").time():
             logits = self.runner.decode([s.generated[-1] for s in batch], [s.position for s in batch], tables)
-        return sample(logits, [s.sampling for s in batch], [len(s.generated) for s in batch])
+        tokens = sample(logits, [s.sampling for s in batch], [len(s.generated) for s in batch],
+                        [s.prompt_token_ids for s in batch], [s.generated for s in batch])
+        lps: list[TokenLogprobs | None] = [None] * len(batch)
+        rows = [i for i, (s, t) in enumerate(zip(batch, tokens))
+                if s.sampling.logprobs is not None and not isinstance(t, SamplingError)]
+        if rows:
+            for i, lp in zip(rows, logprobs(logits[rows], [tokens[i] for i in rows],
+                                            [batch[i].sampling.logprobs for i in rows])):
+                lps[i] = lp
+        return list(zip(tokens, lps))
 
     async def run(self) -> None:
         while True:
@@ -187,7 +203,7 @@ class Scheduler(StepGuards):
                 continue
             if self._stop_if_blind():  # went blind during the step: its tokens are not sent
                 continue
-            for seq, tok in zip(batch, tokens):
+            for seq, (tok, lp) in zip(batch, tokens):
                 if seq.done or seq.cancelled:
                     continue
                 if isinstance(tok, SamplingError):
@@ -197,7 +213,7 @@ class Scheduler(StepGuards):
                     continue
                 seq.generated.append(tok)
                 finished = seq.is_finished()
-                seq.events.put_nowait((tok, finished))
+                seq.events.put_nowait((tok, finished, lp))
                 if finished:
                     self._end(seq, None)
 

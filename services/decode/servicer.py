@@ -7,8 +7,10 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import torch
 
 from ..common.admission import check_lengths, check_sampling
+from ..common.deadline import deadline_of, timeout_within
 from ..common.config import pages_for, pages_needed
 from ..common.drain import draining_error
 from ..common.errors import PdError, invalid
@@ -16,9 +18,11 @@ from ..common.faults import FAULTS
 from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS, TIMEOUTS
 from ..common.tasks import spawn
 from ..common.proto import broker_pb2, common_pb2, decode_pb2, decode_pb2_grpc
-from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, sampling_from_pb
+from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, logprobs_to_pb
 from ..engine.runner import ModelRunner
 from ..engine.tags import TAG_NBYTES, expected_tags
+from ..engine.sampler import SamplingParams
+from .admit import admit_decode
 from .scheduler import Scheduler, Sequence, raise_if_ended
 from .sweep import PromptRecord
 from .verify import CANARY_BYTE, Violation, check_canaries, verify_prompt_pages
@@ -109,7 +113,8 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             with GUARD_SECONDS.labels("grant_rpc").time():
                 resp = await call(self.broker.Grant(broker_pb2.GrantRequest(
                     pool_id=pool_id, owner=owner, num_pages=need, epoch=self.epoch),
-                    timeout=self.rpc_timeout_s), "broker Grant")
+                    timeout=timeout_within(deadline_of(context), self.rpc_timeout_s, "before broker Grant")),
+                    "broker Grant")
         except PdError as e:
             self.pending_grants.discard(owner)
             if e.reason not in ("EPOCH_MISMATCH", "UNKNOWN_POOL", "POOL_FENCED"):
@@ -148,10 +153,10 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
         # else by the finally below, whatever ends this call (error, finish, or cancellation). While joining,
         # the scheduler already knows the sequence, so a revocation or Release in that window is not lost.
         seq = Sequence(owner, alloc.epoch, alloc.leases, expected_tags(owner, alloc.epoch, alloc.leases),
-                       alloc.num_prompt_tokens, sampling_from_pb(request.sampling), self.eos, [request.first_token])
+                       alloc.num_prompt_tokens, SamplingParams(), self.eos, [request.first_token])
         self.scheduler.join(seq)
         try:
-            await self._verify(request, owner, alloc)
+            await self._verify(request, owner, alloc, seq, deadline_of(context))
             if self.check_checksums:  # verification proved the pages' bytes carry these checksums
                 seq.prompt = PromptRecord.of(alloc.leases, alloc.num_prompt_tokens, self.pool.page_size,
                                              list(request.coverage.checksums))
@@ -167,8 +172,9 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
                 event = await seq.events.get()
                 if isinstance(event, PdError):
                     raise event
-                tok, finished = event
-                yield decode_pb2.DecodeResponse(token_id=tok, finish_reason=self._finish(seq, finished))
+                tok, finished, lp = event
+                yield decode_pb2.DecodeResponse(token_id=tok, finish_reason=self._finish(seq, finished),
+                                                logprobs=logprobs_to_pb(lp) if lp is not None else None)
                 if finished:
                     return
         finally:
@@ -179,14 +185,16 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             elif not seq.done:
                 self.scheduler.cancel(owner)  # the client went away: stop before the next step
 
-    async def _verify(self, request, owner: bytes, alloc: Allocation) -> None:
+    async def _verify(self, request, owner: bytes, alloc: Allocation, seq: Sequence, deadline: float | None) -> None:
         """Prompt pages (tags, token counts, checksums), then the broker: fail closed with DATA_LOSS."""
         if alloc.epoch != self.epoch or alloc.pool_id != self.pool_id:
             raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED",
                           f"leases of pool {alloc.pool_id} epoch {alloc.epoch:#x} ended with the move to pool "
                           f"{self.pool_id} epoch {self.epoch:#x}")
         try:
-            self._admit_decode(request, alloc)
+            seq.sampling = admit_decode(request, alloc.num_prompt_tokens, alloc.max_tokens,
+                                        self.runner.config.vocab_size)
+            seq.prompt_token_ids = torch.tensor(request.prompt_token_ids, dtype=torch.int64)
             cov = request.coverage
             with GUARD_SECONDS.labels("prompt_verify").time():
                 verify_prompt_pages(self.pool, owner, alloc.epoch, alloc.leases, alloc.num_prompt_tokens,
@@ -197,7 +205,7 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             with GUARD_SECONDS.labels("validate_rpc").time():
                 await call(self.broker.Validate(broker_pb2.ValidateRequest(
                     pool_id=self.pool_id, owner=owner, epoch=alloc.epoch, leases=leases_to_pb(alloc.leases[:n])),
-                    timeout=self.rpc_timeout_s), "broker Validate")
+                    timeout=timeout_within(deadline, self.rpc_timeout_s, "before broker Validate")), "broker Validate")
         except Violation as v:
             LEASE_VIOLATIONS.labels("decode", v.reason).inc()
             log.error("request %s refused before its first step: %s %s", owner.hex(), v.reason, v.message)
@@ -212,22 +220,11 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
                 raise PdError(grpc.StatusCode.UNAVAILABLE, e.reason, e.message) from None
             raise
 
-    def _admit_decode(self, request, alloc: Allocation) -> None:
-        if request.num_prompt_tokens != alloc.num_prompt_tokens:
-            raise Violation("COVERAGE_MISMATCH", f"decode asked for a {request.num_prompt_tokens}-token prompt; "
-                                                 f"allocated for {alloc.num_prompt_tokens}")
-        s = request.sampling
-        check_sampling(s.max_tokens, s.temperature, s.top_p or 1.0)
-        if s.max_tokens > alloc.max_tokens:
-            raise invalid("BAD_MAX_TOKENS", f"max_tokens {s.max_tokens} exceeds the {alloc.max_tokens} allocated")
-        if not 0 <= request.first_token < self.runner.config.vocab_size:
-            raise invalid("TOKEN_OUT_OF_VOCAB", f"first token {request.first_token} outside the vocabulary")
-
-    def _finish(self, seq: Sequence, finished: bool) -> int:
+    @staticmethod
+    def _finish(seq: Sequence, finished: bool) -> int:
         if not finished:
             return common_pb2.FINISH_REASON_UNSPECIFIED
-        eos = not seq.sampling.ignore_eos and seq.generated[-1] == self.eos
-        return FINISH[eos]
+        return FINISH[seq.is_stopped()]
 
     async def _release_seq(self, seq: Sequence) -> None:
         await self._release(seq.owner, seq.epoch, seq.leases)

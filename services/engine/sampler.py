@@ -1,7 +1,11 @@
-"""Greedy and temperature/top-p sampling with a per-request seed.
+"""Sampling with a per-request seed: penalties, temperature, top-k, top-p; and the log-probabilities clients ask for.
 
-The draw for step i of a request depends only on (seed, i), so prefill (step 0) and decode
-(steps 1..) on different machines give the same tokens as a single process would.
+The draw for step i of a request depends only on (seed, i), and step 0 (prefill) runs through the same function
+as every later step (decode), so a request gives the same tokens on one machine or split across two.
+
+Processing follows vLLM: repetition penalty (over prompt and output), then frequency and presence penalties (over
+output only), then greedy arg-max or temperature, top-k, top-p and the draw. Log-probabilities are always of the
+model's raw logits, before any of that.
 
 Numerically safe for every admitted value (temperature finite and >= 0, top_p in (0, 1]): a temperature
 below GREEDY_BELOW is greedy, the logits are shifted by their maximum before they are scaled, so nothing
@@ -11,6 +15,7 @@ SamplingError for that row alone: `sample` returns it in the row's place and the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -18,6 +23,7 @@ import torch
 # and logits / 5e-38 already overflow once a logit passes 17; far above that, the distribution is one-hot
 # anyway for any logit gap float32 can resolve
 GREEDY_BELOW = 1e-5
+_FMAX = torch.finfo(torch.float32).max
 
 
 class SamplingError(Exception):
@@ -31,10 +37,28 @@ class SamplingParams:
     seed: int = 0
     max_tokens: int = 16
     ignore_eos: bool = False
+    top_k: int = 0  # 0: no limit
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1: off
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: int | None = None  # None: none asked for; n: the token's own and the n most likely
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Log-probability of one token at one position, and the most likely tokens there (most likely first)."""
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
 
 
 def _step_generator(seed: int, step: int) -> torch.Generator:
@@ -43,11 +67,48 @@ def _step_generator(seed: int, step: int) -> torch.Generator:
     return g
 
 
+def _flat(rows: Sequence[Sequence[int] | torch.Tensor], vocab: int, device) -> torch.Tensor:
+    """The rows' token ids as indices into the flattened [R * V] logits (row r's token t at r * V + t). A row may
+    be an int64 tensor already (decode keeps a long prompt as one, rather than converting it at every step)."""
+    parts = [torch.as_tensor(ids, dtype=torch.int64) + r * vocab for r, ids in enumerate(rows) if len(ids)]
+    return torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.int64, device=device)
+
+
+def apply_penalties(x: torch.Tensor, params: list[SamplingParams], prompts: Sequence[Sequence[int] | torch.Tensor],
+                    outputs: Sequence[Sequence[int]]) -> torch.Tensor:
+    """x: [R, V] logits of penalised rows; returns them penalised (a new tensor). Only the positions of tokens
+    that occurred are touched, each once (no atomics, so the result is the same on every run and device). An
+    extreme penalty saturates at the float32 range rather than overflowing to inf (NaN stays NaN: caught later)."""
+    num_rows, vocab = x.shape
+    dev = x.device
+    x = x.float().clone().view(-1)
+    out = _flat(outputs, vocab, dev)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        # CTRL / transformers' RepetitionPenaltyLogitsProcessor: every token seen in prompt or output, once
+        seen = torch.unique(torch.cat([out, _flat([pr if p.repetition_penalty != 1.0 else ()
+                                                   for p, pr in zip(params, prompts)], vocab, dev)]))
+        rep = torch.tensor([p.repetition_penalty for p in params], device=dev)[seen // vocab]
+        v = x[seen]
+        x[seen] = torch.where(v < 0, v * rep, v / rep).clamp(-_FMAX, _FMAX)
+    if out.numel() and any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
+        # OpenAI: minus frequency_penalty per occurrence in the output, minus presence_penalty once
+        ids, counts = torch.unique(out, return_counts=True)
+        row = ids // vocab
+        freq = torch.tensor([p.frequency_penalty for p in params], device=dev)[row]
+        pres = torch.tensor([p.presence_penalty for p in params], device=dev)[row]
+        x[ids] = (x[ids] - (freq * counts + pres)).clamp(-_FMAX, _FMAX)
+    return x.view(num_rows, vocab)
+
+
 def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     # logits: [V] -> probabilities [V]; (x - max) <= 0, so x / T can only underflow towards -inf (weight 0),
     # never overflow: the arg-max keeps weight exp(0) = 1 and the sum is >= 1
     x = logits.float().cpu()
-    probs = torch.softmax((x - x.max()) / params.temperature, dim=-1)
+    x = (x - x.max()) / params.temperature
+    if 0 < params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))  # ties with the k-th stay, as in transformers' TopKLogitsWarper
+    probs = torch.softmax(x, dim=-1)
     if params.top_p < 1.0:
         sorted_p, idx = torch.sort(probs, descending=True)
         # keep the smallest prefix whose mass reaches top_p; the first token always stays, stated outright:
@@ -63,36 +124,76 @@ def _draw(probs: torch.Tensor, params: SamplingParams, step: int) -> int:
     return int(torch.multinomial(probs, 1, generator=_step_generator(params.seed, step)))
 
 
-def sample_one(logits: torch.Tensor, params: SamplingParams, step: int) -> int:
-    # logits: [V] float32
+def _choose(x: torch.Tensor, params: SamplingParams, step: int) -> int:
+    # x: [V] logits, already penalised
     if params.is_greedy:
-        return int(torch.argmax(logits))
-    probs = _probs(logits, params)
+        return int(torch.argmax(x))
+    probs = _probs(x, params)
     if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
-        raise SamplingError(f"logits give no valid distribution (max logit {float(logits.max())}, temperature "
+        raise SamplingError(f"logits give no valid distribution (max logit {float(x.max())}, temperature "
                             f"{params.temperature}, top_p {params.top_p}): the model's logits are not finite")
     try:
         tok = _draw(probs, params, step)
     except RuntimeError as e:
         raise SamplingError(f"drawing a token failed: {e}") from e
-    if not 0 <= tok < logits.shape[-1]:
-        raise SamplingError(f"drew token {tok} outside the vocabulary of {logits.shape[-1]}")
+    if not 0 <= tok < x.shape[-1]:
+        raise SamplingError(f"drew token {tok} outside the vocabulary of {x.shape[-1]}")
     return tok
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int]) -> list[int | SamplingError]:
-    """logits: [B, V]. Greedy rows share one arg-max; each sampled row draws with its own (seed, step)
-    generator, so it is drawn alone; a row whose sampling fails gets its SamplingError instead of a token."""
+def sample_one(logits: torch.Tensor, params: SamplingParams, step: int, prompt: Sequence[int] = (),
+               output: Sequence[int] = ()) -> int:
+    """logits: [V]; output: the tokens generated before this step (step 0: none)."""
+    x = logits.float()
+    if params.has_penalties:
+        x = apply_penalties(x[None], [params], [prompt], [output])[0]
+    return _choose(x, params, step)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
+           prompts: Sequence[Sequence[int] | torch.Tensor] | None = None,
+           outputs: Sequence[Sequence[int]] | None = None) -> list[int | SamplingError]:
+    """logits: [B, V]. Greedy rows without penalties share one arg-max; penalties are applied to all penalised
+    rows at once; each sampled row draws with its own (seed, step) generator, so it is drawn alone; a row whose
+    sampling fails gets its SamplingError instead of a token. prompts/outputs are read for penalised rows only."""
     out: list[int | SamplingError] = [0] * len(params)
-    greedy = [i for i, p in enumerate(params) if p.is_greedy]
-    if greedy:
-        ids = torch.argmax(logits[greedy], dim=-1).tolist()
-        for i, t in zip(greedy, ids):
+    plain = [i for i, p in enumerate(params) if p.is_greedy and not p.has_penalties]
+    if plain:
+        # the common batch (all greedy, no options) takes its arg-max without copying the logits
+        for i, t in zip(plain, torch.argmax(logits if len(plain) == len(params) else logits[plain], dim=-1).tolist()):
             out[i] = t
-    for i, p in enumerate(params):
-        if not p.is_greedy:
-            try:
-                out[i] = sample_one(logits[i], p, steps[i])
-            except Exception as e:  # whatever broke, it broke for this row alone
-                out[i] = e if isinstance(e, SamplingError) else SamplingError(f"{type(e).__name__}: {e}")
+    rest = [i for i, p in enumerate(params) if not (p.is_greedy and not p.has_penalties)]
+    if not rest:
+        return out
+    x = logits[rest].float()
+    pen = [j for j, i in enumerate(rest) if params[i].has_penalties]
+    if pen:
+        if prompts is None or outputs is None:
+            raise ValueError(f"{len(pen)} rows have penalties but no prompt and output tokens were given")
+        x[pen] = apply_penalties(x[pen], [params[rest[j]] for j in pen], [prompts[rest[j]] for j in pen],
+                                 [outputs[rest[j]] for j in pen])
+    greedy = [j for j, i in enumerate(rest) if params[i].is_greedy]  # penalised: one arg-max for them all
+    for j, t in zip(greedy, torch.argmax(x[greedy], dim=-1).tolist() if greedy else []):
+        out[rest[j]] = t
+    for j, i in enumerate(rest):
+        if params[i].is_greedy:
+            continue
+        try:
+            out[i] = _choose(x[j], params[i], steps[i])
+        except Exception as e:  # whatever broke, it broke for this row alone
+            out[i] = e if isinstance(e, SamplingError) else SamplingError(f"{type(e).__name__}: {e}")
+    return out
+
+
+def logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int], chunk: int = 512) -> list[TokenLogprobs]:
+    """logits: [R, V] raw model logits; row r's log-softmax at tokens[r], with its num_top[r] most likely.
+    In chunks of rows: a long prompt's [T, V] log-softmax in one piece would double prefill's peak memory."""
+    out: list[TokenLogprobs] = []
+    for s in range(0, logits.shape[0], chunk):
+        lp = torch.log_softmax(logits[s:s + chunk].float(), dim=-1)
+        tops = num_top[s:s + chunk]
+        chosen = lp.gather(1, torch.tensor(tokens[s:s + chunk], device=lp.device)[:, None])[:, 0].tolist()
+        k = min(max(tops), lp.shape[-1])
+        vals, ids = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
+        out += [TokenLogprobs(c, i[:n], v[:n]) for c, i, v, n in zip(chosen, ids.tolist(), vals.tolist(), tops)]
     return out

@@ -13,15 +13,17 @@ from dataclasses import dataclass
 
 import grpc
 
-from ..common.admission import _reject, check_lengths, check_sampling, check_tokens
+from ..common.admission import _reject
 from ..common.config import pages_needed
 from ..common.drain import draining_error
 from ..common.errors import PdError, from_rpc_error
 from ..common.metrics import ITL, REQUESTS, TIMEOUTS, TTFT
 from ..common.proto import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 from ..common.tasks import spawn
-from ..common.wire import call
-from ..engine.tokenizer import IncrementalDecoder
+from ..common.deadline import deadline_exceeded, deadline_of, timeout_within
+from ..common.wire import call, sampling_from_pb
+from .admit import admit
+from .responses import Responses
 from .router import Backend, Router, Ticket
 
 log = logging.getLogger(__name__)
@@ -68,43 +70,24 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             max_prompt_tokens=min(c.prefill_pool_tokens, c.context_length - 1),
             num_prefill=len(self.prefills.backends), num_decode=len(self.decodes.backends))
 
-    def admit(self, request) -> list[int]:
-        """DESIGN §4, before any lease, allocation or transfer."""
+    def admit(self, request) -> tuple[list[int], common_pb2.SamplingParams]:
         self._capacity()
-        top_p = request.top_p if request.HasField("top_p") else 1.0
-        check_sampling(request.max_tokens, request.temperature, top_p)
-        # the O(1) length checks first: an over-long flood never pays for copying its ids or a vocabulary scan
-        ids = request.prompt_token_ids
-        if len(ids):
-            self._check_lengths(len(ids), request.max_tokens)
-            tokens = list(ids)
-        else:
-            tokens = self.tokenizer.encode(request.prompt)
-            if tokens:
-                self._check_lengths(len(tokens), request.max_tokens)
-        check_tokens(tokens, self.cap.vocab_size)
-        return tokens
-
-    def _check_lengths(self, num_prompt: int, max_tokens: int) -> None:
-        c = self.cap
-        check_lengths(num_prompt, max_tokens, c.context_length, c.page_size, c.decode_pool_pages,
-                      c.prefill_pool_tokens)
-
-    def generate(self, request, deadline=None):
-        return self.Generate(request, None)
+        return admit(request, self.cap, self.tokenizer)
 
     async def Generate(self, request, context):
+        async for msg in self.generate(request, deadline_of(context)):
+            yield msg
+
+    async def generate(self, request, deadline: float | None = None):
+        """The GenerateResponses of one request. deadline (absolute time.monotonic() seconds) bounds every
+        internal call: past it the request ends with DEADLINE_EXCEEDED and its pages are given back."""
         start = time.perf_counter()
         code = "OK"
         self.active += 1
         try:
             if self.draining:
                 raise draining_error("gateway", "new requests are refused; send them to another gateway")
-            tokens = self.admit(request)
-            sampling = common_pb2.SamplingParams(
-                temperature=request.temperature, top_p=request.top_p if request.HasField("top_p") else 1.0,
-                seed=request.seed if request.HasField("seed") else secrets.randbits(63),
-                max_tokens=request.max_tokens, ignore_eos=request.ignore_eos)
+            tokens, sampling = self.admit(request)
             tried: set[str] = set()
             for attempt in range(2):
                 # a retryable failure before the first token is retried once, on another pair, as a new request
@@ -117,7 +100,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 tickets = (decode.take(need), prefill.take())
                 sent = 0
                 try:
-                    async for msg in self._run(request_id, tokens, sampling, prefill, decode, start, tickets):
+                    async for msg in self._run(request_id, tokens, sampling, request, prefill, decode, start,
+                                               tickets, deadline):
                         sent += 1
                         yield msg
                     break
@@ -140,9 +124,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self.active -= 1
             REQUESTS.labels(code).inc()
 
-    async def _run(self, request_id: bytes, tokens: list[int], sampling, prefill: Backend, decode: Backend,
-                   start: float, tickets: tuple[Ticket, Ticket]):
-        alloc = asyncio.ensure_future(self._allocate(decode, request_id, len(tokens), sampling.max_tokens))
+    async def _run(self, request_id: bytes, tokens: list[int], sampling, request, prefill: Backend, decode: Backend,
+                   start: float, tickets: tuple[Ticket, Ticket], deadline: float | None):
+        alloc = asyncio.ensure_future(self._allocate(decode, request_id, len(tokens), sampling.max_tokens, deadline))
         try:
             dest = await asyncio.shield(alloc)
             Backend.settle(tickets[0])
@@ -151,9 +135,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             alloc.add_done_callback(lambda t: None if t.cancelled() or t.exception() is not None
                                     else spawn(self._release(decode, request_id)))
             raise
-        task = asyncio.ensure_future(call(prefill.stub.Prefill(prefill_pb2.PrefillRequest(
-            request_id=request_id, token_ids=tokens, sampling=sampling, destination=dest),
-            timeout=self.rpc_timeout_s), f"prefill {prefill.target}"))
+        want_prompt_lps = request.HasField("prompt_logprobs")
+        preq = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, destination=dest,
+                                          prompt_logprobs=request.prompt_logprobs if want_prompt_lps else None)
+        try:
+            timeout = timeout_within(deadline, self.rpc_timeout_s, "before the prefill call")
+        except PdError:
+            await asyncio.shield(self._release(decode, request_id))
+            raise
+        task = asyncio.ensure_future(call(prefill.stub.Prefill(preq, timeout=timeout), f"prefill {prefill.target}"))
         Backend.settle(tickets[1])
         try:
             resp = await asyncio.shield(task)
@@ -166,20 +156,31 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 TIMEOUTS.labels("prefill").inc()
             # shielded: a client leaving now must not cancel the give-back and strand the allocation
             await asyncio.shield(self._release(decode, request_id))
+            if e.code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None and time.monotonic() >= deadline:
+                raise deadline_exceeded(deadline, f"during prefill ({e.message})") from None
             raise
-        stream = decode.stub.Decode(decode_pb2.DecodeRequest(
-            request_id=request_id, num_prompt_tokens=len(tokens), first_token=resp.first_token,
-            sampling=sampling, coverage=resp.coverage))
-        text = IncrementalDecoder(self.tokenizer)
+        try:
+            out = Responses(self.tokenizer, request_id, tokens, sampling, list(request.stop), resp, want_prompt_lps)
+        except PdError:
+            await asyncio.shield(self._release(decode, request_id))
+            raise
+        dreq = decode_pb2.DecodeRequest(request_id=request_id, num_prompt_tokens=len(tokens),
+                                        first_token=resp.first_token, sampling=sampling, coverage=resp.coverage)
+        if sampling_from_pb(sampling).repetition_penalty != 1.0:
+            dreq.prompt_token_ids.extend(tokens)  # the penalty counts prompt tokens
+        stream = decode.stub.Decode(dreq, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         last = None
         ended_by_decode = False
         try:
             while True:
-                # no deadline on the whole stream (generations can be long), but a bound on each gap
+                # a bound on each gap (and the request's deadline, if any, on the whole stream)
+                gap = timeout_within(deadline, self.token_timeout_s, f"after {out.num_sent} tokens")
                 try:
-                    r = await asyncio.wait_for(stream.read(), self.token_timeout_s)
+                    r = await asyncio.wait_for(stream.read(), gap)
                 except asyncio.TimeoutError:
                     TIMEOUTS.labels("decode").inc()
+                    if deadline is not None and time.monotonic() >= deadline:
+                        raise deadline_exceeded(deadline, f"while waiting for token {out.num_sent}") from None
                     raise PdError(grpc.StatusCode.DEADLINE_EXCEEDED, "DECODE_STALLED",
                                   f"decode {decode.target} sent no token for {self.token_timeout_s:.0f}s") from None
                 if r is grpc.aio.EOF:
@@ -192,15 +193,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 else:
                     ITL.observe(now - last)
                 last = now
-                piece = text.push([r.token_id])
-                if r.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                    piece += text.flush()  # the last token: nothing may stay held back
-                yield gateway_pb2.GenerateResponse(
-                    request_id=request_id if first else b"", token_ids=[r.token_id],
-                    text=piece, finish_reason=r.finish_reason, prompt_tokens=len(tokens))
+                yield out.make(r)
+                if out.stopped:
+                    break  # a stop string: the decode stream is cancelled and its pages released below
         except grpc.RpcError as e:
             # not "ended by decode": an UNAVAILABLE call may never have reached it, so Release below
             err = from_rpc_error(e)
+            if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None:
+                raise deadline_exceeded(deadline, f"decode {decode.target}: {err.message}") from None
             raise PdError(err.code, err.reason, f"decode {decode.target}: {err.message}") from None
         finally:
             stream.cancel()
@@ -209,7 +209,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 # whose allocation would then wait for its timeout; Release is idempotent
                 spawn(self._release(decode, request_id))
 
-    async def _allocate(self, decode: Backend, request_id: bytes, num_prompt: int, max_tokens: int):
+    async def _allocate(self, decode: Backend, request_id: bytes, num_prompt: int, max_tokens: int,
+                        request_deadline: float | None):
         """Allocates decode pages; when the pool is full right now, waits in a bounded queue."""
         req = decode_pb2.AllocateRequest(request_id=request_id, num_prompt_tokens=num_prompt, max_tokens=max_tokens)
         deadline = time.monotonic() + self.queue_timeout_s
@@ -218,7 +219,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             while True:
                 try:
-                    resp = await call(decode.stub.Allocate(req, timeout=10.0), f"decode {decode.target}")
+                    timeout = timeout_within(request_deadline, 10.0, "before decode Allocate (waiting for KV pages)")
+                    resp = await call(decode.stub.Allocate(req, timeout=timeout), f"decode {decode.target}")
                     return resp.destination
                 except PdError as e:
                     if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -233,7 +235,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         TIMEOUTS.labels("queue").inc()
                         raise PdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_TIMEOUT",
                                       f"no KV pages freed within {self.queue_timeout_s:.0f}s: {e.message}") from None
-                    await asyncio.sleep(delay)
+                    # never past the request's deadline: the next attempt then ends it with DEADLINE_EXCEEDED
+                    await asyncio.sleep(delay if request_deadline is None else
+                                        max(0.0, min(delay, request_deadline - time.monotonic())))
                     delay = min(delay * 2, 0.1)
         finally:
             if queued:

@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from ..common.admission import check_sampling, check_tokens
+from ..common.admission import check_options, check_sampling, check_tokens
 from ..common.config import pages_for
 from ..common.drain import draining_error
 from ..common.errors import PdError, invalid
@@ -16,7 +16,7 @@ from ..common.metrics import (GUARD_SECONDS, LEASE_VIOLATIONS, SOURCE_PAGES_HELD
                               TRANSFER_FAILURES, TRANSFER_SECONDS)
 from ..common.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from ..common.tasks import spawn
-from ..common.wire import layout_to_pb, leases_from_pb, leases_to_pb, sampling_from_pb
+from ..common.wire import layout_to_pb, leases_from_pb, leases_to_pb, logprobs_to_pb, sampling_from_pb
 from ..engine.tags import TAG_NBYTES
 from ..kvtransfer.engine import TransferError
 from .worker import PrefillWorker, Progress, Target
@@ -55,6 +55,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         tokens = request.token_ids
         check_tokens(tokens, self.worker.runner.config.vocab_size)
         check_sampling(request.sampling.max_tokens or 1, request.sampling.temperature, request.sampling.top_p or 1.0)
+        check_options(sampling_from_pb(request.sampling), self.worker.runner.config.vocab_size,
+                      request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
         n = len(tokens)
         if n > self.max_prompt:
             # never a placeholder: a prompt that does not fit is refused whole (the incident)
@@ -137,8 +139,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             n = len(request.token_ids)
             local = await self._allocate_local(pages_for(n, self.worker.pool.page_size))
             sampling = sampling_from_pb(request.sampling)
+            num_prompt_lps = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
             async with self._compute:
-                first = await asyncio.to_thread(self.worker.forward, list(request.token_ids), local, sampling)
+                fwd = await asyncio.to_thread(self.worker.forward, list(request.token_ids), local, sampling,
+                                              num_prompt_lps)
         except BaseException:
             await self._free_local(local)
             if (renew := await self._begun(begin)) is not None:  # acknowledge the write that never posted
@@ -182,8 +186,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             TRANSFER_BYTES.inc(written.nbytes)
             TRANSFER_SECONDS.observe(written.seconds)
             ok = True
-            return prefill_pb2.PrefillResponse(first_token=first, coverage=common_pb2.Coverage(
-                num_tokens=written.num_tokens, num_pages=written.num_pages, checksums=written.checksums))
+            return prefill_pb2.PrefillResponse(
+                first_token=fwd.first_token, coverage=common_pb2.Coverage(
+                    num_tokens=written.num_tokens, num_pages=written.num_pages, checksums=written.checksums),
+                first_logprobs=logprobs_to_pb(fwd.first_logprobs) if fwd.first_logprobs else None,
+                prompt_logprobs=[logprobs_to_pb(lp) for lp in fwd.prompt_logprobs])
         finally:
             renew.cancel()
             if write is not None and not write.done():

@@ -18,7 +18,7 @@ from ..common.faults import FAULTS
 from ..common.metrics import FORWARD_SECONDS, GUARD_SECONDS
 from ..engine.page_allocator import PageAllocator
 from ..engine.runner import ModelRunner
-from ..engine.sampler import SamplingParams, sample_one
+from ..engine.sampler import SamplingParams, TokenLogprobs, logprobs, sample_one
 from ..engine.tags import TAG_NBYTES, make_tags
 from ..kvtransfer.engine import TransferEngine, coalesce
 
@@ -42,6 +42,13 @@ class Progress:
 
 
 @dataclass(slots=True)
+class Forward:
+    first_token: int
+    first_logprobs: TokenLogprobs | None
+    prompt_logprobs: list[TokenLogprobs]  # one per prompt token from the second, when asked for
+
+
+@dataclass(slots=True)
 class Written:
     num_tokens: int
     num_pages: int
@@ -61,10 +68,17 @@ class PrefillWorker:
         transfer.register(self.pool.data_ptr, self.pool.data_nbytes)
         transfer.register(self.pool.tag_ptr, self.pool.tag_nbytes)
 
-    def forward(self, token_ids: list[int], local_pages: list[int], sampling: SamplingParams) -> int:
+    def forward(self, token_ids: list[int], local_pages: list[int], sampling: SamplingParams,
+                prompt_logprobs: int | None = None) -> Forward:
+        """Step 0 goes through the same sampling as decode's later steps: one seed, the same tokens split or not."""
         with FORWARD_SECONDS.labels("prefill").time():
-            logits = self.runner.prefill(token_ids, local_pages)
-        return sample_one(logits[0], sampling, step=0)
+            logits = self.runner.prefill(token_ids, local_pages, all_logits=prompt_logprobs is not None)
+        # logits: [T or 1, V]; row i predicts token i + 1
+        first = sample_one(logits[-1], sampling, 0, token_ids, ())
+        first_lp = logprobs(logits[-1:], [first], [sampling.logprobs])[0] if sampling.logprobs is not None else None
+        prompt_lps = [] if prompt_logprobs is None else logprobs(logits[:-1], token_ids[1:],
+                                                                  [prompt_logprobs] * (len(token_ids) - 1))
+        return Forward(first, first_lp, prompt_lps)
 
     def write(self, owner: bytes, local_pages: list[int], num_tokens: int, target: Target,
               check_alive: Callable[[str], None] = lambda stage: None, progress: Progress | None = None) -> Written:

@@ -15,6 +15,7 @@ from pdserve.common.proto import broker_pb2, common_pb2, prefill_pb2
 from pdserve.engine.page_allocator import PageAllocator
 from pdserve.kvtransfer.engine import TransferError
 from pdserve.prefill.servicer import PrefillServicer
+from pdserve.prefill.worker import Forward
 
 PAGE, LAND_S, BOUND_S = 4, 0.2, 1.5
 
@@ -31,10 +32,10 @@ class FakeWorker:
         self.dest: dict[int, int] = {}
         self.fail_next = False
 
-    def forward(self, token_ids, local, sampling) -> int:
+    def forward(self, token_ids, local, sampling, prompt_logprobs) -> Forward:
         for p in local:
             self.source[p] = token_ids[0]
-        return 7
+        return Forward(7, None, [])
 
     def write(self, owner, local, n, target, check_alive, progress):
         check_alive("data")

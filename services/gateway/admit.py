@@ -1,0 +1,49 @@
+"""The gateway's admission (DESIGN §4): every field of a GenerateRequest is checked before any lease, allocation
+or transfer, and a rejection names the field and its numbers."""
+from __future__ import annotations
+
+import secrets
+
+from ..common.admission import (check_lengths, check_options, check_repetition_penalty, check_sampling,
+                                check_stop_strings, check_tokens)
+from ..common.proto import common_pb2
+from ..common.wire import sampling_from_pb
+
+
+def sampling_of(request) -> common_pb2.SamplingParams:
+    """What prefill and decode are sent, once the fields only the request can tell apart are checked."""
+    top_p = request.top_p if request.HasField("top_p") else 1.0
+    check_sampling(request.max_tokens, request.temperature, top_p)
+    if request.HasField("repetition_penalty"):  # 0 means "off" once inside SamplingParams, so checked here
+        check_repetition_penalty(request.repetition_penalty)
+    check_stop_strings(request.stop)
+    sampling = common_pb2.SamplingParams(
+        temperature=request.temperature, top_p=top_p, max_tokens=request.max_tokens,
+        seed=request.seed if request.HasField("seed") else secrets.randbits(63), ignore_eos=request.ignore_eos,
+        top_k=request.top_k, frequency_penalty=request.frequency_penalty, presence_penalty=request.presence_penalty,
+        repetition_penalty=request.repetition_penalty, stop_token_ids=request.stop_token_ids)
+    if request.HasField("logprobs"):
+        sampling.logprobs = request.logprobs
+    return sampling
+
+
+def admit(request, cap, tokenizer) -> tuple[list[int], common_pb2.SamplingParams]:
+    """The prompt's tokens and the sampling to send; cap: the gateway's Capacity."""
+    sampling = sampling_of(request)
+    check_options(sampling_from_pb(sampling), cap.vocab_size,
+                  request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
+
+    def fits(num_prompt: int) -> None:
+        check_lengths(num_prompt, request.max_tokens, cap.context_length, cap.page_size, cap.decode_pool_pages,
+                      cap.prefill_pool_tokens)
+    # the O(1) length checks first: an over-long flood never pays for copying its ids or a vocabulary scan
+    ids = request.prompt_token_ids
+    if len(ids):
+        fits(len(ids))
+        tokens = list(ids)
+    else:
+        tokens = tokenizer.encode(request.prompt)
+        if tokens:
+            fits(len(tokens))
+    check_tokens(tokens, cap.vocab_size)
+    return tokens, sampling

@@ -1,0 +1,95 @@
+"""GatewayServicer.generate with a deadline, against stub backends that record what they are asked: every internal
+call gets at most the time left, and a deadline that passes (in the queue for pages, or during prefill) ends the
+request with DEADLINE_EXCEEDED and its numbers, and the decode allocation is given back."""
+import asyncio
+import time
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from pdserve.common.errors import PdError
+from pdserve.common.proto import common_pb2, decode_pb2, gateway_pb2
+from pdserve.engine.tokenizer import ByteTokenizer
+from pdserve.gateway.router import Backend, Router
+from pdserve.gateway.servicer import Capacity, GatewayServicer
+
+
+def _rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=code.name)
+
+
+class Decode:
+    def __init__(self, full: bool):
+        self.full = full
+        self.timeouts: list[float] = []
+        self.released: list[bytes] = []
+
+    async def Allocate(self, req, timeout):
+        self.timeouts.append(timeout)
+        if self.full:
+            raise _rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED)
+        return decode_pb2.AllocateResponse(destination=common_pb2.Destination(pool_id="p"))
+
+    async def Release(self, req, timeout):
+        self.released.append(req.request_id)
+        return decode_pb2.DecodeReleaseResponse()
+
+
+class Prefill:
+    def __init__(self):
+        self.timeouts: list[float] = []
+
+    async def Prefill(self, req, timeout):
+        self.timeouts.append(timeout)
+        await asyncio.sleep(timeout)  # a prefill that takes longer than it is given
+        raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def _gateway(full: bool):
+    info = SimpleNamespace(free_pages=100, queue_depth=0)
+    decode, prefill = Decode(full), Prefill()
+    gw = GatewayServicer(Router("prefill", [Backend("pf", prefill, info)]),
+                         Router("decode", [Backend("dc", decode, info)]), ByteTokenizer(512),
+                         Capacity("m", 4096, 512, 16, 100, 4096), queue_timeout_s=30.0, rpc_timeout_s=60.0)
+    return gw, decode, prefill
+
+
+async def _generate(gw, deadline):
+    req = gateway_pb2.GenerateRequest(prompt_token_ids=[5, 6, 7], max_tokens=4)
+    return [m async for m in gw.generate(req, deadline)]
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["during prefill", "waiting for pages"])
+def test_a_passing_deadline_ends_the_request_and_gives_the_pages_back(full):
+    gw, decode, prefill = _gateway(full)
+
+    async def main():
+        deadline = time.monotonic() + 0.3
+        with pytest.raises(PdError) as e:
+            await _generate(gw, deadline)
+        await asyncio.sleep(0.05)  # the release is spawned
+        return e.value, deadline
+    err, deadline = asyncio.run(main())
+    assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and err.reason == "DEADLINE_EXCEEDED", err
+    assert "deadline passed" in err.message and "s ago" in err.message
+    assert all(t <= 0.3 for t in decode.timeouts + prefill.timeouts)  # not the 10 s and 60 s bounds
+    if full:
+        assert len(decode.timeouts) > 1 and not prefill.timeouts and "Allocate" in err.message
+    else:
+        assert len(prefill.timeouts) == 1 and "during prefill" in err.message
+        assert len(decode.released) == 1  # the allocation went back
+
+
+def test_without_a_deadline_each_call_keeps_its_own_bound():
+    gw, decode, prefill = _gateway(False)
+    prefill.Prefill = lambda req, timeout: _fail_fast(prefill, timeout)
+    with pytest.raises(PdError) as e:
+        asyncio.run(_generate(gw, None))
+    assert e.value.code == grpc.StatusCode.INTERNAL
+    assert decode.timeouts == [10.0] and prefill.timeouts == [60.0]
+
+
+async def _fail_fast(prefill, timeout):
+    prefill.timeouts.append(timeout)
+    raise _rpc_error(grpc.StatusCode.INTERNAL)
