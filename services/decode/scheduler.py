@@ -37,7 +37,7 @@ class Sequence:
     expected: torch.Tensor          # [num_leases, 5] ownership words each page's tag must carry
     num_prompt_tokens: int
     sampling: SamplingParams
-    eos_token_id: int | None
+    eos_token_ids: frozenset[int]   # every end-of-sequence id of the checkpoint (Llama 3.x has three)
     generated: list[int]            # generated[0] is prefill's first token
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     pages: list[int] = field(init=False)  # physical pages in request order, read every step
@@ -61,7 +61,7 @@ class Sequence:
     def is_stopped(self) -> bool:
         """Ended by its last token: end-of-sequence (unless ignore_eos) or one of its stop tokens."""
         last = self.generated[-1]
-        if not self.sampling.ignore_eos and self.eos_token_id is not None and last == self.eos_token_id:
+        if not self.sampling.ignore_eos and last in self.eos_token_ids:
             return True
         return last in self.sampling.stop_token_ids
 

@@ -62,7 +62,7 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
                                    blind=self.blind_error, sweep_every=sweep_every)
         self.init_watch(max_blind_s)
         self.layout_pb = layout_to_pb(self.pool.layout, TAG_NBYTES)
-        self.eos = runner.config.eos_token_id
+        self.eos = frozenset(runner.config.eos_token_ids)
         self.draining = False  # set on SIGTERM (drain.py): GetInfo reports it, Allocate refuses
 
     async def register(self, quarantined: list[int] = ()) -> int:
@@ -83,7 +83,8 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
         return common_pb2.EngineInfo(
             model=self.model_name, context_length=self.context_length, vocab_size=cfg.vocab_size,
             pool_pages=self.pool.num_pages, page_size=self.pool.page_size,
-            eos_token_id=self.eos if self.eos is not None else -1, layout=self.layout_pb,
+            eos_token_id=cfg.eos_token_id if cfg.eos_token_id is not None else -1,
+            layout=self.layout_pb,
             free_pages=state.num_free, draining=self.draining, queue_depth=self.queue_depth())
 
     def queue_depth(self) -> int:  # allocated, not yet taken by Decode, plus every sequence Decode owns

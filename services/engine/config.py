@@ -73,4 +73,14 @@ class ModelConfig:
             kw = read_config(raw)
         except CheckpointError as e:
             raise CheckpointError(f"{path}/config.json: {e}") from None
+        # generate() (transformers) and vLLM also stop at generation_config.json's end-of-sequence ids, which for
+        # instruct checkpoints name the end-of-turn token config.json may lack
+        gen_path = os.path.join(path, "generation_config.json")
+        if os.path.exists(gen_path):
+            with open(gen_path) as f:
+                eos = json.load(f).get("eos_token_id")
+            more = eos if isinstance(eos, list) else [eos] if eos is not None else []
+            kw["eos_token_ids"] = tuple(dict.fromkeys([*kw["eos_token_ids"], *more]))
+            kw["eos_token_id"] = kw["eos_token_id"] if kw["eos_token_id"] is not None else \
+                (kw["eos_token_ids"][0] if kw["eos_token_ids"] else None)
         return cls(**kw, name=os.path.basename(os.path.normpath(path)), path=path, extra=raw)

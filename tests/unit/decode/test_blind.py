@@ -16,7 +16,7 @@ BLIND = PdError(grpc.StatusCode.UNAVAILABLE, "WATCH_BLIND", "decode has not hear
 
 
 def _seq(owner: bytes) -> Sequence:
-    return Sequence(owner, 7, LEASES, expected_tags(owner, 7, LEASES), 5, SamplingParams(max_tokens=8), None, [1])
+    return Sequence(owner, 7, LEASES, expected_tags(owner, 7, LEASES), 5, SamplingParams(max_tokens=8), frozenset(), [1])
 
 
 def test_a_blind_scheduler_fails_running_requests_without_a_step_and_refuses_new_ones():

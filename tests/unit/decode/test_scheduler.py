@@ -18,7 +18,17 @@ REVOKED = PdError(grpc.StatusCode.DATA_LOSS, "REVOKED", "the broker revoked this
 
 
 def _seq() -> Sequence:
-    return Sequence(OWNER, 7, LEASES, expected_tags(OWNER, 7, LEASES), 5, SamplingParams(max_tokens=8), None, [1])
+    return Sequence(OWNER, 7, LEASES, expected_tags(OWNER, 7, LEASES), 5, SamplingParams(max_tokens=8), frozenset(), [1])
+
+
+def test_every_end_of_sequence_id_ends_a_sequence():
+    seq = Sequence(OWNER, 7, LEASES, expected_tags(OWNER, 7, LEASES), 5, SamplingParams(max_tokens=8),
+                   frozenset({1, 9}), [4])
+    assert not seq.is_finished()
+    seq.generated.append(9)
+    assert seq.is_stopped() and seq.is_finished()
+    seq.sampling.ignore_eos = True
+    assert not seq.is_finished()
 
 
 def _scheduler(released: list) -> Scheduler:
@@ -65,7 +75,7 @@ def test_broker_restart_fails_joining_and_running_alike():
     async def main():
         s = _scheduler([])
         running, joining = _seq(), Sequence(bytes(16), 7, [(9, 2)], expected_tags(bytes(16), 7, [(9, 2)]), 5,
-                                            SamplingParams(max_tokens=8), None, [1])
+                                            SamplingParams(max_tokens=8), frozenset(), [1])
         s.add(running)
         s.join(joining)
         s.fail_all(PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED", "test"))

@@ -46,7 +46,7 @@ def _admit(runner, owner_byte: int, prompt: list[int], first_page: int, max_toke
     pool.zero_tail(pages[n - 1], len(prompt) - (n - 1) * PS)
     checksums = pool.checksums(pages[:n])
     pool.tags[pages[:n]] = make_tags(owner, EPOCH, [g for _, g in leases[:n]], len(prompt), PS, checksums)
-    seq = Sequence(owner, EPOCH, leases, expected_tags(owner, EPOCH, leases), len(prompt), sampling, None,
+    seq = Sequence(owner, EPOCH, leases, expected_tags(owner, EPOCH, leases), len(prompt), sampling, frozenset(),
                    [int(logits[-1].argmax())])
     seq.prompt = PromptRecord.of(leases, len(prompt), PS, checksums)
     return seq

@@ -173,6 +173,11 @@ def test_config_fields(model_dir, tmp_path):
     _copy_config(model_dir, str(tmp_path), eos_token_id=[7, 1], head_dim=64)
     cfg2 = ModelConfig.from_dir(str(tmp_path))
     assert cfg2.eos_token_id == 7 and cfg2.eos_token_ids == (7, 1) and cfg2.head_dim == 64
+    # generate() stops at generation_config.json's ids too (an instruct checkpoint's end of turn)
+    with open(tmp_path / "generation_config.json", "w") as f:
+        json.dump({"eos_token_id": [1, 9]}, f)
+    cfg3 = ModelConfig.from_dir(str(tmp_path))
+    assert cfg3.eos_token_id == 7 and cfg3.eos_token_ids == (7, 1, 9)
 
 
 def test_config_rejects_other_architectures_and_bad_heads(model_dir, tmp_path):
