@@ -132,6 +132,15 @@ async def serve(args) -> None:
     check_unsafe("gateway", args)
     limits, key = http_limits(args), api_key(args)
     tls = tls_from_args(args, "gateway", "gateway")
+    # the checkpoint's tokenizer and chat template are read before any backend is looked for: a missing or broken
+    # one stops the gateway at once with its message (the byte tokenizer needs the vocabulary size, found later)
+    tokenizer = None if args.byte_tokenizer else load_tokenizer(args.model, 0)
+    template = None
+    if args.http_port >= 0:
+        try:
+            template = ChatTemplate.from_dir(args.model)
+        except ChatTemplateError as e:
+            raise SystemExit(f"gateway: {args.model}: {e}") from None
     init_metrics("gateway")
     backends = Backends(tls, args.load_interval)
     servicer = GatewayServicer(backends.routers["prefill"], backends.routers["decode"], None, None,
@@ -147,13 +156,9 @@ async def serve(args) -> None:
     tasks = [asyncio.ensure_future(d.run()) for d in discoveries(args, backends)]
     await svc.starting(health.first.wait())  # a SIGTERM before any backend answered exits at once
     cap = servicer.cap
-    servicer.tokenizer = load_tokenizer(args.model, cap.vocab_size, args.byte_tokenizer)
+    servicer.tokenizer = tokenizer or load_tokenizer(args.model, cap.vocab_size, byte_tokenizer=True)
     http = None
     if args.http_port >= 0:
-        try:
-            template = ChatTemplate.from_dir(args.model)
-        except ChatTemplateError as e:
-            raise SystemExit(f"gateway: {args.model}: {e}") from None
         front = Front(servicer, cap.model, limits, template)
         http = HttpServer(create_app(front, key), args.host, args.http_port, front.limits,
                           args.drain_timeout)

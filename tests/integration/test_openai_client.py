@@ -23,10 +23,12 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 @pytest.fixture(scope="module")
 def chat_dir(model_dir, tmp_path_factory):
-    """The tiny checkpoint with a chat template (its own tokenizer files have none)."""
+    """The tiny checkpoint with another chat template than its own (a file of its own here: writing through a
+    link would change the shared checkpoint)."""
     d = tmp_path_factory.mktemp("chat-model")
     for name in os.listdir(model_dir):
-        os.symlink(os.path.join(model_dir, name), d / name)
+        if name != "tokenizer_config.json":
+            os.symlink(os.path.join(model_dir, name), d / name)
     (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML,
                                                          "tokenizer_class": "PreTrainedTokenizerFast"}))
     return str(d)
@@ -233,3 +235,24 @@ def test_zz_drain_finishes_http_streams_and_refuses_new_requests(client, model, 
     assert sum(len(c.choices[0].token_ids) for c in chunks) == 150
     assert chunks[-1].choices[0].finish_reason == "length"
     assert gw.popen.wait(60) == 0, "".join(gw.lines[-20:])
+
+
+def test_the_clients_read_timeout_is_the_deadline_of_a_json_request(stack, gw, model):
+    """The official client sends its read timeout (x-stainless-read-timeout); a JSON answer it would stop
+    waiting for ends at that deadline with 504 and gives its pages back, instead of running on."""
+    import urllib.error
+    import urllib.request
+    stack.arm("prefill", "prefill.delay_before_write", arg="4000")
+    body = json.dumps({"model": model, "prompt": prompt(20, 1205), "max_tokens": 4, "ignore_eos": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{gw.http_port}/v1/completions", data=body, headers={
+        "Content-Type": "application/json", "Authorization": f"Bearer {KEY}", "x-stainless-read-timeout": "1"})
+    with pytest.raises(urllib.error.HTTPError) as e:  # without the deadline: 200 once the delay is over
+        urllib.request.urlopen(req, timeout=30)
+    err = json.loads(e.value.read())["error"]
+    assert e.value.code == 504 and err["code"] == "deadline_exceeded", err
+    assert all(st.num_leased == 0 for st in wait_no_leases(stack, timeout=20)), stack.pool_states()
+    stack.clear_faults()
+    bad = urllib.request.Request(req.full_url, data=body, headers={**req.headers, "X-stainless-read-timeout": "soon"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(bad, timeout=30)
+    assert e.value.code == 400 and "x-stainless-read-timeout" in json.loads(e.value.read())["error"]["message"]

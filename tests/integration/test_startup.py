@@ -27,6 +27,20 @@ def test_pool_smaller_than_context_exits_nonzero_with_numbers(model_dir, service
     assert "PDSERVE_READY" not in r.stdout
 
 
+def test_gateway_without_a_tokenizer_exits_at_once_naming_the_file(model_dir, tmp_path):
+    """Before it looks for any backend (there is none here): no silent fallback to bytes."""
+    for name in os.listdir(model_dir):
+        if name != "tokenizer.json":
+            os.symlink(os.path.join(model_dir, name), tmp_path / name)
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "gateway", "--model", str(tmp_path), "--port", "0",
+                        "--http-port", "0", "--metrics-port", "0", "--prefill", "127.0.0.1:1", "--decode",
+                        "127.0.0.1:1", "--insecure", "--allow-unsafe", "insecure"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert f"no tokenizer at {tmp_path}/tokenizer.json" in r.stderr and "--byte-tokenizer" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "PDSERVE_READY" not in r.stdout
+
+
 def test_decode_is_not_serving_until_its_pool_is_registered(model_dir):
     """With no broker to register with, decode stays NOT_SERVING."""
     with socket.socket() as s:

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from fastapi import Request
 
 from ...common.proto import common_pb2, gateway_pb2
+from .errors import ApiError
 from .schema import Sampling
 
 log = logging.getLogger(__name__)
@@ -67,15 +70,36 @@ class Output:
         self.prompt_logprobs.extend(r.prompt_logprobs)
 
 
-async def merged(servicer, reqs: list[gateway_pb2.GenerateRequest], rid: str
+# the official client's read timeout, sent with every request: for an answer that comes in one piece (not
+# streamed) it is the client's deadline, since it reads nothing before the whole answer
+READ_TIMEOUT = "x-stainless-read-timeout"
+
+
+def client_deadline(request: Request) -> float | None:
+    """The time.monotonic() after which the client of a non-streamed request no longer waits, or None."""
+    raw = request.headers.get(READ_TIMEOUT)
+    if raw is None:
+        return None
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = float("nan")
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ApiError(400, "invalid_header", f"header {READ_TIMEOUT} must be a positive number of seconds, got {raw[:40]!r}",
+                       param=READ_TIMEOUT)
+    return time.monotonic() + seconds
+
+
+async def merged(servicer, reqs: list[gateway_pb2.GenerateRequest], rid: str, deadline: float | None = None
                  ) -> AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]]:
     """(choice index, message) from all calls as they arrive; the first error ends them all. Close it
-    (contextlib.aclosing) so that the calls are cancelled with it."""
+    (contextlib.aclosing) so that the calls are cancelled with it. deadline (time.monotonic()) bounds every
+    internal call of every choice."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, req) -> None:
         try:
-            async for r in servicer.generate(req, None):
+            async for r in servicer.generate(req, deadline):
                 if r.request_id:
                     log.info("http request %s choice %d: internal request %s", rid, i, r.request_id.hex())
                 queue.put_nowait((i, r))
@@ -100,9 +124,9 @@ async def merged(servicer, reqs: list[gateway_pb2.GenerateRequest], rid: str
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _gather(servicer, reqs, rid: str) -> list[Output]:
+async def _gather(servicer, reqs, rid: str, deadline: float | None) -> list[Output]:
     outs = [Output() for _ in reqs]
-    gen = merged(servicer, reqs, rid)
+    gen = merged(servicer, reqs, rid, deadline)
     try:
         async for i, r in gen:
             outs[i].add(r)
@@ -135,5 +159,5 @@ async def until_disconnect(request: Request, work, rid: str):
 
 
 async def collect(servicer, reqs, request: Request, rid: str) -> list[Output]:
-    """Runs every call to its end, unless the client leaves first."""
-    return await until_disconnect(request, _gather(servicer, reqs, rid), rid)
+    """Runs every call to its end, unless the client leaves first or its deadline passes."""
+    return await until_disconnect(request, _gather(servicer, reqs, rid, client_deadline(request)), rid)
