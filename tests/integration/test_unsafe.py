@@ -79,7 +79,7 @@ def test_opt_in_serves_and_exports_the_mode_parent_fault_switches_stay_behind(mo
         assert unsafe_gauges(prefill) == {"no-transfer-checksum": 1.0, "insecure": 0.0, "faults": 0.0}
         assert unsafe_gauges(broker) == {"no-transfer-checksum": 0.0, "insecure": 0.0, "faults": 0.0}
         log = "".join(prefill.lines)
-        assert re.search(r"ERROR services\.common\.unsafe: prefill: UNSAFE MODE no-transfer-checksum", log), log
+        assert re.search(r"ERROR pdserve\.common\.unsafe: prefill: UNSAFE MODE no-transfer-checksum", log), log
         assert "PDSERVE_FAULTS" not in log and "fault point" not in log, log
         # the test-only Faults service is not served: only a switch passed explicitly turns it on
         op = issue(str(tmp_path), "operator/t")
@@ -100,7 +100,7 @@ def test_fault_switch_passed_explicitly_is_exported(monkeypatch, tmp_path):
                                        *tls_args(tmp_path, "broker/b0")], env={"PDSERVE_ENABLE_FAULTS": "1"})
     try:
         assert unsafe_gauges(broker) == {"no-transfer-checksum": 0.0, "insecure": 0.0, "faults": 1.0}
-        assert re.search(r"ERROR services\.common\.unsafe: broker: UNSAFE MODE faults", "".join(broker.lines))
+        assert re.search(r"ERROR pdserve\.common\.unsafe: broker: UNSAFE MODE faults", "".join(broker.lines))
         # the flag is passed through: the same check that saw 127.0.0.1 above now sees every address
         assert listening_addresses(broker.metrics_port) == {ANY}
     finally:
