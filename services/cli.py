@@ -15,6 +15,13 @@ from .common.argparsing import Parser, VersionAction
 SERVICES = ("broker", "prefill", "decode", "gateway")
 
 
+def _up_extra(args) -> dict[str, list[str]]:
+    """The flags `up` passes on to the services it starts (an HTTP API key goes by the environment,
+    PDSERVE_API_KEY, which the gateway inherits: a command line is visible to every local user)."""
+    engine = ["--kv-dtype", args.kv_dtype]
+    return {"prefill": engine, "decode": engine, "gateway": ["--byte-tokenizer"] * args.byte_tokenizer}
+
+
 def _up(args) -> int:
     import signal
     import time
@@ -34,7 +41,7 @@ def _up(args) -> int:
             prefill_pool_tokens=args.prefill_pool_tokens, decode_pool_tokens=args.decode_pool_tokens,
             allow_small=args.allow_pool_smaller_than_context, num_prefill=args.prefill_instances,
             num_decode=args.decode_instances, echo=True, tls_dir=tls_dir,
-            extra={"gateway": ["--byte-tokenizer"]} if args.byte_tokenizer else None)
+            extra=_up_extra(args))
     except BaseException:
         if not args.tls_dir:
             shutil.rmtree(tls_dir, ignore_errors=True)
@@ -120,6 +127,8 @@ def build_parser(argv: list[str], load_all: bool = False) -> argparse.ArgumentPa
     up.add_argument("--allow-pool-smaller-than-context", action="store_true")
     up.add_argument("--prefill-instances", type=int, default=1)
     up.add_argument("--decode-instances", type=int, default=1)
+    up.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="dtype of the weights and the KV pools of prefill and decode")
     up.add_argument("--byte-tokenizer", action="store_true",
                     help="encode text as UTF-8 bytes (ids 0..255) instead of the checkpoint's tokenizer.json")
     up.add_argument("--free-ports", action="store_true",

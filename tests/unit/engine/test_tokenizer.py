@@ -147,7 +147,7 @@ def test_incremental_push_decodes_a_window_not_the_whole_stream():
     assert max(calls) <= 2  # the old decoder re-decoded all 500 ids on the last push
 
 
-def test_up_passes_byte_tokenizer_to_the_gateway(hf_dir, monkeypatch):
+def test_up_passes_byte_tokenizer_and_dtype_to_the_services(hf_dir, monkeypatch):
     from pdserve import cli, launcher
     seen = {}
 
@@ -155,7 +155,9 @@ def test_up_passes_byte_tokenizer_to_the_gateway(hf_dir, monkeypatch):
         seen.update(kw)
         raise KeyboardInterrupt  # stop `up` here: nothing is started
     monkeypatch.setattr(launcher, "start_stack", start_stack)
-    for argv, extra in ((["--byte-tokenizer"], {"gateway": ["--byte-tokenizer"]}), ([], None)):
+    f32, bf16 = ["--kv-dtype", "float32"], ["--kv-dtype", "bfloat16"]
+    for argv, extra in ((["--byte-tokenizer"], {"prefill": f32, "decode": f32, "gateway": ["--byte-tokenizer"]}),
+                        (["--kv-dtype", "bfloat16"], {"prefill": bf16, "decode": bf16, "gateway": []})):
         with pytest.raises(KeyboardInterrupt):
             cli.main(["up", "--model", hf_dir, *argv])
         assert seen["extra"] == extra
