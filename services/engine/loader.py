@@ -56,6 +56,19 @@ def check_tensors(cfg: ModelConfig, expected: dict[str, torch.Size], state: dict
                               f"({cfg.num_hidden_layers} layers): " + "; ".join(problems))
 
 
+def _check_saved_inv_freq(path: str, state: dict[str, torch.Tensor], ours: torch.Tensor) -> None:
+    """Older Llama conversions saved each layer's rotary `inv_freq` buffer, which the config determines: it is
+    taken out of the state, but only when it equals the frequencies computed from the config (a checkpoint that
+    saved others was made with a rope the config does not describe)."""
+    for name in [k for k in state if k.endswith(".rotary_emb.inv_freq")]:
+        saved = state.pop(name)
+        if saved.shape != ours.shape or not torch.allclose(saved.float(), ours, rtol=1e-3, atol=0):
+            gap = float((saved.float() - ours).abs().max()) if saved.shape == ours.shape else float("nan")
+            raise CheckpointError(f"{path}: {name} {list(saved.shape)} differs from the rotary frequencies config.json "
+                                  f"describes ({list(ours.shape)}, largest difference {gap:.3g}): the checkpoint was "
+                                  "made with a rope the config does not state")
+
+
 def load_model(path: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> CausalLM:
     cfg = ModelConfig.from_dir(path)
     with torch.device("meta"):
@@ -71,8 +84,10 @@ def load_model(path: str, device: torch.device | str = "cpu", dtype: torch.dtype
             raise CheckpointError(f"{path}: tie_word_embeddings is true but lm_head.weight differs from "
                                   "model.embed_tokens.weight")
         state["lm_head.weight"] = emb
+    # rotary inv_freq is a non-persistent buffer (on meta so far): rebuild it, in float32 as transformers does
+    rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    _check_saved_inv_freq(path, state, rope.inv_freq)
     check_tensors(cfg, {k: v.shape for k, v in model.state_dict().items()}, state)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True, strict=True)
-    # rotary inv_freq is a non-persistent buffer (on meta so far): rebuild it, in float32 as transformers does
-    model.model.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    model.model.rotary_emb = rope
     return model.to(device).eval()

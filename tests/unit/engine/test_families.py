@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pdserve.engine.config import CheckpointError
+from pdserve.engine.config import CheckpointError, ModelConfig
 from pdserve.engine.loader import load_model
 from pdserve.engine.runner import ModelRunner
 from tests.families import FAMILIES, load_reference, write_checkpoint
@@ -86,6 +86,7 @@ def test_any_checkpoint_dtype_loads_into_any_dtype(checkpoints, tmp_path, dtype)
 
 
 def _copy(src, dst, state, **config):
+    os.makedirs(dst, exist_ok=True)
     with open(os.path.join(src, "config.json")) as f:
         raw = json.load(f)
     raw.update(config)
@@ -107,6 +108,20 @@ def test_extra_tensor_is_refused(checkpoints, tmp_path):
     msg = _refusal(checkpoints, tmp_path, attention_bias=False)
     assert "8 tensors in the checkpoint are not used by the model" in msg
     assert "model.layers.0.self_attn.k_proj.bias" in msg and "and 3 more" in msg
+
+
+def test_saved_rotary_frequencies_load_only_when_the_config_gives_them(checkpoints, tmp_path):
+    """Older Llama conversions carry each layer's inv_freq buffer: the config's own frequencies are dropped as
+    derived, other ones (a rope the config does not state) refuse the checkpoint."""
+    from pdserve.engine.rope import RotaryEmbedding
+    cfg = ModelConfig.from_dir(checkpoints["llama"])
+    ours = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).inv_freq
+    state = load_file(os.path.join(checkpoints["llama"], "model.safetensors"))
+    _copy(checkpoints["llama"], tmp_path / "same", {**state, "model.layers.0.self_attn.rotary_emb.inv_freq": ours})
+    load_model(str(tmp_path / "same"))
+    msg = _refusal(checkpoints, tmp_path / "other", lambda s: {
+        **s, "model.layers.1.self_attn.rotary_emb.inv_freq": ours / 8})
+    assert "model.layers.1.self_attn.rotary_emb.inv_freq" in msg and "a rope the config does not state" in msg
 
 
 def test_missing_tensor_is_refused(checkpoints, tmp_path):
