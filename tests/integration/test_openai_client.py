@@ -221,22 +221,6 @@ def stack_metric(proc, series: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(series + " "))
 
 
-def test_zz_drain_finishes_http_streams_and_refuses_new_requests(client, model, gw):
-    """Last in this module: it stops the module's gateway."""
-    stream = client.completions.create(model=model, prompt=prompt(6, 1205), max_tokens=150, stream=True,
-                                       **greedy())
-    chunks = [next(iter(stream))]
-    os.killpg(gw.popen.pid, signal.SIGTERM)
-    with pytest.raises(openai.APIStatusError) as e:
-        client.completions.create(model=model, prompt="hi", max_tokens=2)
-    assert e.value.status_code == 503 and e.value.code == "draining"
-    assert float(e.value.response.headers["retry-after"]) > 0
-    chunks += list(stream)
-    assert sum(len(c.choices[0].token_ids) for c in chunks) == 150
-    assert chunks[-1].choices[0].finish_reason == "length"
-    assert gw.popen.wait(60) == 0, "".join(gw.lines[-20:])
-
-
 def test_the_clients_read_timeout_is_the_deadline_of_a_json_request(stack, gw, model):
     """The official client sends its read timeout (x-stainless-read-timeout); a JSON answer it would stop
     waiting for ends at that deadline with 504 and gives its pages back, instead of running on."""
@@ -256,3 +240,19 @@ def test_the_clients_read_timeout_is_the_deadline_of_a_json_request(stack, gw, m
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(bad, timeout=30)
     assert e.value.code == 400 and "x-stainless-read-timeout" in json.loads(e.value.read())["error"]["message"]
+
+
+def test_zz_drain_finishes_http_streams_and_refuses_new_requests(client, model, gw):
+    """Last in this module: it stops the module's gateway."""
+    stream = client.completions.create(model=model, prompt=prompt(6, 1205), max_tokens=150, stream=True,
+                                       **greedy())
+    chunks = [next(iter(stream))]
+    os.killpg(gw.popen.pid, signal.SIGTERM)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model=model, prompt="hi", max_tokens=2)
+    assert e.value.status_code == 503 and e.value.code == "draining"
+    assert float(e.value.response.headers["retry-after"]) > 0
+    chunks += list(stream)
+    assert sum(len(c.choices[0].token_ids) for c in chunks) == 150
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert gw.popen.wait(60) == 0, "".join(gw.lines[-20:])
