@@ -9,6 +9,7 @@ import grpc
 
 from ..common.admission import check_options, check_sampling, check_tokens
 from ..common.config import pages_for
+from ..common.deadline import deadline_exceeded, deadline_of
 from ..common.drain import draining_error
 from ..common.errors import PdError, invalid
 from ..common.faults import FAULTS
@@ -95,7 +96,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if self.draining:
             raise draining_error("prefill", "no new Prefill call is taken")
         leases = self._admit(request)
-        work = asyncio.ensure_future(self._prefill(request, leases))
+        work = asyncio.ensure_future(self._prefill(request, leases, None if context is None else deadline_of(context)))
         self.in_flight.add(work)
         work.add_done_callback(self._work_done)
         # not cancelled with the caller (nor at the drain timeout): a write must not stop half-way or skip EndWrite
@@ -122,7 +123,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             log.info("BeginWrite failed after the forward pass had failed: %s", e)
             return None
 
-    async def _prefill(self, request, leases: list[tuple[int, int]]) -> prefill_pb2.PrefillResponse:
+    async def _prefill(self, request, leases: list[tuple[int, int]], deadline: float | None = None
+                       ) -> prefill_pb2.PrefillResponse:
+        """deadline (the caller's) bounds the lease calls and when the write may still be posted: a write nobody
+        waits for any more is not started (EndWrite then frees its pages at once, nothing posted)."""
         owner = request.request_id
         dest = request.destination
         pool_id, epoch = dest.pool_id, dest.epoch
@@ -133,7 +137,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         end = (pool_id, owner, epoch, leases_pb, writer_id)
         # KeepAlive and BeginWrite run while the forward pass fills this process's own pool: the pass reads
         # and writes nothing of decode's, and nothing is posted to decode before BeginWrite has succeeded
-        begin = asyncio.ensure_future(self.leases.begin(pool_id, owner, epoch, leases_pb, writer_id))
+        begin = asyncio.ensure_future(self.leases.begin(pool_id, owner, epoch, leases_pb, writer_id, deadline))
         local: list[int] = []
         try:
             n = len(request.token_ids)
@@ -164,6 +168,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             target = self._target(request, region, leases)
             if (arg := FAULTS.fire("prefill.delay_before_write")) is not None:
                 await asyncio.sleep(int(arg or 1000) / 1000)
+            if deadline is not None and time.monotonic() >= deadline:
+                raise deadline_exceeded(deadline, "before prefill posted the KV write (nothing was posted)")
 
             def check_alive(stage: str) -> None:
                 left = expires[0] - time.monotonic()

@@ -9,6 +9,7 @@ import time
 
 import grpc
 
+from ..common.deadline import timeout_within
 from ..common.errors import PdError
 from ..common.faults import FAULTS
 from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS, TRANSFER_FAILURES
@@ -51,27 +52,31 @@ class WriteLeases:
                 f"--lock-delay to at least {self.max_landing_s:.3f} or lower prefill's --mooncake-timeout")
         return lock_delay
 
-    async def keep_alive(self, writer_id: str, epoch: int) -> float:
+    async def keep_alive(self, writer_id: str, epoch: int, deadline: float | None = None) -> float:
         """Renews this write's liveness lease; returns the monotonic time it now expires (sent time + ttl).
         Under a new broker epoch the write is dead: its pages are quarantined only for lock_delay there,
         so it must not post again (found by the formal model)."""
         sent = time.monotonic()
         resp = await call(self.broker.KeepAlive(broker_pb2.KeepAliveRequest(
-            holder_id=writer_id, ttl_ms=int(self.writer_ttl_s * 1000)), timeout=self.rpc_timeout_s), "broker KeepAlive")
+            holder_id=writer_id, ttl_ms=int(self.writer_ttl_s * 1000)),
+            timeout=timeout_within(deadline, self.rpc_timeout_s, "before the write's KeepAlive")), "broker KeepAlive")
         if resp.epoch != epoch:
             raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED",
                           f"broker epoch is {resp.epoch:#x}, the write's leases are of {epoch:#x}")
         return sent + self.writer_ttl_s
 
-    async def begin(self, pool_id: str, owner: bytes, epoch: int, leases_pb, writer_id: str):
+    async def begin(self, pool_id: str, owner: bytes, epoch: int, leases_pb, writer_id: str,
+                    deadline: float | None = None):
         """KeepAlive, then BeginWrite; returns [liveness expiry], the task that renews it from now on (a long
-        forward pass must not let the write's liveness lease lapse) and the pool's registered region."""
-        expires = [await self.keep_alive(writer_id, epoch)]
+        forward pass must not let the write's liveness lease lapse) and the pool's registered region. Both calls
+        end by the request's deadline (EndWrite, a give-back, never does)."""
+        expires = [await self.keep_alive(writer_id, epoch, deadline)]
         try:
             with GUARD_SECONDS.labels("begin_write_rpc").time():
                 resp = await call(self.broker.BeginWrite(broker_pb2.BeginWriteRequest(
                     pool_id=pool_id, owner=owner, epoch=epoch, leases=leases_pb, writer_id=writer_id,
-                    max_landing_ms=self.max_landing_ms), timeout=self.rpc_timeout_s),
+                    max_landing_ms=self.max_landing_ms),
+                    timeout=timeout_within(deadline, self.rpc_timeout_s, "before the broker's BeginWrite")),
                     "broker BeginWrite")
         except PdError as e:
             TRANSFER_FAILURES.labels("begin_write").inc()

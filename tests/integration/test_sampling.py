@@ -1,6 +1,8 @@
 """Sampling options through a real stack over gRPC, each against an independent path: stop token ids and stop
 strings against an unstopped greedy run, log-probabilities and penalties against transformers, seeded sampling
 with every option against the sampler run on transformers' logits, and a deadline that expires."""
+import time
+
 import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
@@ -143,8 +145,14 @@ def test_bad_options_are_refused_before_any_lease(stack):
 
 def test_expired_deadline_ends_the_request_and_leaves_no_lease(stack):
     p = prompt(40, 12)
+    sent = stack.metric("prefill", "pdserve_kv_transfer_bytes_total")
     stack.arm("prefill", "prefill.delay_before_write", arg="3000")  # far past the 1 s deadline
     out = generate(stack.gateway, build_request(prompt_token_ids=p, max_tokens=8, ignore_eos=True), timeout=1.0)
     assert out["error"]["code"] == "DEADLINE_EXCEEDED", out
+    # prefill's work outlives its caller (a write never stops half-way), but past the deadline it posts nothing
+    until = time.monotonic() + 20
+    while stack.prefills[0].GetInfo(common_pb2.GetInfoRequest(), timeout=5).queue_depth and time.monotonic() < until:
+        time.sleep(0.05)
+    assert stack.metric("prefill", "pdserve_kv_transfer_bytes_total") == sent
     assert all(s.num_leased == 0 for s in wait_no_leases(stack, timeout=20)), stack.pool_states()
     assert len(_run(stack, prompt_token_ids=p, max_tokens=8, ignore_eos=True)["token_ids"]) == 8
