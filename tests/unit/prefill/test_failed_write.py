@@ -61,7 +61,7 @@ class FakeLeases:
         self.acks = []
         self.region = None
 
-    async def begin(self, pool_id, owner, epoch, leases_pb, writer_id):
+    async def begin(self, pool_id, owner, epoch, leases_pb, writer_id, deadline=None):
         return [time.monotonic() + 60], asyncio.create_task(asyncio.sleep(3600)), self.region
 
     async def end(self, pool_id, owner, epoch, leases_pb, writer_id, ok, nothing_posted):
