@@ -2,7 +2,6 @@
 import random
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 
 PAGE = 16
 LENGTHS = sorted({1, 2, 3, PAGE - 1, PAGE, PAGE + 1, 2 * PAGE - 1, 2 * PAGE, 2 * PAGE + 1, 63, 64, 65, 100, 127, 128,
