@@ -8,6 +8,7 @@ import socket
 import pytest
 
 from pdserve import launcher
+from pdserve.common.proto import decode_pb2
 from tests.integration.helpers import allocate, prompt
 from tests.integration.procnet import listening_ports
 from tests.integration.stack import Stack
@@ -53,6 +54,8 @@ def test_session_names_the_given_port(pinned, oracle):
     rid, dest = allocate(stack, 20, 4)
     host, _, session_port = dest.transfer_session.rpartition(":")
     assert host == "127.0.0.1" and int(session_port) in (port, port + 1), dest.transfer_session
+    # given back: an allocation nobody decodes would hold decode's drain at the end of the module
+    stack.decodes[0].Release(decode_pb2.DecodeReleaseRequest(request_id=rid), timeout=10)
     p = prompt(33, 777)
     out = stack.generate(prompt_token_ids=p, max_tokens=6, ignore_eos=True)
     assert "error" not in out, out
