@@ -7,11 +7,13 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# the gateway's admission limits (common/admission.py), so that HTTP refuses exactly what gRPC refuses
+from ...common.admission import MAX_LOGPROBS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS
+
 MAX_N = 16
-MAX_LOGPROBS = 20
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Stop = Union[Annotated[str, Field(min_length=1)], Annotated[list[Annotated[str, Field(min_length=1)]],
-                                                            Field(max_length=4)], None]
+                                                            Field(max_length=MAX_STOP_STRINGS)], None]
 
 
 class Strict(BaseModel):
@@ -33,7 +35,7 @@ class Sampling(Strict):
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     seed: Annotated[int, Field(ge=0, lt=2**63)] | None = None
     stop: Stop = None
-    stop_token_ids: Annotated[list[TokenId], Field(max_length=64)] = []
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] = []
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
