@@ -42,6 +42,21 @@ CANARY_HITS = Counter("pdserve_canary_hits_total", "Verified pages found carryin
 SOURCE_PAGES_HELD = Gauge("pdserve_prefill_source_pages_held",
                           "Prefill pages kept out of reuse until a failed write that read them can no longer land")
 REQUESTS = Counter("pdserve_requests_total", "Finished requests by status code", ["code"])
+# prefill's queue (issue 12): work dropped before its forward pass because its caller's deadline passed or its
+# caller left; sequences whose forward pass ran; packed sequences per forward pass; queued sequences now
+PREFILL_DROPPED = Counter("pdserve_prefill_dropped_total", "Prefill work dropped from the queue before its forward "
+                          "pass (nothing computed, nothing posted)", ["reason"])
+PREFILL_DROP_REASONS = ("deadline", "cancelled", "queue_full")
+PREFILL_SEQUENCES = Counter("pdserve_prefill_sequences_total", "Prompts whose prefill forward pass ran (a chunked "
+                            "prompt counts once)")
+PREFILL_GONE_AT_START = Counter("pdserve_prefill_forward_for_gone_total", "Prompts whose forward pass started "
+                                "although their caller had already left or its deadline had passed (should stay 0)")
+PREFILL_BATCH = Histogram("pdserve_prefill_batch_sequences", "Sequences (or chunks) packed into one prefill forward "
+                          "pass", buckets=(1, 2, 4, 8, 16, 32, 64))
+PREFILL_QUEUE = Gauge("pdserve_prefill_queue_depth", "Prompts waiting for a prefill forward pass")
+# overload (issue 12): requests refused because a per-server concurrency limit or a queue was full
+OVERLOAD_REJECTIONS = Counter("pdserve_overload_rejections_total", "Requests refused with RESOURCE_EXHAUSTED "
+                              "because the service was saturated", ["service", "reason"])
 
 VIOLATION_REASONS = ("COVERAGE_MISMATCH", "TAG_MISSING", "TAG_OWNER", "TAG_EPOCH", "TAG_GENERATION",
                      "TAG_PAGE_INDEX", "TAG_NUM_TOKENS", "CHECKSUM", "STEP_TAG_MISMATCH",
@@ -71,6 +86,8 @@ def init_metrics(service: str, pools: list[str] = ()) -> None:
         GUARD_SECONDS.labels(k)
     for phase in ("prefill", "decode"):
         FORWARD_SECONDS.labels(phase)
+    for r in PREFILL_DROP_REASONS:
+        PREFILL_DROPPED.labels(r)
     for p in pools:
         POOL_CONTEXT_RATIO.labels(p)
         POOL_SHORTFALL.labels(p)
