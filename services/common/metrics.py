@@ -46,7 +46,7 @@ REQUESTS = Counter("pdserve_requests_total", "Finished requests by status code",
 # caller left; sequences whose forward pass ran; packed sequences per forward pass; queued sequences now
 PREFILL_DROPPED = Counter("pdserve_prefill_dropped_total", "Prefill work dropped from the queue before its forward "
                           "pass (nothing computed, nothing posted)", ["reason"])
-PREFILL_DROP_REASONS = ("deadline", "cancelled", "queue_full")
+PREFILL_DROP_REASONS = ("deadline", "cancelled")
 PREFILL_SEQUENCES = Counter("pdserve_prefill_sequences_total", "Prompts whose prefill forward pass ran (a chunked "
                             "prompt counts once)")
 PREFILL_GONE_AT_START = Counter("pdserve_prefill_forward_for_gone_total", "Prompts whose forward pass started "
