@@ -90,8 +90,9 @@ class LeaseTable(ReaderLiveness):
         return [(page_id, generation) for page_id in taken]
 
     def begin_write(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], writer_id: str,
-                    max_landing_s: float):
-        """Returns the pool's registered region: the only place the writer may write to."""
+                    max_landing_s: float, writer_ttl_s: float = 0.0):
+        """Returns the pool's registered region: the only place the writer may write to. writer_ttl_s > 0 also
+        renews the writer's liveness, as a KeepAlive just before it would (one call fewer per write)."""
         if not writer_id:
             raise LeaseError("INVALID_ARGUMENT", "BAD_WRITER_ID", "writer_id must not be empty")
         # the one timing inequality: a page leaves quarantine lock_delay after the writer's liveness expired or
@@ -110,6 +111,8 @@ class LeaseTable(ReaderLiveness):
                 raise LeaseError("FAILED_PRECONDITION", "LEASE_ALREADY_WRITTEN",
                                  f"page {page_id} generation {generation} was already written or validated; a lease "
                                  "generation is written at most once")
+        if writer_ttl_s:
+            self.keep_alive(writer_id, writer_ttl_s)
         now = self._clock()
         # an expired record counts as none: otherwise the sweeper could end this write while it runs
         if self._liveness.get(writer_id, now) <= now:
@@ -121,12 +124,19 @@ class LeaseTable(ReaderLiveness):
         return pool.region
 
     def end_write(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], writer_id: str,
-                  success: bool, nothing_posted: bool = False) -> int:
+                  success: bool, nothing_posted: bool = False, written: tuple | None = None) -> int:
+        """written: (num_tokens, checksums, first_token) of a successful write. When, at this instant, every lease
+        is the owner's current one and this writer is the one active on it, a write-done notice carrying them goes
+        on the pool's revocation log (after any revocation of the owner, before any later one): decode reads on it
+        without a Validate call, as the generation is sealed and no other writer can begin on it."""
         # acks may be late, repeated or from a past incarnation: they may only ever undo their own BeginWrite.
         # owner is implied by (page, generation), since every grant takes a fresh generation.
         if epoch != self.epoch:
             return 0
         pool = self._pool(pool_id)
+        leases = list(leases)
+        if success and written is not None and leases and self._written_by(pool, owner, leases, writer_id):
+            pool.revocations.append(owner, epoch, "WRITE_DONE", (tuple(leases), *written))
         num_unquarantined = 0
         # a failed or timed-out write is no proof that nothing is in flight: the transport returns as soon as one
         # task fails or its timer runs out, and flushes nothing. Its pages stay held for lock_delay from now.
@@ -146,6 +156,18 @@ class LeaseTable(ReaderLiveness):
                 pool.free_page(page_id)
                 num_unquarantined += 1
         return num_unquarantined
+
+    @staticmethod
+    def _written_by(pool, owner: bytes, leases: list[Lease], writer_id: str) -> bool:
+        """Every lease is owner's current one, and writer_id's write of that generation is the one active on it."""
+        for page_id, generation in leases:
+            if not 0 <= page_id < pool.num_pages:
+                return False
+            page = pool.pages[page_id]
+            if (page.state is not PageState.LEASED or page.owner != owner or page.generation != generation
+                    or page.active_writer != (writer_id, generation)):
+                return False
+        return True
 
     def validate(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease]) -> None:
         leases = list(leases)
@@ -172,6 +194,19 @@ class LeaseTable(ReaderLiveness):
         counts = self._end_leases(pool, owner)
         pool.revocations.append(owner, self.epoch, reason)
         return counts
+
+    def keep_alive_many(self, holder_ids: list[str], ttl_s: float) -> list[str]:
+        """One renewal of several holders (a prefill's running writes); returns those refused (a fenced pool's
+        writer), which are not renewed while the others are."""
+        refused = []
+        for holder_id in holder_ids:
+            try:
+                self.keep_alive(holder_id, ttl_s)
+            except LeaseError as e:
+                if e.reason != "POOL_FENCED":
+                    raise
+                refused.append(holder_id)
+        return refused
 
     def keep_alive(self, holder_id: str, ttl_s: float) -> None:
         if not holder_id or not 0 < ttl_s <= self.max_ttl_s:

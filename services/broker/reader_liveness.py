@@ -115,6 +115,9 @@ class ReaderLiveness:
             self._forgotten.append(pool_id)
         return gone
 
+    def last_seq(self, pool_id: str) -> int:
+        return self._pool(pool_id).revocations.last_seq
+
     def revocations_since(self, pool_id: str, after_seq: int):
         """(revocations with seq > after_seq, whether the log lost some of them, the pool's last seq)."""
         log = self._pool(pool_id).revocations

@@ -13,6 +13,8 @@ class Revocation(NamedTuple):
     epoch: int
     reason: str
     seq: int = 0  # 1, 2, ... per pool within an epoch; 0 only before it is logged
+    # a write-done notice, not a revocation: (leases, num_tokens, checksums, first_token) the writer reported
+    written: tuple | None = None
 
 
 class RevocationLog:
@@ -25,9 +27,9 @@ class RevocationLog:
         self._events: deque[Revocation] = deque(maxlen=capacity)
         self.last_seq = 0
 
-    def append(self, owner: bytes, epoch: int, reason: str) -> Revocation:
+    def append(self, owner: bytes, epoch: int, reason: str, written: tuple | None = None) -> Revocation:
         self.last_seq += 1
-        event = Revocation(owner, epoch, reason, self.last_seq)
+        event = Revocation(owner, epoch, reason, self.last_seq, written)
         self._events.append(event)
         return event
 

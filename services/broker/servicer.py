@@ -86,14 +86,19 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         await self._refuse_if_stopping(context, "BeginWrite")
         region = await self._call(context, self._table.begin_write, request.pool_id, request.owner, request.epoch,
                                   _leases(request.leases), request.writer_id, request.max_landing_ms / 1000.0,
-                                  is_lease_check=True)
+                                  request.writer_ttl_ms / 1000.0, is_lease_check=True)
         return broker_pb2.BeginWriteResponse(region=region)
 
     async def EndWrite(self, request: broker_pb2.EndWriteRequest,
                        context: grpc.aio.ServicerContext) -> broker_pb2.EndWriteResponse:
+        cov = request.coverage
+        written = (cov.num_tokens, tuple(cov.checksums), request.first_token) if request.HasField("coverage") else None
+        last_seq = self._last_seq(request.pool_id)
         num = await self._call(context, self._table.end_write, request.pool_id, request.owner, request.epoch,
                                _leases(request.leases), request.writer_id, request.success,
-                               request.nothing_posted)
+                               request.nothing_posted, written)
+        if self._last_seq(request.pool_id) != last_seq:
+            self._after_revoke(request.pool_id)  # a write-done notice: wake the pool's watchers
         if not request.success:
             log.info("writer %s reported a failed write of %s pages in pool %s (%s)", request.writer_id,
                      len(request.leases), request.pool_id,
@@ -118,6 +123,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                         context: grpc.aio.ServicerContext) -> broker_pb2.KeepAliveResponse:
         await self._refuse_if_stopping(context, "KeepAlive")
         await self._call(context, self._table.keep_alive, request.holder_id, request.ttl_ms / 1000.0)
+        refused = await self._call(context, self._table.keep_alive_many, list(request.more_holder_ids),
+                                   request.ttl_ms / 1000.0) if request.more_holder_ids else []
         # a pool this incarnation does not know (it restarted) or has fenced: NOT_FOUND, and decode
         # registers a new incarnation
         if request.pool_id:
@@ -126,7 +133,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 log.warning("pool %s: revoked %d owners its decode no longer holds", request.pool_id, len(stale))
                 self._after_revoke(request.pool_id)
         return broker_pb2.KeepAliveResponse(epoch=self._table.epoch, lock_delay_ms=self._lock_delay_ms(),
-                                            fence_ms=self._fence_ms())
+                                            fence_ms=self._fence_ms(), refused_holder_ids=refused)
 
     async def WatchRevocations(self, request: broker_pb2.WatchRevocationsRequest,
                                context: grpc.aio.ServicerContext) -> AsyncIterator[broker_pb2.Revocation]:
@@ -199,6 +206,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             await abort(context, PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_STOPPING",
                                          f"{method} refused: this broker (epoch {self._table.epoch:#x}) is stopping; "
                                          "its successor takes over"))
+
+    def _last_seq(self, pool_id: str) -> int:
+        return self._table.last_seq(pool_id) if pool_id in self._table.pool_ids() else 0
 
     def _fence_ms(self) -> int:
         return round(self._table.fence_s * 1000)

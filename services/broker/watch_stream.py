@@ -11,14 +11,21 @@ import grpc
 
 from ..common.errors import PdError
 from ..common.faults import FAULTS
-from ..common.proto import broker_pb2
+from ..common.proto import broker_pb2, common_pb2
 from .lease_table import LeaseTable
 
 log = logging.getLogger(__name__)
 
 
 def _pb(event) -> broker_pb2.Revocation:
-    return broker_pb2.Revocation(owner=event.owner, epoch=event.epoch, reason=event.reason, seq=event.seq)
+    msg = broker_pb2.Revocation(owner=event.owner, epoch=event.epoch, reason=event.reason, seq=event.seq)
+    if event.written is not None:
+        leases, num_tokens, checksums, first_token = event.written
+        msg.write_done, msg.first_token = True, first_token
+        msg.leases.extend(common_pb2.PageLease(page=p, generation=g) for p, g in leases)
+        msg.coverage.num_tokens, msg.coverage.num_pages = num_tokens, len(checksums)
+        msg.coverage.checksums.extend(checksums)
+    return msg
 
 
 async def revocation_stream(table: LeaseTable, pool_id: str, after_seq: int, wake: asyncio.Event,
@@ -40,6 +47,9 @@ async def revocation_stream(table: LeaseTable, pool_id: str, after_seq: int, wak
             log.warning("watcher of pool %s resumed after seq %s but the log starts later (last seq %s): "
                         "telling it to re-check its leases", pool_id, cursor, last_seq)
         for event in events:
+            if event.written is not None:
+                yield _pb(event)
+                continue
             log.info("revoked owner %s in pool %s (seq %s): %s", event.owner.hex(), pool_id, event.seq, event.reason)
             yield _pb(event)
         cursor = last_seq  # every seq up to it was just sent (or is the gap just reported)

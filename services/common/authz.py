@@ -33,6 +33,7 @@ POLICY: dict[str, frozenset[str]] = {
     "/pdserve.v1.Prefill/GetInfo": frozenset({"gateway", "operator"}),
     "/pdserve.v1.Decode/Allocate": frozenset({"gateway", "operator"}),
     "/pdserve.v1.Decode/Decode": frozenset({"gateway", "operator"}),
+    "/pdserve.v1.Decode/Run": frozenset({"gateway", "operator"}),
     "/pdserve.v1.Decode/Release": frozenset({"gateway", "operator"}),
     "/pdserve.v1.Decode/GetInfo": frozenset({"gateway", "operator"}),
     "/pdserve.v1.Faults/*": frozenset({"operator"}),

@@ -28,6 +28,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--allocation-timeout", type=float, default=120.0,
                    help="seconds an allocation waits for its Decode call (prefill failed, gateway gone) before release")
+    p.add_argument("--allocation-queue-limit", type=int, default=256,
+                   help="requests that may wait for KV pages while the pool is full; more get RESOURCE_EXHAUSTED")
+    p.add_argument("--allocation-queue-timeout", type=float, default=30.0,
+                   help="seconds a request waits for KV pages before RESOURCE_EXHAUSTED (QUEUE_TIMEOUT)")
     p.add_argument("--checksum-sweep-pages", type=int, default=8,
                    help="prompt pages of the running batch whose CRC-32C is re-checked before each step, in rotation "
                         "(every prompt page at least once every E * ceil(prompt pages / N) steps); 0 turns it off")
@@ -93,7 +97,8 @@ async def _start(args, tls) -> DecodeServicer:
                               check_checksums=not args.no_transfer_checksum, canary=args.canary,
                               allocation_timeout_s=args.allocation_timeout, rpc_timeout_s=args.rpc_timeout,
                               max_blind_s=args.max_blind, sweep_pages=args.checksum_sweep_pages,
-                              sweep_every=args.checksum_sweep_every)
+                              sweep_every=args.checksum_sweep_every, queue_limit=args.allocation_queue_limit,
+                              queue_timeout_s=args.allocation_queue_timeout)
     servicer.transfer = transfer  # held for the process's life: the engine unregisters the pool when collected
     while True:  # SERVING only once the pool is allocated, registered and checked
         try:

@@ -23,6 +23,7 @@ from ..engine.runner import ModelRunner
 from ..engine.tags import TAG_NBYTES, expected_tags
 from ..engine.sampler import SamplingParams
 from .admit import admit_decode
+from .run import RunStream
 from .scheduler import Scheduler, Sequence, raise_if_ended
 from .sweep import PromptRecord
 from .verify import CANARY_BYTE, Violation, check_canaries, verify_prompt_pages
@@ -43,11 +44,11 @@ class Allocation:
     pool_id: str = ""  # the pool incarnation it was granted in
 
 
-class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
+class DecodeServicer(BrokerWatch, RunStream, decode_pb2_grpc.DecodeServicer):
     def __init__(self, runner: ModelRunner, broker, pool_id: str, transfer_session: str, context_length: int,
                  model_name: str, max_batch: int = 64, rpc_timeout_s: float = 10.0, allocation_timeout_s: float = 120.0,
                  check_checksums: bool = True, canary: bool = False, sweep_pages: int = 8, max_blind_s: float = 1.0,
-                 sweep_every: int = 1):
+                 sweep_every: int = 1, queue_limit: int = 256, queue_timeout_s: float = 30.0):
         self.check_checksums, self.canary = check_checksums, canary
         self.runner, self.pool, self.broker = runner, runner.pool, broker
         self.pool_id = pool_id
@@ -61,6 +62,7 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
         self.scheduler = Scheduler(runner, self._release_seq, max_batch, sweep_pages if check_checksums else 0,
                                    blind=self.blind_error, sweep_every=sweep_every)
         self.init_watch(max_blind_s)
+        self.init_run(queue_limit, queue_timeout_s)
         self.layout_pb = layout_to_pb(self.pool.layout, TAG_NBYTES)
         self.eos = frozenset(runner.config.eos_token_ids)
         self.draining = False  # set on SIGTERM (drain.py): GetInfo reports it, Allocate refuses
@@ -87,21 +89,36 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             layout=self.layout_pb,
             free_pages=state.num_free, draining=self.draining, queue_depth=self.queue_depth())
 
-    def queue_depth(self) -> int:  # allocated, not yet taken by Decode, plus every sequence Decode owns
-        return len(self.allocations) + len(self.scheduler.joining) + len(self.scheduler.running)
+    def queue_depth(self) -> int:  # waiting for pages, allocated, not yet decoding, plus every sequence decoding
+        return len(self._queue) + len(self.allocations) + len(self.scheduler.joining) + len(self.scheduler.running)
 
     async def Allocate(self, request, context) -> decode_pb2.AllocateResponse:
+        owner = request.request_id
+        need = self.admit_allocation(owner, request.num_prompt_tokens, request.max_tokens)
+        alloc = await self.grant(owner, request.num_prompt_tokens, request.max_tokens, need, deadline_of(context))
+        return decode_pb2.AllocateResponse(destination=self.destination(alloc))
+
+    def admit_allocation(self, owner: bytes, num_prompt_tokens: int, max_tokens: int) -> int:
+        """The pages a request needs, once it may have them here."""
         if self.draining:
             raise draining_error("decode", f"pool {self.pool_id} takes no new allocation")
-        owner = request.request_id
         if len(owner) != 16:
             raise invalid("BAD_REQUEST_ID", f"request_id must be 16 bytes, got {len(owner)}")
-        check_sampling(request.max_tokens, 0.0, 1.0)
-        check_lengths(request.num_prompt_tokens, request.max_tokens, self.context_length, self.pool.page_size,
+        check_sampling(max_tokens, 0.0, 1.0)
+        check_lengths(num_prompt_tokens, max_tokens, self.context_length, self.pool.page_size,
                       self.pool.num_pages, None)
-        if request.num_prompt_tokens == 0:
+        if num_prompt_tokens == 0:
             raise invalid("EMPTY_PROMPT", "prompt is empty (0 tokens)")
-        need = pages_needed(request.num_prompt_tokens, request.max_tokens, self.pool.page_size)
+        return pages_needed(num_prompt_tokens, max_tokens, self.pool.page_size)
+
+    def destination(self, alloc: Allocation) -> common_pb2.Destination:
+        return common_pb2.Destination(pool_id=alloc.pool_id, transfer_session=self.session,
+                                      data_base=self.pool.data_ptr, tag_base=self.pool.tag_ptr, epoch=alloc.epoch,
+                                      leases=leases_to_pb(alloc.leases), layout=self.layout_pb)
+
+    async def grant(self, owner: bytes, num_prompt_tokens: int, max_tokens: int, need: int,
+                    deadline: float | None) -> Allocation:
+        """Leases `need` pages from the broker (RESOURCE_EXHAUSTED when the pool is short) as a new allocation."""
         if (err := self.blind_error()) is not None:
             raise err
         if owner in self.held_owners():
@@ -114,7 +131,7 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             with GUARD_SECONDS.labels("grant_rpc").time():
                 resp = await call(self.broker.Grant(broker_pb2.GrantRequest(
                     pool_id=pool_id, owner=owner, num_pages=need, epoch=self.epoch),
-                    timeout=timeout_within(deadline_of(context), self.rpc_timeout_s, "before broker Grant")),
+                    timeout=timeout_within(deadline, self.rpc_timeout_s, "before broker Grant")),
                     "broker Grant")
         except PdError as e:
             self.pending_grants.discard(owner)
@@ -128,11 +145,9 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             spawn(self._release(owner, resp.epoch, leases))
             raise PdError(grpc.StatusCode.INTERNAL, "BAD_GRANT", f"asked the broker for {need} pages, granted "
                                                                  f"{len(leases)}")
-        self.allocations[owner] = Allocation(resp.epoch, leases, request.num_prompt_tokens, request.max_tokens,
-                                             time.monotonic() + self.allocation_timeout_s, pool_id)
-        return decode_pb2.AllocateResponse(destination=common_pb2.Destination(
-            pool_id=pool_id, transfer_session=self.session, data_base=self.pool.data_ptr,
-            tag_base=self.pool.tag_ptr, epoch=resp.epoch, leases=leases_to_pb(leases), layout=self.layout_pb))
+        alloc = self.allocations[owner] = Allocation(resp.epoch, leases, num_prompt_tokens, max_tokens,
+                                                     time.monotonic() + self.allocation_timeout_s, pool_id)
+        return alloc
 
     async def Release(self, request, context) -> decode_pb2.DecodeReleaseResponse:
         alloc = self.allocations.pop(request.request_id, None)
@@ -150,6 +165,13 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             raise PdError(grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_REQUEST",
                           f"request {owner.hex()} has no allocation on pool {self.pool_id} (released, revoked "
                           f"or timed out)")
+        async for r in self.decode_stream(request, alloc, deadline_of(context)):
+            yield r
+
+    async def decode_stream(self, request, alloc: Allocation, deadline: float | None, notice=None):
+        """Verifies the prompt pages, then streams the tokens. notice: the broker's write-done notice of these
+        leases (Run), which stands for the Validate call made otherwise."""
+        owner = request.request_id
         # from here the request's pages are released exactly once: by the scheduler once it runs the sequence,
         # else by the finally below, whatever ends this call (error, finish, or cancellation). While joining,
         # the scheduler already knows the sequence, so a revocation or Release in that window is not lost.
@@ -157,7 +179,7 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
                        alloc.num_prompt_tokens, SamplingParams(), self.eos, [request.first_token])
         self.scheduler.join(seq)
         try:
-            await self._verify(request, owner, alloc, seq, deadline_of(context))
+            await self._verify(request, owner, alloc, seq, deadline, validate=notice is None)
             if self.check_checksums:  # verification proved the pages' bytes carry these checksums
                 seq.prompt = PromptRecord.of(alloc.leases, alloc.num_prompt_tokens, self.pool.page_size,
                                              list(request.coverage.checksums))
@@ -186,8 +208,10 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             elif not seq.done:
                 self.scheduler.cancel(owner)  # the client went away: stop before the next step
 
-    async def _verify(self, request, owner: bytes, alloc: Allocation, seq: Sequence, deadline: float | None) -> None:
-        """Prompt pages (tags, token counts, checksums), then the broker: fail closed with DATA_LOSS."""
+    async def _verify(self, request, owner: bytes, alloc: Allocation, seq: Sequence, deadline: float | None,
+                      validate: bool = True) -> None:
+        """Prompt pages (tags, token counts, checksums), then the broker (unless its write-done notice came):
+        fail closed with DATA_LOSS."""
         if alloc.epoch != self.epoch or alloc.pool_id != self.pool_id:
             raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED",
                           f"leases of pool {alloc.pool_id} epoch {alloc.epoch:#x} ended with the move to pool "
@@ -202,6 +226,8 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
                                     cov.num_tokens, list(cov.checksums), self.check_checksums)
                 if self.canary:
                     check_canaries(self.pool, alloc.leases, alloc.num_prompt_tokens)
+            if not validate:
+                return
             n = pages_for(alloc.num_prompt_tokens, self.pool.page_size)
             with GUARD_SECONDS.labels("validate_rpc").time():
                 await call(self.broker.Validate(broker_pb2.ValidateRequest(
@@ -241,6 +267,7 @@ class DecodeServicer(BrokerWatch, decode_pb2_grpc.DecodeServicer):
             with GUARD_SECONDS.labels("release_rpc").time():
                 await self.broker.Release(broker_pb2.ReleaseRequest(pool_id=self.pool_id, owner=owner, epoch=epoch),
                                           timeout=self.rpc_timeout_s)
+            self.pages_may_be_free()
         except (grpc.RpcError, PdError) as e:
             # the broker restarting ends every lease of the old epoch anyway, and a live broker revokes an
             # owner this decode no longer lists as held

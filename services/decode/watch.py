@@ -142,7 +142,12 @@ class BrokerWatch:
                         is_new_stream = False
                         continue
                     self.heard_at = time.monotonic()
-                    self._on_revocation(msg)
+                    if msg.write_done:
+                        self.on_notice(msg)
+                        self.watch_cursor = (msg.epoch, msg.seq)
+                    else:
+                        self._on_revocation(msg)
+                    self.pages_may_be_free()
             except grpc.RpcError as e:
                 log.warning("revocation stream ended (%s); resubscribing after seq %s", e.code(), self.watch_cursor)
             await asyncio.sleep(retry_s)
@@ -160,6 +165,8 @@ class BrokerWatch:
             # revocations were missed: nothing may be trusted until every lease read is re-checked
             log.error("revocation stream of pool %s lost revocations (cursor %s, broker at seq %s): "
                       "re-checking every running lease", self.pool_id, self.watch_cursor, msg.seq)
+            self.notices_lost(f"the broker's stream of pool {self.pool_id} lost events after seq "
+                              f"{self.watch_cursor[1]}; a write-done notice may be among them")
             await self.recheck_leases()
         elif is_new_stream:
             self.heard_at = time.monotonic()  # the replay brought everything missed
@@ -167,6 +174,7 @@ class BrokerWatch:
         self.heard_at = time.monotonic()
         self.watch_cursor = (msg.epoch, msg.seq)
         self.watching.set()
+        self.pages_may_be_free()
 
     async def recheck_leases(self) -> None:
         """Validates every running and joining request's leases; a refused one is failed (DATA_LOSS)."""

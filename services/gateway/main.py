@@ -49,8 +49,6 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=config.DEFAULT_MODEL, help="checkpoint directory (for the tokenizer)")
     p.add_argument("--byte-tokenizer", action="store_true",
                    help="encode text as UTF-8 bytes (ids 0..255) instead of the checkpoint's tokenizer.json")
-    p.add_argument("--queue-limit", type=int, default=256)
-    p.add_argument("--queue-timeout", type=float, default=30.0, help="bound on waiting for free KV pages, seconds")
     p.add_argument("--prefill-timeout", type=float, default=60.0, help="bound on one Prefill call, seconds")
     p.add_argument("--token-timeout", type=float, default=60.0, help="bound on the gap between two tokens, seconds")
     p.add_argument("--drain-timeout", type=float, default=25.0,
@@ -144,7 +142,7 @@ async def serve(args) -> None:
     init_metrics("gateway")
     backends = Backends(tls, args.load_interval)
     servicer = GatewayServicer(backends.routers["prefill"], backends.routers["decode"], None, None,
-                               args.queue_limit, args.queue_timeout, args.prefill_timeout, args.token_timeout)
+                               args.prefill_timeout, args.token_timeout)
     svc = Service("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
                   args.host, args.port, args.metrics_port, tls=None,  # public API: plaintext by design
                   metrics_host=args.metrics_host)

@@ -13,13 +13,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from ..common.admission import _reject
 from ..common.config import pages_needed
 from ..common.drain import draining_error
 from ..common.errors import PdError, from_rpc_error
 from ..common.metrics import ITL, REQUESTS, TIMEOUTS, TTFT
 from ..common.proto import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
-from ..common.tasks import spawn
 from ..common.deadline import deadline_exceeded, deadline_of, timeout_within
 from ..common.wire import call, sampling_from_pb
 from .admit import admit
@@ -39,20 +37,23 @@ class Capacity:
     prefill_pool_tokens: int
 
 
+def _retrieve(task: asyncio.Future) -> None:
+    """A prefill call nobody awaits any more (the first token came first, or the request ended): its outcome is
+    read so that it is not reported as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, prefills: Router, decodes: Router, tokenizer, cap: Capacity | None,
-                 queue_limit: int = 256, queue_timeout_s: float = 30.0, rpc_timeout_s: float = 60.0,
-                 token_timeout_s: float = 60.0):
+                 rpc_timeout_s: float = 60.0, token_timeout_s: float = 60.0):
         self.token_timeout_s = token_timeout_s
         # routers over the live backend sets (backends.py); cap and tokenizer arrive with the first usable pair
         self.prefills = prefills
         self.decodes = decodes
         self.tokenizer = tokenizer
         self.cap = cap
-        self.queue_limit = queue_limit
-        self.queue_timeout_s = queue_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
-        self._waiting = 0
         self.draining = False  # set on SIGTERM (drain.py): Generate refuses, running streams finish
         self.active = 0  # Generate calls (gRPC and HTTP) not yet ended
 
@@ -126,122 +127,90 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def _run(self, request_id: bytes, tokens: list[int], sampling, request, prefill: Backend, decode: Backend,
                    start: float, tickets: tuple[Ticket, Ticket], deadline: float | None):
-        alloc = asyncio.ensure_future(self._allocate(decode, request_id, len(tokens), sampling.max_tokens, deadline))
-        try:
-            dest = await asyncio.shield(alloc)
-            Backend.settle(tickets[0])
-        except asyncio.CancelledError:
-            # the client left while decode was granting: once the grant lands, give it back
-            alloc.add_done_callback(lambda t: None if t.cancelled() or t.exception() is not None
-                                    else spawn(self._release(decode, request_id)))
-            raise
-        want_prompt_lps = request.HasField("prompt_logprobs")
-        preq = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling, destination=dest,
-                                          prompt_logprobs=request.prompt_logprobs if want_prompt_lps else None)
-        try:
-            timeout = timeout_within(deadline, self.rpc_timeout_s, "before the prefill call")
-        except PdError:
-            await asyncio.shield(self._release(decode, request_id))
-            raise
-        task = asyncio.ensure_future(call(prefill.stub.Prefill(preq, timeout=timeout), f"prefill {prefill.target}"))
-        Backend.settle(tickets[1])
-        try:
-            resp = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            # the client left mid-prefill: the write runs to its EndWrite, then the pages go back
-            task.add_done_callback(lambda _: spawn(self._release(decode, request_id)))
-            raise
-        except PdError as e:
-            if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                TIMEOUTS.labels("prefill").inc()
-            # shielded: a client leaving now must not cancel the give-back and strand the allocation
-            await asyncio.shield(self._release(decode, request_id))
-            if e.code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None and time.monotonic() >= deadline:
-                raise deadline_exceeded(deadline, f"during prefill ({e.message})") from None
-            raise
-        try:
-            out = Responses(self.tokenizer, request_id, tokens, sampling, list(request.stop), resp, want_prompt_lps)
-        except PdError:
-            await asyncio.shield(self._release(decode, request_id))
-            raise
-        dreq = decode_pb2.DecodeRequest(request_id=request_id, num_prompt_tokens=len(tokens),
-                                        first_token=resp.first_token, sampling=sampling, coverage=resp.coverage)
+        """Three round trips to the first token: decode's Run stream grants pages (waiting in decode's queue when
+        the pool is full) and sends the destination; prefill writes there and acks to the broker; the broker's
+        write-done notice starts decode, whose first token comes down the same stream."""
+        run = decode_pb2.RunRequest(request_id=request_id, num_prompt_tokens=len(tokens), sampling=sampling)
         if sampling_from_pb(sampling).repetition_penalty != 1.0:
-            dreq.prompt_token_ids.extend(tokens)  # the penalty counts prompt tokens
-        stream = decode.stub.Decode(dreq, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
-        last = None
-        ended_by_decode = False
+            run.prompt_token_ids.extend(tokens)  # the penalty counts prompt tokens
+        stream = decode.stub.Run(run, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
+        pf = None
         try:
-            while True:
-                # a bound on each gap (and the request's deadline, if any, on the whole stream)
-                gap = timeout_within(deadline, self.token_timeout_s, f"after {out.num_sent} tokens")
-                try:
-                    r = await asyncio.wait_for(stream.read(), gap)
-                except asyncio.TimeoutError:
-                    TIMEOUTS.labels("decode").inc()
-                    if deadline is not None and time.monotonic() >= deadline:
-                        raise deadline_exceeded(deadline, f"while waiting for token {out.num_sent}") from None
-                    raise PdError(grpc.StatusCode.DEADLINE_EXCEEDED, "DECODE_STALLED",
-                                  f"decode {decode.target} sent no token for {self.token_timeout_s:.0f}s") from None
-                if r is grpc.aio.EOF:
-                    ended_by_decode = True
-                    break
+            ev = await self._next(stream, decode, deadline, "before decode granted KV pages")
+            if ev is None or not ev.HasField("destination"):
+                raise PdError(grpc.StatusCode.INTERNAL, "BAD_STREAM", f"decode {decode.target} sent no destination")
+            Backend.settle(tickets[0])
+            want_prompt_lps = request.HasField("prompt_logprobs")
+            preq = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling,
+                                              destination=ev.destination,
+                                              prompt_logprobs=request.prompt_logprobs if want_prompt_lps else None)
+            timeout = timeout_within(deadline, self.rpc_timeout_s, "before the prefill call")
+            # cancelled only if the client leaves: prefill then drops the work if its forward pass has not begun,
+            # and otherwise writes to its EndWrite (decode's release meanwhile only quarantines the pages)
+            pf = asyncio.ensure_future(call(prefill.stub.Prefill(preq, timeout=timeout), f"prefill {prefill.target}"))
+            pf.add_done_callback(_retrieve)
+            Backend.settle(tickets[1])
+            first = asyncio.ensure_future(self._next(stream, decode, deadline, "waiting for the first token"))
+            try:
+                await asyncio.wait({pf, first}, return_when=asyncio.FIRST_COMPLETED)
+                if pf.done() and pf.exception() is not None:
+                    raise self._prefill_error(pf.exception(), deadline)
+                r = await first
+                # log-probabilities of the first token and of the prompt come from prefill's answer
+                resp = await pf if (sampling.HasField("logprobs") or want_prompt_lps) else prefill_pb2.PrefillResponse()
+            finally:
+                first.cancel()
+            if r is None:
+                raise PdError(grpc.StatusCode.INTERNAL, "BAD_STREAM", f"decode {decode.target} ended the stream "
+                                                                      "without a token")
+            out = Responses(self.tokenizer, request_id, tokens, sampling, list(request.stop), resp, want_prompt_lps)
+            last = None
+            while r is not None:
                 now = time.perf_counter()
-                first = last is None
-                if first:
+                if last is None:
                     TTFT.observe(now - start)
                 else:
                     ITL.observe(now - last)
                 last = now
-                yield out.make(r)
+                yield out.make(r.token)
                 if out.stopped:
-                    break  # a stop string: the decode stream is cancelled and its pages released below
+                    break  # a stop string: the stream is cancelled below, and decode releases the pages
+                r = await self._next(stream, decode, deadline, f"after {out.num_sent} tokens")
+        except asyncio.CancelledError:
+            if pf is not None:
+                pf.cancel()
+            raise
+        except PdError:
+            if pf is not None and not pf.done():
+                pf.cancel()
+            raise
+        finally:
+            stream.cancel()  # ends the request at decode, which gives its pages back
+
+    def _prefill_error(self, e: BaseException, deadline: float | None) -> BaseException:
+        if isinstance(e, PdError) and e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            TIMEOUTS.labels("prefill").inc()
+            if deadline is not None and time.monotonic() >= deadline:
+                return deadline_exceeded(deadline, f"during prefill ({e.message})")
+        return e
+
+    async def _next(self, stream, decode: Backend, deadline: float | None, when: str):
+        """The stream's next event (None at its end), within the gap bound and the request's deadline."""
+        gap = timeout_within(deadline, self.token_timeout_s, when)
+        try:
+            r = await asyncio.wait_for(stream.read(), gap)
+        except asyncio.TimeoutError:
+            TIMEOUTS.labels("decode").inc()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise deadline_exceeded(deadline, when) from None
+            raise PdError(grpc.StatusCode.DEADLINE_EXCEEDED, "DECODE_STALLED",
+                          f"decode {decode.target} sent nothing for {self.token_timeout_s:.0f}s ({when})") from None
         except grpc.RpcError as e:
-            # not "ended by decode": an UNAVAILABLE call may never have reached it, so Release below
             err = from_rpc_error(e)
             if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None:
-                raise deadline_exceeded(deadline, f"decode {decode.target}: {err.message}") from None
+                raise deadline_exceeded(deadline, f"decode {decode.target} {when}: {err.message}") from None
             raise PdError(err.code, err.reason, f"decode {decode.target}: {err.message}") from None
-        finally:
-            stream.cancel()
-            if not ended_by_decode:
-                # the client left, decode stalled or the call failed: it may not even have reached decode,
-                # whose allocation would then wait for its timeout; Release is idempotent
-                spawn(self._release(decode, request_id))
-
-    async def _allocate(self, decode: Backend, request_id: bytes, num_prompt: int, max_tokens: int,
-                        request_deadline: float | None):
-        """Allocates decode pages; when the pool is full right now, waits in a bounded queue."""
-        req = decode_pb2.AllocateRequest(request_id=request_id, num_prompt_tokens=num_prompt, max_tokens=max_tokens)
-        deadline = time.monotonic() + self.queue_timeout_s
-        queued = False
-        delay = 0.005
-        try:
-            while True:
-                try:
-                    timeout = timeout_within(request_deadline, 10.0, "before decode Allocate (waiting for KV pages)")
-                    resp = await call(decode.stub.Allocate(req, timeout=timeout), f"decode {decode.target}")
-                    return resp.destination
-                except PdError as e:
-                    if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                        raise
-                    if not queued:
-                        if self._waiting >= self.queue_limit:
-                            raise _reject("OVERLOADED", f"{self._waiting} requests already wait for KV pages "
-                                                        f"(limit {self.queue_limit})") from None
-                        self._waiting += 1
-                        queued = True
-                    if time.monotonic() + delay > deadline:
-                        TIMEOUTS.labels("queue").inc()
-                        raise PdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_TIMEOUT",
-                                      f"no KV pages freed within {self.queue_timeout_s:.0f}s: {e.message}") from None
-                    # never past the request's deadline: the next attempt then ends it with DEADLINE_EXCEEDED
-                    await asyncio.sleep(delay if request_deadline is None else
-                                        max(0.0, min(delay, request_deadline - time.monotonic())))
-                    delay = min(delay * 2, 0.1)
-        finally:
-            if queued:
-                self._waiting -= 1
+        return None if r is grpc.aio.EOF else r
 
     async def _release(self, decode: Backend, request_id: bytes) -> None:
         try:

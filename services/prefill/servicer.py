@@ -163,7 +163,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         GUARD_SECONDS.labels("begin_write_wait").observe(time.perf_counter() - waited)
         progress = Progress()
         ok = False
-        write = None
+        write = coverage = None
         try:
             target = self._target(request, region, leases)
             if (arg := FAULTS.fire("prefill.delay_before_write")) is not None:
@@ -191,10 +191,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 raise PdError(grpc.StatusCode.UNAVAILABLE, "TRANSFER_FAILED", str(e)) from None
             TRANSFER_BYTES.inc(written.nbytes)
             TRANSFER_SECONDS.observe(written.seconds)
+            coverage = common_pb2.Coverage(num_tokens=written.num_tokens, num_pages=written.num_pages,
+                                           checksums=written.checksums)
             ok = True
             return prefill_pb2.PrefillResponse(
-                first_token=fwd.first_token, coverage=common_pb2.Coverage(
-                    num_tokens=written.num_tokens, num_pages=written.num_pages, checksums=written.checksums),
+                first_token=fwd.first_token, coverage=coverage,
                 first_logprobs=logprobs_to_pb(fwd.first_logprobs) if fwd.first_logprobs else None,
                 prompt_logprobs=[logprobs_to_pb(lp) for lp in fwd.prompt_logprobs])
         finally:
@@ -203,7 +204,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 # the writer thread still holds the local pages and may still post: ack only once it returns
                 write.add_done_callback(lambda fut: spawn(self._late_finish(fut, local, progress, end)))
             else:
-                await self._finish(local, progress, end, ok)
+                # a successful EndWrite carries what decode needs to start: the broker's notice hands it over
+                await self._finish(local, progress, end, ok, coverage, fwd.first_token)
 
     async def _late_finish(self, write: asyncio.Future, local: list[int], progress: Progress, end: tuple) -> None:
         """A write that outlived its timeout has returned: count how it ended, then acknowledge it."""
@@ -213,7 +215,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         log.warning("late write of %s ended after its timeout: %s", end[1].hex(), err or "completed")
         await self._finish(local, progress, end, False)
 
-    async def _finish(self, local: list[int], progress: Progress, end: tuple, ok: bool) -> None:
+    async def _finish(self, local: list[int], progress: Progress, end: tuple, ok: bool, coverage=None,
+                      first_token: int = 0) -> None:
         """Frees the source pages and acknowledges the write. A failed write that posted anything may still be
         reading the source pages and landing bytes: the broker holds the destination for lock_delay from its
         ack, and the source pages stay out of reuse for the landing bound from now (the call has returned)."""
@@ -221,7 +224,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await self._free_local(local)
         else:
             spawn(self._free_local_after(local, self.leases.max_landing_s))
-        await self.leases.end(*end, ok, nothing_posted=not progress.posted)
+        await self.leases.end(*end, ok, nothing_posted=not progress.posted, coverage=coverage,
+                              first_token=first_token)
 
     async def _free_local_after(self, local: list[int], delay_s: float) -> None:
         SOURCE_PAGES_HELD.inc(len(local))

@@ -37,6 +37,7 @@ class WriteLeases:
         self.rpc_timeout_s = rpc_timeout_s
         self.writer_ttl_s = writer_ttl_s
         self.liveness_margin_s = liveness_margin_s
+        self.renewals = Renewals(self)
 
     async def check_bounds(self) -> float:
         """At start-up: the broker must hold a page at least as long as a posted write can still land after its
@@ -52,30 +53,18 @@ class WriteLeases:
                 f"--lock-delay to at least {self.max_landing_s:.3f} or lower prefill's --mooncake-timeout")
         return lock_delay
 
-    async def keep_alive(self, writer_id: str, epoch: int, deadline: float | None = None) -> float:
-        """Renews this write's liveness lease; returns the monotonic time it now expires (sent time + ttl).
-        Under a new broker epoch the write is dead: its pages are quarantined only for lock_delay there,
-        so it must not post again (found by the formal model)."""
-        sent = time.monotonic()
-        resp = await call(self.broker.KeepAlive(broker_pb2.KeepAliveRequest(
-            holder_id=writer_id, ttl_ms=int(self.writer_ttl_s * 1000)),
-            timeout=timeout_within(deadline, self.rpc_timeout_s, "before the write's KeepAlive")), "broker KeepAlive")
-        if resp.epoch != epoch:
-            raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED",
-                          f"broker epoch is {resp.epoch:#x}, the write's leases are of {epoch:#x}")
-        return sent + self.writer_ttl_s
-
     async def begin(self, pool_id: str, owner: bytes, epoch: int, leases_pb, writer_id: str,
                     deadline: float | None = None):
-        """KeepAlive, then BeginWrite; returns [liveness expiry], the task that renews it from now on (a long
-        forward pass must not let the write's liveness lease lapse) and the pool's registered region. Both calls
-        end by the request's deadline (EndWrite, a give-back, never does)."""
-        expires = [await self.keep_alive(writer_id, epoch, deadline)]
+        """BeginWrite, which also starts the write's liveness lease (one call, not a KeepAlive before it);
+        returns [liveness expiry], the renewal that keeps it from now on (a long forward pass must not let it
+        lapse; one KeepAlive per interval renews every write of this process) and the pool's registered region.
+        The call ends by the request's deadline (EndWrite, a give-back, never does)."""
+        sent = time.monotonic()
         try:
             with GUARD_SECONDS.labels("begin_write_rpc").time():
                 resp = await call(self.broker.BeginWrite(broker_pb2.BeginWriteRequest(
                     pool_id=pool_id, owner=owner, epoch=epoch, leases=leases_pb, writer_id=writer_id,
-                    max_landing_ms=self.max_landing_ms),
+                    max_landing_ms=self.max_landing_ms, writer_ttl_ms=int(self.writer_ttl_s * 1000)),
                     timeout=timeout_within(deadline, self.rpc_timeout_s, "before the broker's BeginWrite")),
                     "broker BeginWrite")
         except PdError as e:
@@ -86,24 +75,17 @@ class WriteLeases:
             if e.reason == "EPOCH_MISMATCH":
                 raise PdError(grpc.StatusCode.UNAVAILABLE, e.reason, e.message) from None
             raise
-        return expires, asyncio.create_task(self._renew(writer_id, epoch, expires)), resp.region
+        expires = [sent + self.writer_ttl_s]
+        return expires, self.renewals.add(writer_id, epoch, expires), resp.region
 
-    async def _renew(self, writer_id: str, epoch: int, expires: list[float]) -> None:
-        while True:
-            await asyncio.sleep(self.writer_ttl_s / 3)
-            try:
-                expires[0] = await self.keep_alive(writer_id, epoch)
-            except PdError as e:
-                log.warning("KeepAlive of %s failed: %s", writer_id, e)
-                if e.reason == "BROKER_RESTARTED":
-                    expires[0] = 0.0  # check_alive now refuses every further post
-                    return
-
-    async def end(self, pool_id, owner, epoch, leases_pb, writer_id: str, ok: bool, nothing_posted: bool) -> None:
+    async def end(self, pool_id, owner, epoch, leases_pb, writer_id: str, ok: bool, nothing_posted: bool,
+                  coverage=None, first_token: int = 0) -> None:
+        """coverage and first_token (of a successful write) go into the broker's write-done notice to decode."""
         if FAULTS.fire("prefill.lose_end_write") is not None:
             return
         req = broker_pb2.EndWriteRequest(pool_id=pool_id, owner=owner, epoch=epoch, leases=leases_pb,
-                                         writer_id=writer_id, success=ok, nothing_posted=nothing_posted and not ok)
+                                         writer_id=writer_id, success=ok, nothing_posted=nothing_posted and not ok,
+                                         coverage=coverage if ok else None, first_token=first_token if ok else 0)
         for attempt in range(3):  # the acknowledgement matters: the pages stay quarantined without it
             try:
                 with GUARD_SECONDS.labels("end_write_rpc").time():
@@ -113,3 +95,55 @@ class WriteLeases:
                 log.warning("EndWrite attempt %d for %s failed: %s", attempt + 1, owner.hex(), e)
                 await asyncio.sleep(0.2 * (attempt + 1))
         TRANSFER_FAILURES.labels("end_write").inc()
+
+
+class Renewals:
+    """Renews the liveness of every running write of this process in one KeepAlive per interval (ttl / 3). A
+    write leaves it when its call ends (renewal cancelled): a stuck write then stops being renewed and the broker
+    presumes it dead at its expiry, while the rest of the process keeps serving."""
+
+    def __init__(self, leases: WriteLeases):
+        self.leases = leases
+        self.writes: dict[str, tuple[int, list[float]]] = {}  # writer id -> (epoch, [expiry])
+        self._task: asyncio.Task | None = None
+
+    def add(self, writer_id: str, epoch: int, expires: list[float]) -> "Renewal":
+        self.writes[writer_id] = (epoch, expires)
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run())
+        return Renewal(self, writer_id)
+
+    async def _run(self) -> None:
+        while self.writes:
+            await asyncio.sleep(self.leases.writer_ttl_s / 3)
+            if not self.writes:
+                return
+            batch = dict(self.writes)
+            ids = list(batch)
+            sent = time.monotonic()
+            try:
+                resp = await call(self.leases.broker.KeepAlive(broker_pb2.KeepAliveRequest(
+                    holder_id=ids[0], more_holder_ids=ids[1:], ttl_ms=int(self.leases.writer_ttl_s * 1000)),
+                    timeout=self.leases.rpc_timeout_s), "broker KeepAlive")
+            except PdError as e:
+                log.warning("KeepAlive of %d writes failed: %s", len(ids), e)
+                continue
+            refused = set(resp.refused_holder_ids)
+            for writer_id, (epoch, expires) in batch.items():
+                if resp.epoch != epoch:
+                    expires[0] = 0.0  # a new broker epoch: check_alive now refuses every further post
+                    log.warning("writer %s: broker epoch is %#x, its leases are of %#x", writer_id, resp.epoch, epoch)
+                elif writer_id in refused:
+                    log.warning("KeepAlive of %s refused: its pool is fenced", writer_id)
+                elif writer_id in self.writes:
+                    expires[0] = sent + self.leases.writer_ttl_s
+
+
+class Renewal:
+    """One write's place in Renewals; cancel() when the write's call ends."""
+
+    def __init__(self, renewals: Renewals, writer_id: str):
+        self.renewals, self.writer_id = renewals, writer_id
+
+    def cancel(self) -> None:
+        self.renewals.writes.pop(self.writer_id, None)

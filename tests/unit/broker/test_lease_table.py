@@ -106,7 +106,7 @@ def test_release_quarantines_written_pages_until_their_end_write_and_revoke_reco
     assert table.grant("p", B, 3, 7) == [(0, 2), (1, 2), (2, 2)]
     refused("NOT_FOUND", "UNKNOWN_POOL", table.end_write, "q", A, 7, leases, "w", True)
     assert table.revoke("p", B, "DRAIN") == (0, 3)  # B may still be mid-step: quarantined, not freed
-    assert table.revocations_since("p", 0) == ([(B, 7, "DRAIN", 1)], False, 1)
+    assert table.revocations_since("p", 0) == ([(B, 7, "DRAIN", 1, None)], False, 1)
     assert table.revocations_since("p", 1) == ([], False, 1)
     refused("RESOURCE_EXHAUSTED", "POOL_EXHAUSTED", table.grant, "p", A, 1, 7)
 

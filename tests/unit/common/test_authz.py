@@ -40,7 +40,7 @@ def test_broker_methods_allow_exactly_their_roles(method, role):
 
 
 @pytest.mark.parametrize("method", ["/pdserve.v1.Prefill/Prefill", "/pdserve.v1.Prefill/GetInfo",
-                                    "/pdserve.v1.Decode/Allocate", "/pdserve.v1.Decode/Decode",
+                                    "/pdserve.v1.Decode/Allocate", "/pdserve.v1.Decode/Decode", "/pdserve.v1.Decode/Run",
                                     "/pdserve.v1.Decode/Release", "/pdserve.v1.Decode/GetInfo"])
 def test_engine_methods_are_for_the_gateway_and_operators(method):
     assert {r for r in authz.ANY if authz.check_call(method, f"{r}/n") is None} == {"gateway", "operator"}

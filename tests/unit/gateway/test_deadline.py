@@ -1,6 +1,6 @@
 """GatewayServicer.generate with a deadline, against stub backends that record what they are asked: every internal
 call gets at most the time left, and a deadline that passes (in the queue for pages, or during prefill) ends the
-request with DEADLINE_EXCEEDED and its numbers, and the decode allocation is given back."""
+request with DEADLINE_EXCEEDED and its numbers, and decode's Run stream (which holds the pages) is cancelled."""
 import asyncio
 import time
 from types import SimpleNamespace
@@ -19,21 +19,32 @@ def _rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=code.name)
 
 
+class Call:
+    """Decode's Run stream: the destination first (unless the pool stays full), then nothing until cancelled."""
+
+    def __init__(self, full: bool):
+        self.events = [] if full else [decode_pb2.RunEvent(destination=common_pb2.Destination(pool_id="p"))]
+        self.cancelled = False
+
+    async def read(self):
+        if self.events:
+            return self.events.pop(0)
+        await asyncio.sleep(3600)
+
+    def cancel(self):
+        self.cancelled = True
+
+
 class Decode:
     def __init__(self, full: bool):
         self.full = full
         self.timeouts: list[float] = []
-        self.released: list[bytes] = []
+        self.calls: list[Call] = []
 
-    async def Allocate(self, req, timeout):
+    def Run(self, req, timeout):
         self.timeouts.append(timeout)
-        if self.full:
-            raise _rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED)
-        return decode_pb2.AllocateResponse(destination=common_pb2.Destination(pool_id="p"))
-
-    async def Release(self, req, timeout):
-        self.released.append(req.request_id)
-        return decode_pb2.DecodeReleaseResponse()
+        self.calls.append(Call(self.full))
+        return self.calls[-1]
 
 
 class Prefill:
@@ -51,7 +62,7 @@ def _gateway(full: bool):
     decode, prefill = Decode(full), Prefill()
     gw = GatewayServicer(Router("prefill", [Backend("pf", prefill, info)]),
                          Router("decode", [Backend("dc", decode, info)]), ByteTokenizer(512),
-                         Capacity("m", 4096, 512, 16, 100, 4096), queue_timeout_s=30.0, rpc_timeout_s=60.0)
+                         Capacity("m", 4096, 512, 16, 100, 4096), rpc_timeout_s=60.0)
     return gw, decode, prefill
 
 
@@ -73,12 +84,12 @@ def test_a_passing_deadline_ends_the_request_and_gives_the_pages_back(full):
     err, deadline = asyncio.run(main())
     assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED and err.reason == "DEADLINE_EXCEEDED", err
     assert "deadline passed" in err.message and "s ago" in err.message
-    assert all(t <= 0.3 for t in decode.timeouts + prefill.timeouts)  # not the 10 s and 60 s bounds
+    assert all(t <= 0.3 for t in decode.timeouts + prefill.timeouts)  # not the 60 s bounds
+    assert len(decode.calls) == 1 and decode.calls[0].cancelled  # cancelling Run gives the pages back
     if full:
-        assert len(decode.timeouts) > 1 and not prefill.timeouts and "Allocate" in err.message
+        assert not prefill.timeouts and "before decode granted KV pages" in err.message
     else:
         assert len(prefill.timeouts) == 1 and "during prefill" in err.message
-        assert len(decode.released) == 1  # the allocation went back
 
 
 def test_without_a_deadline_each_call_keeps_its_own_bound():
@@ -87,7 +98,7 @@ def test_without_a_deadline_each_call_keeps_its_own_bound():
     with pytest.raises(PdError) as e:
         asyncio.run(_generate(gw, None))
     assert e.value.code == grpc.StatusCode.INTERNAL
-    assert decode.timeouts == [10.0] and prefill.timeouts == [60.0]
+    assert decode.timeouts == [None] and prefill.timeouts == [60.0] and decode.calls[0].cancelled
 
 
 async def _fail_fast(prefill, timeout):
