@@ -106,12 +106,7 @@ class RunStream:
     async def _granted(self, owner: bytes, num_prompt: int, max_tokens: int, deadline: float | None):
         """An allocation, after waiting in order while the pool has too few free pages."""
         need = self.admit_allocation(owner, num_prompt, max_tokens)
-        if not self._queue:
-            try:
-                return await self.grant(owner, num_prompt, max_tokens, need, deadline)
-            except PdError as e:
-                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise
+        # everyone queues, so nobody overtakes a waiter whose Grant is in flight; the head tries at once
         if len(self._queue) >= self.queue_limit:
             OVERLOAD_REJECTIONS.labels("decode", "allocation_queue").inc()
             raise PdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED",

@@ -1,0 +1,56 @@
+"""The short critical path (issue 12) on the default stack: per request exactly one decode Run stream and one
+Prefill call, at the broker one Grant, one BeginWrite and one EndWrite and no Validate (the write-done notice
+stands for it); a full decode pool makes requests wait in decode's queue, and they complete with the reference's
+tokens once pages are given back."""
+import concurrent.futures
+import time
+
+from pdserve.common.proto import common_pb2, decode_pb2
+from tests.integration.helpers import allocate, prompt, wait_no_leases
+
+METHODS = {"broker": ("Grant", "BeginWrite", "EndWrite", "Validate"), "decode": ("Run", "Allocate", "Decode"),
+           "prefill": ("Prefill",)}
+
+
+def _calls(stack) -> dict:
+    out = {}
+    for service, names in METHODS.items():
+        text = stack.metrics(service)
+        for name in names:
+            prefix = f'pdserve_rpc_seconds_count{{method="{name}"}} '
+            out[name] = sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix))
+    return out
+
+
+def test_each_request_costs_one_run_one_prefill_and_grant_begin_end_at_the_broker(stack, oracle):
+    before = _calls(stack)
+    prompts = [prompt(40 + 13 * i, 500 + i) for i in range(3)]
+    outs = [stack.generate(prompt_token_ids=p, max_tokens=6, ignore_eos=True) for p in prompts]
+    assert all("error" not in o for o in outs), outs
+    after = _calls(stack)
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta == {"Grant": 3, "BeginWrite": 3, "EndWrite": 3, "Validate": 0, "Run": 3, "Allocate": 0,
+                     "Decode": 0, "Prefill": 3}, delta
+    oracle.check_many([(p, o["token_ids"]) for p, o in zip(prompts, outs)])
+
+
+def test_a_full_pool_queues_requests_in_decode_until_pages_come_back(stack, oracle):
+    info = stack.decodes[0].GetInfo(common_pb2.GetInfoRequest(), timeout=10)
+    per = 256  # pages of a 16-token prompt + 4080 tokens
+    held = [allocate(stack, 16, 4080)[0] for _ in range(info.free_pages // per)]  # the old path holds pages
+    prompts = [prompt(30, 600 + i) for i in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futs = [pool.submit(stack.generate, prompt_token_ids=p, max_tokens=8, ignore_eos=True) for p in prompts]
+        until = time.monotonic() + 30
+        depth = 0
+        while time.monotonic() < until and depth < len(held) + 3:
+            depth = stack.decodes[0].GetInfo(common_pb2.GetInfoRequest(), timeout=10).queue_depth
+            time.sleep(0.05)
+        done_early = [f for f in futs if f.done()]
+        for rid in held:
+            stack.decodes[0].Release(decode_pb2.DecodeReleaseRequest(request_id=rid), timeout=10)
+        outs = [f.result(timeout=120) for f in futs]
+    assert depth == len(held) + 3 and not done_early, (depth, len(held))  # all three waited in decode's queue
+    assert all("error" not in o for o in outs), outs
+    oracle.check_many([(p, o["token_ids"]) for p, o in zip(prompts, outs)])
+    assert all(s.num_leased == 0 for s in wait_no_leases(stack))
