@@ -17,6 +17,7 @@ import time
 import grpc
 
 from ..common.deadline import deadline_of, deadline_exceeded
+from ..common.drain import draining_error
 from ..common.errors import PdError
 from ..common.metrics import OVERLOAD_REJECTIONS, TIMEOUTS
 from ..common.proto import decode_pb2
@@ -31,7 +32,7 @@ class RunStream:
         self._queue: collections.deque = collections.deque()  # Run calls waiting for pages, oldest first
         self._changed = asyncio.Event()
 
-    def pages_may_be_free(self) -> None:
+    def pages_may_be_free(self) -> None:  # also called when draining begins: the waiters are refused
         """Wakes the allocation queue: this decode released pages, or the broker's stream spoke (its sweeper
         frees quarantined pages and wakes the stream; heartbeats cover the rest)."""
         if self._queue:
@@ -118,6 +119,9 @@ class RunStream:
         try:
             while True:
                 changed = self._changed
+                if self.draining:
+                    raise draining_error("decode", f"pool {self.pool_id} takes no new allocation; {need} pages were "
+                                                   "awaited")
                 if self._queue[0] is me:
                     try:
                         return await self.grant(owner, num_prompt, max_tokens, need, deadline)

@@ -211,9 +211,3 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise deadline_exceeded(deadline, f"decode {decode.target} {when}: {err.message}") from None
             raise PdError(err.code, err.reason, f"decode {decode.target}: {err.message}") from None
         return None if r is grpc.aio.EOF else r
-
-    async def _release(self, decode: Backend, request_id: bytes) -> None:
-        try:
-            await decode.stub.Release(decode_pb2.DecodeReleaseRequest(request_id=request_id), timeout=10)
-        except grpc.RpcError as e:
-            log.warning("release of %s on %s failed: %s", request_id.hex(), decode.target, e.code())

@@ -15,7 +15,7 @@ class Pool(RunStream):
 
     def __init__(self, free: int, limit: int = 8, timeout_s: float = 5.0):
         self.init_run(limit, timeout_s)
-        self.free, self.pool_id, self.order, self.grants = free, "p", [], 0
+        self.free, self.pool_id, self.order, self.grants, self.draining = free, "p", [], 0, False
 
     def admit_allocation(self, owner, num_prompt, max_tokens):
         return num_prompt
