@@ -5,11 +5,13 @@ import json
 import os
 
 from .report_breakdown import cpu_per_request, profiles, ttft_breakdown
+from .report_decode_step import decode_step_section
 from .report_format import guard_fractions
 from .report_gateway import admission_and_flood
 from .report_guards import checksum_ab, guard_overhead
 from .report_guidellm import guidellm_section
 from .report_latency import headline_ratios, latency_table, paired_gap
+from .report_sweep import sweep_section
 from .report_targets import targets
 from .report_transfer import transfer_table
 from .workload import Summary
@@ -67,6 +69,8 @@ def build(res: dict) -> str:
     L += lines
     lines, slow = admission_and_flood(res)
     L += lines
+    L += sweep_section(res)
+    L += decode_step_section(res)
     L += targets(res, runs, keys, gaps, guard, ab_effects, slow)
     L += profiles(res)
     return "\n".join(L)

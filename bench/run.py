@@ -89,7 +89,7 @@ def main(args=None) -> int:
             log(f"FAILED {msg}")
             bench.res["errors"].append(msg[:2000])
             rc = 1
-    for step in (bench.transfer, bench.admission):
+    for step in (bench.transfer, bench.admission, bench.decode_step):
         try:
             step()
         except Exception as e:  # noqa: BLE001

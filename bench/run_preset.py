@@ -11,13 +11,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 from .run_common import ROOT, _short, ensure_model, log
+from .run_decode_step import DecodeStepStep
 from .run_gateway import GatewaySteps
 from .run_guidellm import GuidellmStep
 from .run_profile import ProfileStep
+from .run_sweep import SweepStep
 from .run_transfer import TransferSteps
 
 
-class Bench(GatewaySteps, GuidellmStep, ProfileStep, TransferSteps):
+class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, TransferSteps):
     """One bench run: every preset's measurements, then the steps after them; results collect in res."""
 
     def __init__(self, plan, profile: bool):
@@ -30,7 +32,7 @@ class Bench(GatewaySteps, GuidellmStep, ProfileStep, TransferSteps):
             "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
             "max_tokens": MAX_TOKENS, "skipped": list(plan.skipped), "runs": [], "ab": [], "flood": {},
             "transfer": {"cells": [], "raw_sweep": []}, "admission": {}, "profiles": {}, "errors": [], "probe": [],
-            "divergence": [],
+            "divergence": [], "sweep": [], "decode_step": {},
         }
         self._colocated_tokens: dict[tuple, list[int]] = {}
 
@@ -83,6 +85,8 @@ class Bench(GatewaySteps, GuidellmStep, ProfileStep, TransferSteps):
                 self._checksum_ab(pp, stack_a, stack_b, vocab)
             if pp.flood:
                 self._flood(pp, stack_a, vocab)
+            if pp.sweep:
+                self._sweep(pp, stack_a, colo, vocab)
             if pp.profile and self.profile:
                 self._profile(pp, stack_a, colo, vocab)
             del colo
