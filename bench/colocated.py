@@ -33,8 +33,9 @@ class _Seq:
 
 
 class Colocated:
-    def __init__(self, model_dir: str, pool_tokens: int = 32768, page_size: int = 16, max_batch: int = 64):
-        self.runner = ModelRunner(model_dir, pool_tokens // page_size, page_size, device="cpu")
+    def __init__(self, model_dir: str, pool_tokens: int = 32768, page_size: int = 16, max_batch: int = 64,
+                 device: str = "cpu"):
+        self.runner = ModelRunner(model_dir, pool_tokens // page_size, page_size, device=device)
         self.alloc = PageAllocator(self.runner.pool.num_pages)
         self.max_batch = max_batch
         self.last_split: dict[str, float] = {}
@@ -49,9 +50,10 @@ class Colocated:
 
     def run_open(self, prompts: list[list[int]], offsets: list[float], max_tokens: int,
                  deadline_s: float) -> tuple[list[Record], float]:
-        """Open loop: prompt i arrives `offsets[i]` s after the start whatever else is running; one still
-        waiting for its prefill `deadline_s` after its arrival is given up (its client left, and the engine
-        aborts it, as a serving engine does on disconnect): a forward pass never runs for a caller gone."""
+        """Open loop: prompt i arrives `offsets[i]` s after the start whatever else is running. Its client leaves
+        `deadline_s` after the arrival without a first token: one still waiting then is dropped (the engine
+        aborts it, as a serving engine does on a disconnect), so a pass never starts for a caller gone; one
+        whose pass ends after it is given up too (its token reaches no one)."""
         if len(offsets) != len(prompts):
             raise ValueError(f"run_open: {len(offsets)} offsets for {len(prompts)} prompts")
         return self._serve(prompts, offsets, 0, max_tokens, deadline_s)
@@ -64,7 +66,7 @@ class Colocated:
         running: list[_Seq] = []
         records: list[Record] = []
         prefill_s = decode_s = 0.0
-        num_steps = 0
+        num_steps = num_prefills = 0
         cpu0 = time.process_time()
         start = time.perf_counter()
 
@@ -103,6 +105,11 @@ class Colocated:
                 tok = sample_one(logits[0], params, step=0)
                 now = time.perf_counter()
                 prefill_s += now - t
+                num_prefills += 1
+                if deadline_s is not None and now - seq.record.arrival > deadline_s:
+                    seq.record.error = GAVE_UP  # its client left during the pass: the token reaches no one
+                    self.alloc.deallocate(seq.pages)
+                    continue
                 seq.record.token_ids.append(tok)
                 seq.record.token_times.append(now)
                 if max_tokens <= 1:
@@ -131,6 +138,6 @@ class Colocated:
                 running.remove(seq)
                 finish(seq, now)
         wall = time.perf_counter() - start
-        self.last_split = {"prefill_s": prefill_s, "decode_s": decode_s, "steps": num_steps,
+        self.last_split = {"prefill_s": prefill_s, "decode_s": decode_s, "steps": num_steps, "prefills": num_prefills,
                            "cpu_s": time.process_time() - cpu0}
         return records, wall

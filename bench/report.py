@@ -24,7 +24,9 @@ def intro(res: dict) -> list[str]:
     L: list[str] = []
     h = res["host"]
     L += [f"# pdserve bench — {res['mode']} run, {res['started']}", ""]
-    L += [f"Host: {h['cpus']} CPU cores ({h['machine']}), no GPU, Python {h['python']}; total bench time "
+    gpu = h.get("device", "cpu")
+    gpu = "no GPU" if gpu == "cpu" else f"engines on {gpu}"
+    L += [f"Host: {h['cpus']} CPU cores ({h['machine']}), {gpu}, Python {h['python']}; total bench time "
           f"{res.get('elapsed_s', 0):.0f} s. Checkpoints: "
           + ", ".join(f"{k} = `{v}`" for k, v in res.get("models", {}).items()) + ".", ""]
     L += ["Request mix: seeded random prompt token ids, greedy, ignore_eos, max_tokens "

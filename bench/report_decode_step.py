@@ -17,7 +17,8 @@ def decode_step_section(res: dict) -> list[str]:
 
 def decode_step_targets(res: dict) -> list[list[str]]:
     ds = res.get("decode_step") or {}
-    label = f"decode step ≤ {TARGET_RATIO:g}× its memory-bandwidth floor (batch {TARGET_BATCH}, context {TARGET_CONTEXT})"
+    label = (f"decode step ≤ {TARGET_RATIO:g}× its memory-bandwidth floor (batch {TARGET_BATCH}, "
+             f"context {TARGET_CONTEXT})")
     if "rows" not in ds:
         why = ds.get("absent", "not run")
         return [[label, why, _verdict(None)]]

@@ -16,7 +16,7 @@ def _prefill_cells(lv: dict) -> list[str]:
     gave up before or during the pass), prefill's own count of passes started for a gone caller, and drops."""
     pf, firsts = lv.get("prefill"), lv["first_tokens"]
     if pf is None:  # co-located drops a request whose client left before its pass, by construction
-        return [str(firsts), "0", "0 (aborted before the pass)", "—"]
+        return [str(lv["prefills"]), str(lv["prefills"] - firsts), "0 (dropped before the pass)", "—"]
     if not pf["counted"]:  # before prefill counts sequences, it ran one pass per prompt
         return [_n(pf["passes"]), _n(pf["passes"] - firsts), "not counted by this prefill", "not counted"]
     return [_n(pf["sequences"]), _n(pf["sequences"] - firsts), _n(pf["forward_for_gone"]),
@@ -35,7 +35,8 @@ def sweep_section(res: dict) -> list[str]:
           f"{SLO_FACTOR:g} × co-located's unloaded TTFT p50 at that prompt length (one request at a time), the same "
           f"for both systems; a client with no first token {DEADLINE_FACTOR:g} × SLO after its send gives up "
           "(pdserve: cancels its gRPC call; co-located: the engine drops it from its queue, as an engine does on "
-          "a disconnect); a refusal (e.g. RESOURCE_EXHAUSTED) is an error, not retried. *good*: all tokens arrived and the first within the SLO; *goodput* = good / the level's "
+          "a disconnect); a refusal (e.g. RESOURCE_EXHAUSTED) is an error, not retried. *good*: all tokens "
+          "arrived and the first within the SLO; *goodput* = good / the level's "
           "wall time (first send to the last request's end or abandonment). TTFT and ITL percentiles are over "
           "requests that got a first token, so at overload read them with *gave up*. *… not delivered*: prompts "
           "prefilled − first tokens the clients received (work done for callers that gave up before or during "
@@ -61,7 +62,8 @@ def sweep_section(res: dict) -> list[str]:
                          _pct(ratio)] + _prefill_cells(lv))
         L += _table(["system", "load × sat", "offered req/s", "requests", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
                      "ITL p99 ms", "finished", "gave up", "errors", "good", "goodput req/s", "goodput / at 1×",
-                     "prompts prefilled", "… not delivered", "forwards for gone callers", "dropped (deadline / cancelled)"],
+                     "prompts prefilled", "… not delivered", "forwards for gone callers",
+                     "dropped (deadline / cancelled)"],
                     rows)
         errs = [f"{lv['system']} {lv['multiple']:g}×: {lv['error_codes']} (first: `{lv['first_error']}`)"
                 for lv in sw["levels"] if lv.get("first_error")]

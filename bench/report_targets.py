@@ -67,7 +67,8 @@ def targets(res: dict, runs: list[Summary], keys: list[tuple], gaps: dict[tuple,
     for (preset, n, ck), g in sorted(gaps.items(), key=lambda kv: (kv[0][0] != "tiny", kv[0][1])):
         if ck:
             tp50 = _hist_quantile(g["buckets"], 0.5)
-            T.append([f"TTFT p50 − co-located ≤ transfer + {slack} ms ({preset}, prompt {n}; paired, one at a time)",
+            T.append([f"TTFT p50 − co-located ≤ transfer + {slack} ms ({preset}, prompt {n}; paired, one at a "
+                      "time)",
                       f"{_median(g['gap']) * 1e3:.1f} ms vs {tp50 * 1e3:.1f} + {slack} ms "
                       f"(mean gap {fmt_ci(*mean_ci(g['gap']), scale=1e3, digits=1)} ms)", _verdict(g["verdict"])])
     if adm:

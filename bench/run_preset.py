@@ -19,17 +19,25 @@ from .run_sweep import SweepStep
 from .run_transfer import TransferSteps
 
 
+def _device_name(device: str) -> str:
+    import torch
+
+    return f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else "cpu"
+
+
 class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, TransferSteps):
     """One bench run: every preset's measurements, then the steps after them; results collect in res."""
 
-    def __init__(self, plan, profile: bool):
+    def __init__(self, plan, profile: bool, device: str = "cpu"):
         from .workload import MAX_TOKENS
 
         self.plan = plan
         self.profile = profile
+        self.device = device
         self.res: dict = {
             "mode": plan.mode, "started": datetime.datetime.now().isoformat(timespec="seconds"),
-            "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
+            "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
+                     "device": _device_name(device)},
             "max_tokens": MAX_TOKENS, "skipped": list(plan.skipped), "runs": [], "ab": [], "flood": {},
             "transfer": {"cells": [], "raw_sweep": []}, "admission": {}, "profiles": {}, "errors": [], "probe": [],
             "divergence": [], "sweep": [], "decode_step": {},
@@ -50,7 +58,8 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
         log(f"{pp.preset}: starting the pdserve stack{' ×2 (checksums on / off)' if pp.ab else ''} "
             f"(broker, prefill, decode, gateway; context 4096, pools 8192/32768 tokens) ...")
         with ThreadPoolExecutor(2) as ex:
-            futs = [ex.submit(BenchStack, model_dir, True)] + ([ex.submit(BenchStack, model_dir, False)]
+            futs = [ex.submit(BenchStack, model_dir, True, self.device)] + ([ex.submit(BenchStack, model_dir, False,
+                                                                                   self.device)]
                                                                if pp.ab else [])
             stacks = []
             errs = []
@@ -67,7 +76,7 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
         stack_b = stacks[1] if pp.ab else None
         try:
             log(f"{pp.preset}: stack up; loading the co-located engine (same ModelRunner, one process)")
-            colo = Colocated(model_dir)
+            colo = Colocated(model_dir, device=self.device)
             vocab = colo.vocab_size
             lens = sorted({c.prompt_len for c in pp.cells})
             for n in lens:  # first calls allocate and warm caches in every system
@@ -162,7 +171,7 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
         from .workload import MAX_TOKENS, make_prompts, summarize
 
         try:
-            hf = HFBaseline(model_dir)
+            hf = HFBaseline(model_dir, self.device)
         except Exception as e:  # noqa: BLE001 - transformers is a test extra; the rest still runs
             msg = f"transformers baseline skipped: {type(e).__name__}: {e}"
             log(msg)

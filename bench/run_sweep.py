@@ -54,6 +54,7 @@ class SweepStep:
         level: dict = {"system": system, "multiple": multiple, "rate": rate, "window_s": offsets[-1]}
         if system == "co-located":
             recs, wall = colo.run_open(prompts, offsets, MAX_TOKENS, slo.deadline_s)
+            level["prefills"] = colo.last_split["prefills"]
         else:
             port = stack.procs["prefill"][0].metrics_port
             before = scrape(port)

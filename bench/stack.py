@@ -63,10 +63,11 @@ def cpu_seconds(pid: int) -> float:
 
 
 class BenchStack:
-    def __init__(self, model_dir: str, checksums: bool = True):
+    def __init__(self, model_dir: str, checksums: bool = True, device: str = "cpu"):
         self.checksums = checksums
         self.log_dir = tempfile.mkdtemp(prefix="pdserve-bench-")
-        flag = [] if checksums else ["--no-transfer-checksum", "--allow-unsafe", "no-transfer-checksum"]
+        flag = ["--device", device] + ([] if checksums else ["--no-transfer-checksum", "--allow-unsafe",
+                                                              "no-transfer-checksum"])
         self.procs = launcher.start_stack(model_dir, log_dir=self.log_dir, env={"GLOG_minloglevel": "2"},
                                           extra={"prefill": flag, "decode": flag})
         self.gateway = self.procs["gateway"][0].target

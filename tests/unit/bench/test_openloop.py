@@ -161,27 +161,31 @@ def fake(monkeypatch):
 PROMPTS = [[5] * 16, [7] * 20, [9] * 30]
 
 
-def test_colocated_open_loop_serves_the_schedule_and_drops_callers_gone(fake):
-    # r0 at 0 s is prefilled (until 1.0) and decoded once (1.1); r1, due at 0.5 s, is still waiting at 1.1 s,
-    # past its 0.5 s deadline: given up, never prefilled; the engine idles until r2 at 3.0 s
-    recs, wall = fake.run_open(PROMPTS, [0.0, 0.5, 3.0], 3, deadline_s=0.5)
+def test_colocated_open_loop_serves_the_schedule(fake):
+    # r0 at 0 s: prefilled until 1.0, one step (1.1); r1, sent at 0.5 s, is picked up at 1.1 s and gets its token
+    # at 2.1 s, 1.6 s after its send, within the 1.7 s deadline; two steps finish both (2.3); the engine idles
+    # until r2 at 3.0 s
+    recs, wall = fake.run_open(PROMPTS, [0.0, 0.5, 3.0], 3, deadline_s=1.7)
     assert [r.arrival for r in recs] == pytest.approx([0.0, 0.5, 3.0])
-    assert [r.error for r in recs] == [None, GAVE_UP, None] and recs[1].token_ids == []
-    assert fake.runner.prefilled == [PROMPTS[0], PROMPTS[2]]
-    assert [r.ttft for r in (recs[0], recs[2])] == pytest.approx([1.0, 1.0])  # from the schedule, not the pick-up
-    assert recs[0].token_ids == expected_tokens(PROMPTS[0], 3) and recs[2].token_ids == expected_tokens(PROMPTS[2], 3)
-    assert wall == pytest.approx(4.2)
-    assert fake.alloc.can_allocate(fake.runner.pool.num_pages)  # every page given back
-
-
-def test_colocated_open_loop_keeps_callers_within_their_deadline(fake):
-    # the same schedule with a 0.8 s deadline: r1 is picked up at 1.1 s, 0.6 s after its send, and served
-    recs, _ = fake.run_open(PROMPTS, [0.0, 0.5, 3.0], 3, deadline_s=0.8)
     assert [r.error for r in recs] == [None] * 3
     assert [r.token_ids for r in recs] == [expected_tokens(p, 3) for p in PROMPTS]
-    assert recs[1].ttft == pytest.approx(2.1 - 0.5)
+    assert [r.ttft for r in recs] == pytest.approx([1.0, 1.6, 1.0])  # from the schedule, not the pick-up
+    assert wall == pytest.approx(4.2)
+    assert fake.alloc.can_allocate(fake.runner.pool.num_pages)  # every page given back
     with pytest.raises(ValueError):
         fake.run_open(PROMPTS, [0.0], 3, deadline_s=1.0)
+
+
+def test_colocated_open_loop_gives_up_callers_gone(fake):
+    # three at once, 1.5 s deadline, prefill first: r0's token at 1.0 s is delivered; r1 is prefilled from
+    # 1.0 s (still within its deadline) but its token at 2.0 s reaches no one; r2, still waiting at 2.0 s, is
+    # dropped before its pass
+    recs, wall = fake.run_open(PROMPTS, [0.0, 0.0, 0.0], 3, deadline_s=1.5)
+    assert [r.error for r in recs] == [None, GAVE_UP, GAVE_UP]
+    assert recs[0].token_ids == expected_tokens(PROMPTS[0], 3) and recs[1].token_ids == recs[2].token_ids == []
+    assert fake.runner.prefilled == PROMPTS[:2] and fake.last_split["prefills"] == 2
+    assert wall == pytest.approx(2.2)
+    assert fake.alloc.can_allocate(fake.runner.pool.num_pages)
 
 
 def test_colocated_closed_loop_unchanged(fake):
