@@ -16,6 +16,7 @@ class SweepStep:
 
     def _sweep(self, pp, stack, colo, vocab) -> None:
         from .openloop import Slo
+        from .stack import OtherLoad
         from .workload import MAX_TOKENS, make_prompts, summarize
 
         for sw in pp.sweep:
@@ -24,8 +25,10 @@ class SweepStep:
             unloaded = summarize("co-located", pp.preset, n, 1, recs, 1.0).ttft_p50
             slo = Slo.from_unloaded(unloaded)
             sat_prompts = make_prompts(n, sw.saturation.num_requests, vocab, seed=5)
-            recs, wall = colo.run(sat_prompts, sw.saturation.concurrency, MAX_TOKENS)
-            sat = {"co-located": summarize("co-located", pp.preset, n, sw.saturation.concurrency, recs, wall)}
+            with OtherLoad() as other:
+                recs, wall = colo.run(sat_prompts, sw.saturation.concurrency, MAX_TOKENS)
+            sat = {"co-located": summarize("co-located", pp.preset, n, sw.saturation.concurrency, recs, wall,
+                                           {"other_cores": other.cores})}
             sat["pdserve"], _ = stack.run("pdserve", pp.preset, sat_prompts, sw.saturation.concurrency)
             for system, s in sat.items():
                 if s.num_errors or not s.req_s > 0:
@@ -47,18 +50,21 @@ class SweepStep:
     def _level(self, pp, sw, stack, colo, vocab, system, multiple, rate, slo) -> dict:
         from .openloop import GAVE_UP, goodput, poisson_offsets, prefill_counts
         from .pdclient import run_open, scrape
+        from .stack import OtherLoad
         from .workload import MAX_TOKENS, make_prompts, percentile, summarize
 
         offsets = poisson_offsets(rate, sw.seconds, sw.min_requests, sw.max_requests)
         prompts = make_prompts(sw.prompt_len, len(offsets), vocab, seed=3)
         level: dict = {"system": system, "multiple": multiple, "rate": rate, "window_s": offsets[-1]}
         if system == "co-located":
-            recs, wall = colo.run_open(prompts, offsets, MAX_TOKENS, slo.deadline_s)
-            level["prefills"] = colo.last_split["prefills"]
+            with OtherLoad() as other:
+                recs, wall = colo.run_open(prompts, offsets, MAX_TOKENS, slo.deadline_s)
+            level.update(prefills=colo.last_split["prefills"], other_cores=other.cores)
         else:
             port = stack.procs["prefill"][0].metrics_port
-            before = scrape(port)
+            before, c0 = scrape(port), stack.cpu_sample()
             recs, wall, lags = run_open(stack.gateway, prompts, offsets, MAX_TOKENS, slo.deadline_s)
+            level["other_cores"] = stack.other_cores(c0, stack.cpu_sample())
             stack.settle()  # the passes prefill still runs for callers that left belong to this level
             level["prefill"] = prefill_counts(before, scrape(port))
             level["send_lag_p99_s"] = percentile(lags, 99)
