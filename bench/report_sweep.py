@@ -24,7 +24,8 @@ def _prefill_cells(lv: dict) -> list[str]:
 
 
 def _sat(s: dict) -> str:
-    return (f"{s['req_s']:.2f} req/s (TTFT p50 {_ms(s['ttft_p50'])} ms, other load "
+    errors = f", {s['num_errors']} of {s['num_requests']} refused or failed" if s["num_errors"] else ""
+    return (f"{s['req_s']:.2f} req/s (TTFT p50 {_ms(s['ttft_p50'])} ms{errors}, other load "
             f"{s['extra'].get('other_cores', math.nan):.2f} cores)")
 
 

@@ -20,7 +20,7 @@ from .run_preset import Bench
 
 def parse(argv=None):
     p = argparse.ArgumentParser(prog="python -m pdserve.bench.run", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="tiny preset only, a few cells: ~3 minutes")
+    p.add_argument("--quick", action="store_true", help="tiny preset only, a few cells and a short load sweep: ~4-5 minutes")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profiles")
     p.add_argument("--device", choices=("cpu", "cuda"), default=None,
                    help="where every engine runs (pdserve's prefill and decode, co-located, transformers); "

@@ -95,7 +95,12 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
             if pp.flood:
                 self._flood(pp, stack_a, vocab)
             if pp.sweep:
-                self._sweep(pp, stack_a, colo, vocab)
+                try:
+                    self._sweep(pp, stack_a, colo, vocab)
+                except Exception as e:  # noqa: BLE001 - the profiles after it still run; the report says what failed
+                    msg = f"{pp.preset} load sweep: {type(e).__name__}: {e}"
+                    log(f"FAILED {msg}")
+                    self.res["errors"].append(msg[:2000])
             if pp.profile and self.profile:
                 self._profile(pp, stack_a, colo, vocab)
             del colo

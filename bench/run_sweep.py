@@ -15,7 +15,7 @@ class SweepStep:
     """Mixed into Bench (uses its res)."""
 
     def _sweep(self, pp, stack, colo, vocab) -> None:
-        from .openloop import Slo
+        from .openloop import SLO_FACTOR, Slo
         from .stack import OtherLoad
         from .workload import MAX_TOKENS, make_prompts, summarize
 
@@ -30,13 +30,14 @@ class SweepStep:
             sat = {"co-located": summarize("co-located", pp.preset, n, sw.saturation.concurrency, recs, wall,
                                            {"other_cores": other.cores})}
             sat["pdserve"], _ = stack.run("pdserve", pp.preset, sat_prompts, sw.saturation.concurrency)
-            for system, s in sat.items():
-                if s.num_errors or not s.req_s > 0:
-                    raise RuntimeError(f"sweep prompt {n}: {system}'s saturation run had {s.num_errors} errors of "
-                                       f"{s.num_requests} ({s.extra.get('first_error')}), {s.req_s:.2f} req/s")
+            for system, s in sat.items():  # refusals at saturation are the system's answer; no answer at all is not
+                if not s.req_s > 0:
+                    raise RuntimeError(f"sweep prompt {n}: {system}'s saturation run finished no request "
+                                       f"({s.num_errors} errors of {s.num_requests}: {s.extra.get('first_error')})")
             log(f"{pp.preset}: load sweep at prompt {n}: SLO TTFT {slo.ttft_s * 1e3:.0f} ms (co-located unloaded "
-                f"p50 {unloaded * 1e3:.1f} ms × 10), clients give up at {slo.deadline_s * 1e3:.0f} ms; saturation "
-                f"(closed loop, concurrency {sw.saturation.concurrency}): co-located {sat['co-located'].req_s:.2f}, "
+                f"p50 {unloaded * 1e3:.1f} ms × {SLO_FACTOR:g}), clients give up at {slo.deadline_s * 1e3:.0f} ms; "
+                f"saturation (closed loop, concurrency {sw.saturation.concurrency}): co-located "
+                f"{sat['co-located'].req_s:.2f}, "
                 f"pdserve {sat['pdserve'].req_s:.2f} req/s")
             entry = {"preset": pp.preset, "prompt_len": n, "unloaded_ttft_s": unloaded, "slo_s": slo.ttft_s,
                      "deadline_s": slo.deadline_s, "saturation": {k: asdict(v) for k, v in sat.items()},
