@@ -58,9 +58,8 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
         log(f"{pp.preset}: starting the pdserve stack{' ×2 (checksums on / off)' if pp.ab else ''} "
             f"(broker, prefill, decode, gateway; context 4096, pools 8192/32768 tokens) ...")
         with ThreadPoolExecutor(2) as ex:
-            futs = [ex.submit(BenchStack, model_dir, True, self.device)] + ([ex.submit(BenchStack, model_dir, False,
-                                                                                   self.device)]
-                                                               if pp.ab else [])
+            futs = [ex.submit(BenchStack, model_dir, checksums, self.device)
+                    for checksums in ((True, False) if pp.ab else (True,))]
             stacks = []
             errs = []
             for f in futs:
