@@ -10,7 +10,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 STUBS := services/v1/.stamp
 PROTOS := $(wildcard protos/pdserve/v1/*.proto)
 
-.PHONY: setup run test unit integration chaos formal bench bench-quick soak clean deps stubs model image
+.PHONY: setup run test unit integration chaos formal bench bench-quick bench-gpu soak clean deps stubs model image
 
 setup: .deps-apt $(VENV)/.installed $(STUBS) $(MODEL)/tokenizer_config.json
 
@@ -63,6 +63,11 @@ bench: setup
 
 bench-quick: setup
 	$(VENV)/bin/pdserve bench --quick
+
+# the same table on a CUDA machine, into bench/results/cuda/ (its own venv, .venv-cuda): BENCH_ARGS=--quick for the
+# short one
+bench-gpu:
+	bash bench/gpu.sh $(BENCH_ARGS)
 
 # pdserve:VERSION-VARIANT (VARIANT=cpu or cuda), with podman where present, else docker
 image:

@@ -29,10 +29,11 @@ class _Clock:
 
 
 class HFBaseline:
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, device: str = "cpu"):
         from transformers import LlamaForCausalLM
 
-        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.device = device
+        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval().to(device)
         self.vocab_size = self.model.config.vocab_size
 
     @torch.inference_mode()
@@ -42,7 +43,7 @@ class HFBaseline:
         start = time.perf_counter()
         for p in prompts:
             rec = Record(time.perf_counter())
-            ids = torch.tensor([p], dtype=torch.int64)
+            ids = torch.tensor([p], dtype=torch.int64, device=self.device)
             # min_new_tokens = max_new_tokens is transformers' way to ignore EOS
             self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                                 min_new_tokens=max_tokens, do_sample=False, streamer=_Clock(rec),

@@ -22,6 +22,18 @@ class Cell:
     num_requests: int
 
 
+@dataclass(slots=True, frozen=True)
+class Sweep:
+    """TTFT/ITL against offered load (Poisson arrivals) at multiples of each system's saturation throughput."""
+    prompt_len: int
+    saturation: Cell                       # the closed loop whose req/s is taken as a system's saturation
+    multiples: tuple[float, ...]           # offered load per level, × that system's saturation
+    seconds: float                         # arrival window per level: rate × seconds requests ...
+    min_requests: int                      # ... at least this many (low rates) ...
+    max_requests: int                      # ... at most this many (what 2 cores can send and serve)
+    unloaded_requests: int = 4             # co-located one at a time: the TTFT the SLO is a multiple of
+
+
 @dataclass(slots=True)
 class PresetPlan:
     preset: str
@@ -33,6 +45,7 @@ class PresetPlan:
     flood: Cell | None = None              # admitted traffic for the over-long flood A/B
     profile: tuple[Cell, ...] = ()         # py-spy'd pdserve and co-located runs
     guidellm: tuple[Cell, ...] = ()        # guidellm over HTTP, then pdserve's own client, same load
+    sweep: tuple[Sweep, ...] = ()          # open-loop load sweeps, pdserve and co-located
 
 
 @dataclass(slots=True)
@@ -53,12 +66,15 @@ def _cells(spec: dict[int, dict[int, int]]) -> list[Cell]:
 def quick() -> Plan:
     tiny = PresetPlan("tiny", _cells({128: {1: 3, 4: 8, 16: 16}, 1024: {1: 3, 4: 8, 16: 16}}), hf_requests=2,
                       ab=(Cell(1024, 1, 3), Cell(128, 16, 16)), flood=Cell(128, 4, 8),
-                      guidellm=(Cell(128, 1, 4), Cell(128, 4, 16)))
+                      guidellm=(Cell(128, 1, 4), Cell(128, 4, 16)),
+                      sweep=(Sweep(128, Cell(128, 16, 32), (0.5, 1.0, 2.0, 4.0), 2.0, 8, 160),))
     return Plan("quick", [tiny], repeats=3, raw_repeats=5, flood_seconds=1.5, admission_iters=1000, skipped=[
         "quick: small preset (its checkpoint, a second stack and a 107M-parameter model on 1 CPU thread per "
         "service cost minutes) — run `make bench`",
         f"quick: tiny prompt {LONG} and concurrency 64 (a 4,064-token prefill takes ~1.3 s on one CPU thread)",
         "quick: the py-spy profiles of each service (`make bench` takes them)",
+        "quick: the load sweep at prompt 128 only, 4 levels over 2 s each (`make bench` adds 0.25× and prompt 1024, "
+        "over 4-6 s per level)",
     ])
 
 
@@ -69,7 +85,9 @@ def full() -> Plan:
         LONG: {1: 2, 4: 4, 16: 16},
     }), hf_requests=3, probe_requests=8, ab=(Cell(1024, 1, 6), Cell(128, 16, 32)), flood=Cell(128, 4, 16),
         profile=(Cell(128, 16, 64), Cell(1024, 16, 32)),
-        guidellm=(Cell(128, 1, 8), Cell(128, 4, 16), Cell(128, 16, 64), Cell(1024, 4, 8)))
+        guidellm=(Cell(128, 1, 8), Cell(128, 4, 16), Cell(128, 16, 64), Cell(1024, 4, 8)),
+        sweep=(Sweep(128, Cell(128, 32, 96), (0.25, 0.5, 1.0, 2.0, 4.0), 4.0, 12, 400),
+               Sweep(1024, Cell(1024, 16, 32), (0.25, 0.5, 1.0, 2.0, 4.0), 6.0, 6, 64)))
     small = PresetPlan("small", _cells({128: {1: 2, 4: 8, 16: 16}, 1024: {1: 2, 4: 4}}), hf_requests=2,
                        probe_requests=4)
     return Plan("full", [tiny, small], repeats=5, raw_repeats=10, flood_seconds=3.0, admission_iters=3000,

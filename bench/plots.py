@@ -126,12 +126,39 @@ def transfer_vs_bytes(res: dict, path: str) -> None:
     _save(fig, path)
 
 
+def load_sweep(res: dict, path: str) -> None:
+    sweeps = res.get("sweep", [])
+    if not sweeps:
+        raise ValueError("no load sweep in this result")
+    fig, axes = plt.subplots(len(sweeps), 2, figsize=(10, 3.8 * len(sweeps)), squeeze=False)
+    for (ax_t, ax_g), sw in zip(axes, sweeps):
+        for system in ("pdserve", "co-located"):
+            lv = sorted((x for x in sw["levels"] if x["system"] == system), key=lambda x: x["multiple"])
+            color, marker = STYLE[system]
+            m = [x["multiple"] for x in lv]
+            ax_t.plot(m, [x["summary"]["ttft_p50"] * 1e3 for x in lv], color=color, marker=marker,
+                      label=f"{system} TTFT p50")
+            ax_t.plot(m, [x["summary"]["ttft_p99"] * 1e3 for x in lv], color=color, marker=marker, linestyle="--",
+                      label=f"{system} TTFT p99")
+            ax_g.plot(m, [x["goodput"]["goodput_req_s"] for x in lv], color=color, marker=marker, label=system)
+        ax_t.axhline(sw["slo_s"] * 1e3, color="gray", linestyle=":", label="SLO")
+        _log_axes(ax_t, f"{sw['preset']}, prompt {sw['prompt_len']}: TTFT (requests that got one)",
+                  "offered load × saturation", "ms")
+        _log_axes(ax_g, f"goodput (TTFT ≤ {sw['slo_s'] * 1e3:.0f} ms)", "offered load × saturation", "req/s",
+                  log_y=False)
+        ax_t.legend(fontsize=7)
+        ax_g.legend(fontsize=7)
+    _save(fig, path, "Open loop, Poisson arrivals: latency and goodput against offered load")
+
+
 def write_plots(res: dict, out_dir: str) -> list[str]:
     mode = res["mode"]
     out = []
     for name, fn in (("latency", latency_vs_concurrency), ("throughput", throughput_vs_prompt),
-                     ("transfer", transfer_vs_bytes)):
+                     ("transfer", transfer_vs_bytes), ("load", load_sweep)):
         path = os.path.join(out_dir, f"bench-{mode}-{name}.png")
+        if name == "load" and not res.get("sweep"):
+            continue  # a result from before the sweep existed
         try:
             fn(res, path)
             out.append(path)

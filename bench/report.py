@@ -5,11 +5,13 @@ import json
 import os
 
 from .report_breakdown import cpu_per_request, profiles, ttft_breakdown
+from .report_decode_step import decode_step_section
 from .report_format import guard_fractions
 from .report_gateway import admission_and_flood
 from .report_guards import checksum_ab, guard_overhead
 from .report_guidellm import guidellm_section
 from .report_latency import headline_ratios, latency_table, paired_gap
+from .report_sweep import sweep_section
 from .report_targets import targets
 from .report_transfer import transfer_table
 from .workload import Summary
@@ -22,7 +24,9 @@ def intro(res: dict) -> list[str]:
     L: list[str] = []
     h = res["host"]
     L += [f"# pdserve bench — {res['mode']} run, {res['started']}", ""]
-    L += [f"Host: {h['cpus']} CPU cores ({h['machine']}), no GPU, Python {h['python']}; total bench time "
+    gpu = h.get("device", "cpu")
+    gpu = "no GPU" if gpu == "cpu" else f"engines on {gpu}"
+    L += [f"Host: {h['cpus']} CPU cores ({h['machine']}), {gpu}, Python {h['python']}; total bench time "
           f"{res.get('elapsed_s', 0):.0f} s. Checkpoints: "
           + ", ".join(f"{k} = `{v}`" for k, v in res.get("models", {}).items()) + ".", ""]
     L += ["Request mix: seeded random prompt token ids, greedy, ignore_eos, max_tokens "
@@ -67,6 +71,8 @@ def build(res: dict) -> str:
     L += lines
     lines, slow = admission_and_flood(res)
     L += lines
+    L += sweep_section(res)
+    L += decode_step_section(res)
     L += targets(res, runs, keys, gaps, guard, ab_effects, slow)
     L += profiles(res)
     return "\n".join(L)

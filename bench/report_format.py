@@ -7,6 +7,7 @@ from .stack import STEP_KINDS, TTFT_KINDS
 from .workload import Summary
 
 NAN = math.nan
+TTFT_GAP_SLACK_S = 0.003  # issue 12: TTFT p50 − co-located ≤ the measured transfer + this, at concurrency 1
 
 
 def _ms(x) -> str:

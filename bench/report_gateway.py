@@ -34,7 +34,8 @@ def admission_and_flood(res: dict) -> tuple[list[str], tuple[float, float]]:
               f"the gateway spent {per_rej * 1e6:.0f} µs of CPU per rejection (≈ {_div(1, per_rej):.0f} rejections/s "
               f"per core) and the flood client {cap['client_cpu_s'] / max(cap['sent'], 1) * 1e6:.0f} µs per request "
               f"— on 2 cores the two share what is left. Admitted traffic (prompt {c['prompt_len']} × concurrency "
-              f"{c['concurrency']}, {c['num_requests']} requests) alone vs under a flood paced at 1,000/s "
+              f"{c['concurrency']}, {c['num_requests']} requests) alone vs under a flood paced at "
+              f"{fl.get('rate', 1000):,.0f}/s "
               f"({fmt_ci(*rate, digits=0)} rejections/s reached), {len(pairs)} interleaved pairs: output throughput "
               f"lost **{fmt_ci(*slow, scale=100, unit='%')}**, TTFT p50 {fmt_ci(*slow_ttft, scale=100, unit='%')} "
               "higher.", ""]

@@ -1,7 +1,7 @@
 """Report sections on latency against co-located: the main table, headline ratios and the paired TTFT gap."""
 from __future__ import annotations
 
-from .report_format import NAN, _div, _find, _hist_quantile, _median, _ms, _pct, _table, _x
+from .report_format import NAN, TTFT_GAP_SLACK_S, _div, _find, _hist_quantile, _median, _ms, _pct, _table, _x
 from .workload import Summary, fmt_ci, mean_ci
 
 
@@ -93,11 +93,11 @@ def paired_gap(res: dict) -> tuple[list[str], dict[tuple, dict]]:
         for (preset, n, ck), g in sorted(gaps.items(), key=lambda kv: (kv[0][0] != "tiny", kv[0][1], not kv[0][2])):
             tp50 = _hist_quantile(g["buckets"], 0.5)
             gp50 = _median(g["gap"])
-            g["verdict"] = gp50 <= tp50 + 0.005
+            g["verdict"] = gp50 <= tp50 + TTFT_GAP_SLACK_S
             rows.append([preset, n, "on" if ck else "off", len(g["gap"]), _ms(_median(g["colo"])), _ms(_median(g["pd"])),
                          _ms(gp50), fmt_ci(*mean_ci(g["gap"]), scale=1e3, digits=1), _ms(tp50),
-                         _ms(_div(g["tsum"], g["tcount"])), _ms(tp50 + 0.005)])
+                         _ms(_div(g["tsum"], g["tcount"])), _ms(tp50 + TTFT_GAP_SLACK_S)])
         L += _table(["preset", "prompt", "checksums", "pairs", "co-located TTFT p50 ms", "pdserve TTFT p50 ms",
                      "gap p50 ms", "gap mean ± 95% ms", "transfer p50 ms", "transfer mean ms",
-                     "limit: transfer p50 + 5 ms"], rows)
+                     f"limit: transfer p50 + {TTFT_GAP_SLACK_S * 1e3:g} ms"], rows)
     return L, gaps

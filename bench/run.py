@@ -20,8 +20,11 @@ from .run_preset import Bench
 
 def parse(argv=None):
     p = argparse.ArgumentParser(prog="python -m pdserve.bench.run", description=__doc__)
-    p.add_argument("--quick", action="store_true", help="tiny preset only, a few cells: ~3 minutes")
+    p.add_argument("--quick", action="store_true", help="tiny preset only, a few cells and a short load sweep: ~4-5 minutes")
     p.add_argument("--no-profile", action="store_true", help="skip the py-spy profiles")
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where every engine runs (pdserve's prefill and decode, co-located, transformers); "
+                        "default: cuda when present, as the services choose")
     p.add_argument("--report-only", action="store_true",
                    help="measure nothing: rebuild the table and plots from bench/results/bench-<mode>.json")
     return p.parse_args(argv)
@@ -57,6 +60,14 @@ def report_only(mode: str) -> int:
     return 0
 
 
+def _device(asked: str | None) -> str:
+    import torch
+
+    if asked == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("pdserve bench --device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)")
+    return asked or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def main(args=None) -> int:
     if args is None:
         args = parse()
@@ -78,7 +89,8 @@ def main(args=None) -> int:
         f"{sum(len(p.cells) for p in plan.presets)} cells × (co-located, pdserve) + transformers + raw Mooncake")
     for s in plan.skipped:
         log(f"skipping {s}")
-    bench = Bench(plan, profile=not getattr(args, "no_profile", False))
+    device = _device(getattr(args, "device", None))
+    bench = Bench(plan, profile=not getattr(args, "no_profile", False), device=device)
     os.makedirs(RESULTS, exist_ok=True)
     rc = 0
     for pp in plan.presets:
@@ -89,7 +101,7 @@ def main(args=None) -> int:
             log(f"FAILED {msg}")
             bench.res["errors"].append(msg[:2000])
             rc = 1
-    for step in (bench.transfer, bench.admission):
+    for step in (bench.transfer, bench.admission, bench.decode_step):
         try:
             step()
         except Exception as e:  # noqa: BLE001

@@ -6,7 +6,8 @@ import os
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RESULTS = os.path.join(ROOT, "bench", "results")
+# bench/gpu.sh points this elsewhere, so a CUDA run never overwrites the CPU tables the next CPU run compares with
+RESULTS = os.path.abspath(os.environ.get("PDSERVE_BENCH_RESULTS") or os.path.join(ROOT, "bench", "results"))
 MODELS = os.path.join(ROOT, "bench", ".models")
 _T0 = time.perf_counter()
 

@@ -11,6 +11,8 @@ from dataclasses import asdict
 
 from .run_common import RESULTS, ROOT, ensure_model, log
 
+FLOOD_RATE = 5000  # over-long prompts/s beside the admitted traffic: issue 12's target rate
+
 
 class GatewaySteps:
     """Bench methods on the gateway; mixed into Bench (uses its plan, profile flag and res)."""
@@ -60,10 +62,10 @@ class GatewaySteps:
         prompts = make_prompts(cell.prompt_len, cell.num_requests, vocab)
         pairs = []
         log(f"{pp.preset}: admitted traffic (prompt {cell.prompt_len} × concurrency {cell.concurrency}) alone vs "
-            f"under a 1,000/s over-long flood, {self.plan.repeats} interleaved pairs")
+            f"under a {FLOOD_RATE:,}/s over-long flood, {self.plan.repeats} interleaved pairs")
         for i in range(self.plan.repeats):
             alone, _ = stack.run("pdserve", pp.preset, prompts, cell.concurrency)
-            proc = subprocess.Popen(cmd + ["--rate", "1000", "--seconds", "120", "--concurrency", "64",
+            proc = subprocess.Popen(cmd + ["--rate", str(FLOOD_RATE), "--seconds", "120", "--concurrency", "128",
                                            "--stop-on-stdin"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, cwd=ROOT)
             try:
@@ -84,7 +86,8 @@ class GatewaySteps:
             log(f"  pair {i + 1}: alone {alone.out_tok_s:.0f} tok/s, TTFT p50 {alone.ttft_p50 * 1e3:.1f} ms | "
                 f"flooded {loaded.out_tok_s:.0f} tok/s, TTFT p50 {loaded.ttft_p50 * 1e3:.1f} ms, "
                 f"{fl['rejected_per_s']:.0f} rejections/s {fl['codes']}")
-        self.res["flood"] = {"capacity": cap, "pairs": pairs, "prompt_len": over, "cell": asdict(cell)}
+        self.res["flood"] = {"capacity": cap, "pairs": pairs, "prompt_len": over, "cell": asdict(cell),
+                           "rate": FLOOD_RATE}
 
     def admission(self) -> None:
         out = subprocess.run([sys.executable, "-m", "pdserve.bench.admission", ensure_model("tiny"),

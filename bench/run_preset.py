@@ -11,26 +11,36 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 from .run_common import ROOT, _short, ensure_model, log
+from .run_decode_step import DecodeStepStep
 from .run_gateway import GatewaySteps
 from .run_guidellm import GuidellmStep
 from .run_profile import ProfileStep
+from .run_sweep import SweepStep
 from .run_transfer import TransferSteps
 
 
-class Bench(GatewaySteps, GuidellmStep, ProfileStep, TransferSteps):
+def _device_name(device: str) -> str:
+    import torch
+
+    return f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else "cpu"
+
+
+class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, TransferSteps):
     """One bench run: every preset's measurements, then the steps after them; results collect in res."""
 
-    def __init__(self, plan, profile: bool):
+    def __init__(self, plan, profile: bool, device: str = "cpu"):
         from .workload import MAX_TOKENS
 
         self.plan = plan
         self.profile = profile
+        self.device = device
         self.res: dict = {
             "mode": plan.mode, "started": datetime.datetime.now().isoformat(timespec="seconds"),
-            "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
+            "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
+                     "device": _device_name(device)},
             "max_tokens": MAX_TOKENS, "skipped": list(plan.skipped), "runs": [], "ab": [], "flood": {},
             "transfer": {"cells": [], "raw_sweep": []}, "admission": {}, "profiles": {}, "errors": [], "probe": [],
-            "divergence": [],
+            "divergence": [], "sweep": [], "decode_step": {},
         }
         self._colocated_tokens: dict[tuple, list[int]] = {}
 
@@ -48,8 +58,8 @@ class Bench(GatewaySteps, GuidellmStep, ProfileStep, TransferSteps):
         log(f"{pp.preset}: starting the pdserve stack{' ×2 (checksums on / off)' if pp.ab else ''} "
             f"(broker, prefill, decode, gateway; context 4096, pools 8192/32768 tokens) ...")
         with ThreadPoolExecutor(2) as ex:
-            futs = [ex.submit(BenchStack, model_dir, True)] + ([ex.submit(BenchStack, model_dir, False)]
-                                                               if pp.ab else [])
+            futs = [ex.submit(BenchStack, model_dir, checksums, self.device)
+                    for checksums in ((True, False) if pp.ab else (True,))]
             stacks = []
             errs = []
             for f in futs:
@@ -65,7 +75,7 @@ class Bench(GatewaySteps, GuidellmStep, ProfileStep, TransferSteps):
         stack_b = stacks[1] if pp.ab else None
         try:
             log(f"{pp.preset}: stack up; loading the co-located engine (same ModelRunner, one process)")
-            colo = Colocated(model_dir)
+            colo = Colocated(model_dir, device=self.device)
             vocab = colo.vocab_size
             lens = sorted({c.prompt_len for c in pp.cells})
             for n in lens:  # first calls allocate and warm caches in every system
@@ -83,6 +93,13 @@ class Bench(GatewaySteps, GuidellmStep, ProfileStep, TransferSteps):
                 self._checksum_ab(pp, stack_a, stack_b, vocab)
             if pp.flood:
                 self._flood(pp, stack_a, vocab)
+            if pp.sweep:
+                try:
+                    self._sweep(pp, stack_a, colo, vocab)
+                except Exception as e:  # noqa: BLE001 - the profiles after it still run; the report says what failed
+                    msg = f"{pp.preset} load sweep: {type(e).__name__}: {e}"
+                    log(f"FAILED {msg}")
+                    self.res["errors"].append(msg[:2000])
             if pp.profile and self.profile:
                 self._profile(pp, stack_a, colo, vocab)
             del colo
@@ -158,7 +175,7 @@ class Bench(GatewaySteps, GuidellmStep, ProfileStep, TransferSteps):
         from .workload import MAX_TOKENS, make_prompts, summarize
 
         try:
-            hf = HFBaseline(model_dir)
+            hf = HFBaseline(model_dir, self.device)
         except Exception as e:  # noqa: BLE001 - transformers is a test extra; the rest still runs
             msg = f"transformers baseline skipped: {type(e).__name__}: {e}"
             log(msg)

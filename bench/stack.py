@@ -63,10 +63,11 @@ def cpu_seconds(pid: int) -> float:
 
 
 class BenchStack:
-    def __init__(self, model_dir: str, checksums: bool = True):
+    def __init__(self, model_dir: str, checksums: bool = True, device: str = "cpu"):
         self.checksums = checksums
         self.log_dir = tempfile.mkdtemp(prefix="pdserve-bench-")
-        flag = [] if checksums else ["--no-transfer-checksum", "--allow-unsafe", "no-transfer-checksum"]
+        flag = ["--device", device] + ([] if checksums else ["--no-transfer-checksum", "--allow-unsafe",
+                                                              "no-transfer-checksum"])
         self.procs = launcher.start_stack(model_dir, log_dir=self.log_dir, env={"GLOG_minloglevel": "2"},
                                           extra={"prefill": flag, "decode": flag})
         self.gateway = self.procs["gateway"][0].target
@@ -74,13 +75,23 @@ class BenchStack:
     def pids(self) -> dict[str, int]:
         return {name: ps[0].popen.pid for name, ps in self.procs.items()}
 
-    def _sample(self) -> tuple[dict[str, dict], dict[str, float]]:
-        metrics = {s: scrape(self.procs[s][0].metrics_port) for s in SERVICES}
+    def cpu_sample(self) -> dict[str, float]:
+        """CPU seconds so far of every stack process, this (client) process and the whole machine, and the clock."""
         cpu = {s: cpu_seconds(pid) for s, pid in self.pids().items()}
         cpu["client"] = time.process_time()
         cpu["machine"] = machine_cpu_seconds()
         cpu["wall"] = time.perf_counter()
-        return metrics, cpu
+        return cpu
+
+    @staticmethod
+    def other_cores(c0: dict[str, float], c1: dict[str, float]) -> float:
+        """Cores kept busy between two cpu_samples by everything but the stack and the client: the noise floor."""
+        cpu = {k: c1[k] - c0[k] for k in c1}
+        machine, elapsed = cpu.pop("machine"), cpu.pop("wall")
+        return max(0.0, machine - sum(cpu.values())) / elapsed if elapsed else float("nan")
+
+    def _sample(self) -> tuple[dict[str, dict], dict[str, float]]:
+        return {s: scrape(self.procs[s][0].metrics_port) for s in SERVICES}, self.cpu_sample()
 
     def run(self, system: str, preset: str, prompts: list[list[int]], concurrency: int,
             max_tokens: int = MAX_TOKENS) -> tuple[Summary, list[Record]]:
@@ -104,11 +115,10 @@ class BenchStack:
         rpc["gateway.ttft"] = (g.get(("pdserve_time_to_first_token_seconds_sum", ""), 0.0),
                                g.get(("pdserve_time_to_first_token_seconds_count", ""), 0.0))
         p = d["prefill"]
-        cpu = {k: c1[k] - c0[k] for k in c1}
-        machine, elapsed = cpu.pop("machine"), cpu.pop("wall")
+        cpu = {k: c1[k] - c0[k] for k in c1 if k not in ("machine", "wall")}
         extra = {"guard": guard, "rpc": rpc, "cpu": cpu,
                  # cores kept busy by everything else on the machine (other users' work): the noise floor
-                 "other_cores": max(0.0, machine - sum(cpu.values())) / elapsed if elapsed else float("nan"),
+                 "other_cores": self.other_cores(c0, c1),
                  "transfer_buckets": {labels.split('"')[1]: v for (name, labels), v in p.items()
                                       if name == "pdserve_kv_transfer_seconds_bucket"},
                  "transfer_bytes": p.get(("pdserve_kv_transfer_bytes_total", ""), 0.0),
