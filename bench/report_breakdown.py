@@ -15,33 +15,35 @@ def ttft_breakdown(runs: list[Summary], keys: list[tuple]) -> list[str]:
             continue
         g, k = pd.extra["guard"], _ok(pd)
         gw = _mean_rpc(pd, "gateway.ttft")
-        alloc = _mean_rpc(pd, "decode.Allocate")
+        alloc = g["grant_rpc"] / k  # Run sends the destination once Grant answers
         pre = _mean_rpc(pd, "prefill.Prefill")
         tr = _div(pd.extra["transfer_sum"], pd.extra["transfer_count"])
         bw, ew = g.get("begin_write_wait", g["begin_write_rpc"]) / k, g["end_write_rpc"] / k
         first = (g["prompt_verify"] + g["validate_rpc"]) / k
         fwd = _div(colo.extra.get("prefill_s", NAN), colo.num_requests)
         pd_fwd = _mean_rpc(pd, "prefill.forward")
-        rows.append([preset, n, c, _ms(pd.ttft_mean), _ms(pd.ttft_mean - gw), _ms(gw), _ms(alloc), _ms(g["grant_rpc"] / k),
+        rows.append([preset, n, c, _ms(pd.ttft_mean), _ms(pd.ttft_mean - gw), _ms(gw), _ms(alloc),
                      _ms(pre), _ms(bw), _ms(pd_fwd), _ms(pre - bw - tr - ew - pd_fwd), _ms(tr), _ms(ew), _ms(first),
                      _ms(gw - alloc - pre - first), _ms(colo.ttft_mean), _ms(fwd)])
     if rows:
         L += ["## Time to first token, taken apart (means in ms)", ""]
         L += ["From the client's clock, the gateway's `pdserve_time_to_first_token_seconds`, every service's "
               "server-side `pdserve_rpc_seconds{method}` and the guard histograms, all read before and after the "
-              "run. *rest in the stack* = gateway TTFT − Allocate − Prefill − first-Decode guards: the gRPC hops "
-              "gateway→decode→prefill→decode (serialisation, HTTP/2, event-loop scheduling) and the gateway's own "
-              "work, and when the decode pool is full (4064 × 16, 1024 × 64) the gateway's wait for pages (Allocate "
-              "retried; Grant then counts every attempt). Above concurrency 1 the Prefill column includes waiting for "
-              "the prefill instance (one forward at a time) and Allocate waiting through a busy decode event loop. "
-              "*BeginWrite wait*: KeepAlive + BeginWrite run during the forward pass; this is what prefill still "
-              "waits for them after it. *forward*: `pdserve_forward_seconds{phase=\"prefill\"}`, timed in the thread "
+              "run. The path is decode's `Run` stream (Grant, then the destination), prefill's `Prefill` (BeginWrite "
+              "during the forward pass, the write, EndWrite), the broker's write-done notice to decode, decode's "
+              "prompt-page check, the first token. *rest in the stack* = gateway TTFT − Grant − Prefill − decode's "
+              "check: the gRPC hops gateway→decode→gateway→prefill, the notice broker→decode, the first token "
+              "decode→gateway (serialisation, HTTP/2, event-loop scheduling), the gateway's own work, and when the "
+              "decode pool is full (4064 × 16, 1024 × 64) the wait in decode's queue for pages (Grant then counts "
+              "every attempt). Above concurrency 1 the Prefill column includes waiting in prefill's queue. "
+              "*BeginWrite wait*: BeginWrite runs during the forward pass; this is what prefill still "
+              "waits for it after it. *forward*: `pdserve_forward_seconds{phase=\"prefill\"}`, timed in the thread "
               "that runs it; *rest*: the rest of the Prefill call (waiting for the one compute slot and local pages, "
               "handing the pass to its thread and back). Co-located "
               "*forward* is its prefill time per request; its TTFT adds waiting behind other prefills and steps.", ""]
-        L += _table(["preset", "prompt", "conc", "client TTFT", "client↔gateway", "gateway TTFT", "decode Allocate",
-                     "… Grant RPC", "prefill Prefill", "… BeginWrite wait", "… forward", "… rest", "… transfer step",
-                     "… EndWrite", "decode verify + Validate", "rest in the stack", "co-located TTFT",
+        L += _table(["preset", "prompt", "conc", "client TTFT", "client↔gateway", "gateway TTFT", "decode Grant RPC",
+                     "prefill Prefill", "… BeginWrite wait", "… forward", "… rest", "… transfer step",
+                     "… EndWrite", "decode verify (+ Validate)", "rest in the stack", "co-located TTFT",
                      "co-located forward"], rows)
         broker = []
         for preset, n, c in keys:
@@ -54,6 +56,8 @@ def ttft_breakdown(runs: list[Summary], keys: list[tuple]) -> list[str]:
                                  ("release_rpc", "Release")):
                 caller = pd.extra["guard"][kind] / k
                 server = _mean_rpc(pd, f"broker.{method}")
+                if not caller:  # not on this path (Validate: the write-done notice stands for it)
+                    continue
                 broker.append([preset, n, method, _ms2(caller), _ms2(server), _ms2(caller - server)])
         L += ["Each broker RPC as its caller waits for it and as the broker's handler spends it (concurrency 1):", ""]
         L += _table(["preset", "prompt", "RPC", "caller ms", "broker handler ms", "gRPC round trip ms"], broker)

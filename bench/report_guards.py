@@ -15,9 +15,9 @@ def guard_overhead(runs: list[Summary], ab: list[Summary]) -> tuple[list[str], t
     if pd_runs:
         L += ["## Guard overhead", ""]
         L += ["From `pdserve_guard_seconds_sum{kind}` on prefill and decode, read before and after each run. "
-              "*Before the first token*: Grant, the wait for BeginWrite once the forward pass is done (KeepAlive + "
-              "BeginWrite run during the pass; their whole time, begin_write_rpc, is shown but not charged), CRC-32C "
-              "(prefill), EndWrite, prompt-page verification (tags + CRC-32C, decode) and Validate, per request, as "
+              "*Before the first token*: Grant, the wait for BeginWrite once the forward pass is done (BeginWrite, "
+              "which also starts the write's liveness, runs during the pass; their whole time, begin_write_rpc, is shown but not charged), CRC-32C "
+              "(prefill), EndWrite, prompt-page verification (tags + CRC-32C, decode) and Validate (0 on the Run path: the broker's write-done notice stands for it), per request, as "
               "a share of TTFT p50. *Per step*: the tag check "
               "and the checksum sweep (CRC-32C of up to `--checksum-sweep-pages` prompt pages, default 8) before every "
               "decode step, as a share of the run's wall time (they run before each step for the whole batch, so "

@@ -21,8 +21,8 @@ GUARD_KINDS = ("grant_rpc", "begin_write_rpc", "begin_write_wait", "end_write_rp
 # guards decode runs once per step for the whole batch: their time is charged to output throughput
 STEP_KINDS = ("step_tag_check", "checksum_sweep")
 # guards every request waits for between admission and its first token (release runs after the last token,
-# step_tag_check and checksum_sweep once per decode step for the whole batch); KeepAlive + BeginWrite run during the forward pass,
-# so what they add is begin_write_wait, the time prefill still waits for them once the pass is done
+# step_tag_check and checksum_sweep once per decode step for the whole batch); BeginWrite runs during the forward pass,
+# so what it adds is begin_write_wait, the time prefill still waits for it once the pass is done
 TTFT_KINDS = ("grant_rpc", "begin_write_wait", "checksum", "end_write_rpc", "prompt_verify", "validate_rpc")
 SERVICES = ("gateway", "broker", "prefill", "decode")
 _TICK = os.sysconf("SC_CLK_TCK")
