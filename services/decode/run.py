@@ -87,6 +87,8 @@ class RunStream:
         while not fut.done():
             if self.allocations.get(owner) is not alloc or alloc.epoch != self.epoch:
                 raise self._gone(owner, alloc)
+            if (err := self.blind_error()) is not None:  # a notice cannot reach a decode that hears nothing
+                raise err
             left = end - time.monotonic()
             if left <= 0:
                 TIMEOUTS.labels("allocation").inc()

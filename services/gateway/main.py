@@ -51,6 +51,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="encode text as UTF-8 bytes (ids 0..255) instead of the checkpoint's tokenizer.json")
     p.add_argument("--prefill-timeout", type=float, default=60.0, help="bound on one Prefill call, seconds")
     p.add_argument("--token-timeout", type=float, default=60.0, help="bound on the gap between two tokens, seconds")
+    p.add_argument("--write-notice-timeout", type=float, default=5.0,
+                   help="seconds between prefill reporting the KV written and decode's first token (the broker's "
+                        "write-done notice) before the request fails UNAVAILABLE, retryable")
     p.add_argument("--drain-timeout", type=float, default=25.0,
                    help="on SIGTERM, seconds running streams get to finish while new requests are refused "
                         "UNAVAILABLE (DRAINING); keep under the pod's terminationGracePeriodSeconds")
@@ -142,7 +145,7 @@ async def serve(args) -> None:
     init_metrics("gateway")
     backends = Backends(tls, args.load_interval)
     servicer = GatewayServicer(backends.routers["prefill"], backends.routers["decode"], None, None,
-                               args.prefill_timeout, args.token_timeout)
+                               args.prefill_timeout, args.token_timeout, args.write_notice_timeout)
     svc = Service("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
                   args.host, args.port, args.metrics_port, tls=None,  # public API: plaintext by design
                   metrics_host=args.metrics_host)

@@ -46,7 +46,7 @@ def _retrieve(task: asyncio.Future) -> None:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, prefills: Router, decodes: Router, tokenizer, cap: Capacity | None,
-                 rpc_timeout_s: float = 60.0, token_timeout_s: float = 60.0):
+                 rpc_timeout_s: float = 60.0, token_timeout_s: float = 60.0, notice_timeout_s: float = 5.0):
         self.token_timeout_s = token_timeout_s
         # routers over the live backend sets (backends.py); cap and tokenizer arrive with the first usable pair
         self.prefills = prefills
@@ -54,6 +54,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.tokenizer = tokenizer
         self.cap = cap
         self.rpc_timeout_s = rpc_timeout_s
+        self.notice_timeout_s = notice_timeout_s
         self.draining = False  # set on SIGTERM (drain.py): Generate refuses, running streams finish
         self.active = 0  # Generate calls (gRPC and HTTP) not yet ended
 
@@ -155,6 +156,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 await asyncio.wait({pf, first}, return_when=asyncio.FIRST_COMPLETED)
                 if pf.done() and pf.exception() is not None:
                     raise self._prefill_error(pf.exception(), deadline)
+                if not first.done():
+                    # prefill's EndWrite was answered before it replied: the notice is on its way to decode, unless
+                    # the ack was lost, and then the pages wait for the writer's liveness to lapse (retryable)
+                    await asyncio.wait({first}, timeout=self.notice_timeout_s)
+                    if not first.done():
+                        raise PdError(grpc.StatusCode.UNAVAILABLE, "NO_WRITE_NOTICE",
+                                      f"prefill {prefill.target} reported the KV written, but decode {decode.target} "
+                                      f"sent no token within {self.notice_timeout_s:g}s of it (the broker's "
+                                      f"write-done notice did not come: an EndWrite lost?)")
                 r = await first
                 # log-probabilities of the first token and of the prompt come from prefill's answer
                 resp = await pf if (sampling.HasField("logprobs") or want_prompt_lps) else prefill_pb2.PrefillResponse()
