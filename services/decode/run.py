@@ -19,7 +19,8 @@ import grpc
 from ..common.deadline import deadline_of, deadline_exceeded
 from ..common.drain import draining_error
 from ..common.errors import PdError
-from ..common.metrics import OVERLOAD_REJECTIONS, TIMEOUTS
+from ..common.config import pages_for
+from ..common.metrics import LEASE_VIOLATIONS, OVERLOAD_REJECTIONS, TIMEOUTS
 from ..common.proto import decode_pb2
 
 log = logging.getLogger(__name__)
@@ -99,11 +100,14 @@ class RunStream:
             # the revocation handler ends the allocation without touching fut: look again at least every 0.1 s
             await asyncio.wait({fut}, timeout=min(left, 0.1))
         notice = fut.result()
-        n = len(notice.leases)
-        if notice.epoch != alloc.epoch or [(x.page, x.generation) for x in notice.leases] != alloc.leases[:n]:
+        # the notice must cover every prompt page: one it leaves out may still have this writer active on it
+        n = pages_for(alloc.num_prompt_tokens, self.pool.page_size)
+        named = [(x.page, x.generation) for x in notice.leases]
+        if notice.epoch != alloc.epoch or named != alloc.leases[:n]:
+            LEASE_VIOLATIONS.labels("decode", "NOTICE_MISMATCH").inc()
             raise PdError(grpc.StatusCode.DATA_LOSS, "NOTICE_MISMATCH",
-                          f"the write-done notice of {owner.hex()} names {n} leases of epoch {notice.epoch:#x}; "
-                          f"the allocation holds {alloc.leases[:n]} of epoch {alloc.epoch:#x}")
+                          f"the write-done notice of {owner.hex()} names {len(named)} leases of epoch "
+                          f"{notice.epoch:#x}; its {n} prompt pages are {alloc.leases[:n]} of epoch {alloc.epoch:#x}")
         return notice
 
     async def _granted(self, owner: bytes, num_prompt: int, max_tokens: int, deadline: float | None):
