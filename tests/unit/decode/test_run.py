@@ -1,4 +1,4 @@
-"""Decode.Run's allocation queue (run.py) against a fake grant: requests wait in arrival order while the pool is
+"""Decode.Run (run.py) against fakes: the allocation queue: requests wait in arrival order while the pool is
 short, are woken by freed pages rather than polling, and the queue is bounded in length and time."""
 import asyncio
 import time
@@ -80,3 +80,55 @@ def test_a_waiter_whose_deadline_passes_ends_with_deadline_exceeded_and_the_next
     err = asyncio.run(main())
     assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
+
+
+class Waiting(RunStream):
+    """RunStream holding one allocation of 3 prompt pages (page size 16, 40-token prompt), waiting for its notice."""
+
+    def __init__(self):
+        from types import SimpleNamespace
+        self.init_run()
+        self.epoch, self.pool_id, self.allocation_timeout_s = 7, "p", 5.0
+        self.pool = SimpleNamespace(page_size=16)
+        self.alloc = SimpleNamespace(epoch=7, pool_id="p", leases=[(4, 9), (5, 9), (6, 9), (7, 9)],
+                                     num_prompt_tokens=40, deadline=time.monotonic() + 5)
+        self.allocations = {b"o": self.alloc}
+
+    def blind_error(self):
+        return None
+
+    async def wait(self, notice=None, act=None):
+        fut = self.notices[b"o"] = asyncio.get_running_loop().create_future()
+        if act is not None:
+            asyncio.get_running_loop().call_later(0.05, act)
+        if notice is not None:
+            self.on_notice(notice)
+        return await self._notice(b"o", self.alloc, fut, None)
+
+
+def _notice(leases, epoch=7):
+    from pdserve.common.proto import broker_pb2, common_pb2
+    return broker_pb2.Revocation(owner=b"o", epoch=epoch, write_done=True, first_token=3,
+                                 leases=[common_pb2.PageLease(page=p, generation=g) for p, g in leases])
+
+
+@pytest.mark.parametrize("leases,epoch", [([(4, 9), (5, 9)], 7), ([(4, 9), (5, 9), (6, 9), (7, 9)], 7),
+                                          ([(4, 9), (5, 9), (6, 8)], 7), ([(4, 9), (5, 9), (6, 9)], 8)],
+                         ids=["a page left out", "a page too many", "another generation", "another epoch"])
+def test_a_notice_must_name_exactly_the_prompt_leases(leases, epoch):
+    with pytest.raises(PdError) as e:
+        asyncio.run(Waiting().wait(_notice(leases, epoch)))
+    assert (e.value.code, e.value.reason) == (grpc.StatusCode.DATA_LOSS, "NOTICE_MISMATCH")
+
+
+def test_the_matching_notice_is_returned_and_an_ended_allocation_or_lost_stream_ends_the_wait():
+    ok = Waiting()
+    assert asyncio.run(ok.wait(_notice([(4, 9), (5, 9), (6, 9)]))).first_token == 3
+    revoked = Waiting()
+    with pytest.raises(PdError) as e:
+        asyncio.run(revoked.wait(act=lambda: revoked.allocations.clear()))  # what the revocation handler does
+    assert (e.value.code, e.value.reason) == (grpc.StatusCode.DATA_LOSS, "REVOKED")
+    gap = Waiting()
+    with pytest.raises(PdError) as e:
+        asyncio.run(gap.wait(act=lambda: gap.notices_lost("test gap")))
+    assert (e.value.code, e.value.reason) == (grpc.StatusCode.UNAVAILABLE, "NOTICE_LOST")
