@@ -1,5 +1,7 @@
-"""Decode.Run (run.py) against fakes: the allocation queue: requests wait in arrival order while the pool is
-short, are woken by freed pages rather than polling, and the queue is bounded in length and time."""
+"""Decode.Run (run.py) against fakes. The allocation queue: requests wait in arrival order while the pool is
+short, are woken by freed pages rather than polling, and the queue is bounded in length and time. The wait for the
+write-done notice: only a notice naming exactly the prompt leases starts decoding; an ended allocation or a
+stream that lost events ends the wait."""
 import asyncio
 import time
 
