@@ -23,6 +23,7 @@ from ..common.tasks import spawn
 from ..common.deadline import deadline_exceeded, deadline_of, timeout_within
 from ..common.wire import call, sampling_from_pb
 from .admit import admit
+from .limits import ConcurrencyLimit
 from .responses import Responses
 from .router import Backend, Router, Ticket
 
@@ -55,6 +56,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self._waiting = 0
         self.draining = False  # set on SIGTERM (drain.py): Generate refuses, running streams finish
         self.active = 0  # Generate calls (gRPC and HTTP) not yet ended
+        self.concurrency = ConcurrencyLimit()  # no limit unless main.py sets --max-concurrent-requests
 
     def _capacity(self) -> Capacity:
         if self.cap is None or self.tokenizer is None:
@@ -88,6 +90,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if self.draining:
                 raise draining_error("gateway", "new requests are refused; send them to another gateway")
             tokens, sampling = self.admit(request)
+            self.concurrency.enter(self.active)  # after admission: a request that can never fit is not told to retry
             tried: set[str] = set()
             for attempt in range(2):
                 # a retryable failure before the first token is retried once, on another pair, as a new request
