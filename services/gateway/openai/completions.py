@@ -90,8 +90,6 @@ async def handle(front, request: Request) -> Response:
     if len(prompts) * body.n > MAX_CHOICES:
         raise ApiError(400, "too_many_choices", f"{len(prompts)} prompts x n {body.n} = {len(prompts) * body.n} "
                                                 f"choices; the limit is {MAX_CHOICES}", param="n")
-    log.info("http request %s: completion, %d prompt(s) x %d choice(s)%s", rid, len(prompts), body.n,
-             f", user {body.user!r}" if body.user else "")
     prompt_logprobs = body.logprobs if body.echo else None
     reqs = [build(body, p, body.max_tokens or DEFAULT_MAX_TOKENS, i, body.logprobs, prompt_logprobs)
             for p in prompts for i in range(body.n)]
@@ -101,6 +99,7 @@ async def handle(front, request: Request) -> Response:
     if body.stream:
         with_usage = body.stream_options is not None and body.stream_options.include_usage
         gen, first = await open_stream(front.servicer, reqs, request, rid)
+        admitted(rid, prompts, body)
 
         def chunks(i, r):
             o = Output()
@@ -112,4 +111,11 @@ async def handle(front, request: Request) -> Response:
                 yield {**head, "choices": [], "usage": state.usage()}
         return event_stream(gen, first, chunks, tail, rid)
     outs = await collect(front.servicer, reqs, request, rid)
+    admitted(rid, prompts, body)
     return {**head, "choices": [state.choice(i, o) for i, o in enumerate(outs)], "usage": state.usage()}
+
+
+def admitted(rid: str, prompts: list, body: CompletionRequest) -> None:
+    """Logged once admitted, not on arrival: a flood of refused requests must not cost a log line each."""
+    log.info("http request %s: completion, %d prompt(s) x %d choice(s)%s", rid, len(prompts), body.n,
+             f", user {body.user!r}" if body.user else "")
