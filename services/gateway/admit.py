@@ -33,12 +33,17 @@ def fits(cap, num_prompt: int, max_tokens: int, at_least: str = "") -> None:
                   cap.prefill_pool_tokens, at_least)
 
 
-def encode_prompt(tokenizer, text: str, max_tokens: int, cap) -> list[int]:
-    """text's tokens, unless its length alone proves they cannot fit (min_tokens: no tokenizing)."""
+def check_length_bound(tokenizer, text: str, max_tokens: int, cap) -> None:
+    """Refuses text when its length alone proves its tokens cannot fit (min_tokens: O(1), no tokenizing)."""
     lower = min_tokens(tokenizer, text)
     if lower:
         fits(cap, lower, max_tokens, f"{len(text)} characters, no token spans more than "
                                      f"{tokenizer.max_chars_per_token}")
+
+
+def encode_prompt(tokenizer, text: str, max_tokens: int, cap) -> list[int]:
+    """text's tokens, once its length does not already prove they cannot fit."""
+    check_length_bound(tokenizer, text, max_tokens, cap)
     tokens = tokenizer.encode(text)
     if tokens:
         fits(cap, len(tokens), max_tokens)
