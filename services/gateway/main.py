@@ -21,9 +21,9 @@ from ..common.drain import settle
 from .backends import Backends
 from .discovery import Discovery
 from .drain import drain
+from .limits import DEFAULT_MAX_CONCURRENT, ConcurrencyLimit
 from .openai.app import Front, create_app
 from .openai.server import HttpServer, add_http_args, api_key, http_limits
-from .limits import DEFAULT_MAX_CONCURRENT, ConcurrencyLimit
 from .servicer import Capacity, GatewayServicer
 
 log = logging.getLogger(__name__)

@@ -120,6 +120,7 @@ async def handle(front, request: Request) -> Response:
 
 
 def admitted(rid: str, prompts: list, body: CompletionRequest) -> None:
-    """Logged once admitted, not on arrival: a flood of refused requests must not cost a log line each."""
+    """Logged once admitted (streamed: at the first message; else at the end), not on arrival: a flood of refused
+    requests must not cost a log line each."""
     log.info("http request %s: completion, %d prompt(s) x %d choice(s)%s", rid, len(prompts), body.n,
              f", user {body.user!r}" if body.user else "")
