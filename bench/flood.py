@@ -1,8 +1,12 @@
 """A flood of over-long prompts against the gateway, in its own process so it does not share the
 benchmark client's event loop: `python -m pdserve.bench.flood TARGET --prompt-len N [--rate R] --seconds S`.
 
+The prompt is N token ids over gRPC, or with --text-chars C a text of C characters (refused from its length alone,
+engine/token_bound.py), over gRPC or, with --http PORT, as POST /v1/completions over keep-alive HTTP/1.1 connections
+written and read by hand (a client far cheaper per request than the gateway, so the gateway is what is measured).
+
 Prints {"ready": true} once connected, then one JSON line: how many were sent, how many were
-rejected with INVALID_ARGUMENT (as they must be), anything else, and the round-trip latency.
+rejected with INVALID_ARGUMENT / HTTP 400 (as they must be), anything else, and the round-trip latency.
 """
 from __future__ import annotations
 
@@ -20,9 +24,43 @@ from pdserve.common.proto import gateway_pb2_grpc
 from .workload import percentile
 
 
+class Http:
+    """One keep-alive connection per outstanding request slot; each call writes the same request bytes and reads
+    one response (status line, headers, Content-Length body)."""
+
+    def __init__(self, port: int, text: str):
+        body = json.dumps({"prompt": text, "max_tokens": 32}).encode()
+        self.port = port
+        self.request = (b"POST /v1/completions HTTP/1.1\r\nHost: flood\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n" % len(body)) + body
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def call(self) -> str:
+        conn = self.idle.pop() if self.idle else await asyncio.open_connection("127.0.0.1", self.port)
+        reader, writer = conn
+        writer.write(self.request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        status = head.split(b" ", 2)[1].decode()
+        length = next(int(line.split(b":", 1)[1]) for line in head.lower().split(b"\r\n")
+                      if line.startswith(b"content-length:"))
+        await reader.readexactly(length)
+        if b"connection: close" in head.lower():
+            writer.close()
+        else:
+            self.idle.append(conn)
+        return status
+
+    def close(self) -> None:
+        for _, writer in self.idle:
+            writer.close()
+
+
 async def flood(target: str, prompt_len: int, rate: float, seconds: float, concurrency: int,
-                stop_on_stdin: bool = False) -> dict:
-    req = build_request(prompt_token_ids=[7] * prompt_len, max_tokens=32, ignore_eos=True)
+                stop_on_stdin: bool = False, text_chars: int = 0, http_port: int = 0) -> dict:
+    text = "x" * text_chars
+    req = build_request(prompt=text, prompt_token_ids=None if text else [7] * prompt_len, max_tokens=32,
+                        ignore_eos=True)
+    http = Http(http_port, text) if http_port else None
     codes: dict[str, int] = {}
     lat: list[float] = []
     async with grpc.aio.insecure_channel(target) as ch:
@@ -34,10 +72,15 @@ async def flood(target: str, prompt_len: int, rate: float, seconds: float, concu
             t = time.perf_counter()
             code = "OK"
             try:
-                async for _ in stub.Generate(req, timeout=30):
-                    pass
+                if http is not None:
+                    code = await http.call()
+                else:
+                    async for _ in stub.Generate(req, timeout=30):
+                        pass
             except grpc.RpcError as e:
                 code = e.code().name
+            except (OSError, asyncio.IncompleteReadError) as e:
+                code = type(e).__name__
             lat.append(time.perf_counter() - t)
             codes[code] = codes.get(code, 0) + 1
 
@@ -81,23 +124,34 @@ async def flood(target: str, prompt_len: int, rate: float, seconds: float, concu
             await asyncio.gather(*tasks)
         wall = time.perf_counter() - start
         cpu = time.process_time() - cpu0
+    if http is not None:
+        http.close()
     sent = sum(codes.values())
-    return {"sent": sent, "codes": codes, "wall_s": wall, "rejected": codes.get("INVALID_ARGUMENT", 0),
-            "rejected_per_s": codes.get("INVALID_ARGUMENT", 0) / wall, "lat_p50": percentile(lat, 50),
-            "lat_p99": percentile(lat, 99), "client_cpu_s": cpu}
+    rejected = codes.get("400" if http else "INVALID_ARGUMENT", 0)
+    return {"sent": sent, "codes": codes, "wall_s": wall, "rejected": rejected, "rejected_per_s": rejected / wall,
+            "lat_p50": percentile(lat, 50), "lat_p99": percentile(lat, 99), "client_cpu_s": cpu,
+            "transport": "http" if http else "grpc", "prompt": f"{text_chars} characters" if text else
+            f"{prompt_len} token ids"}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m pdserve.bench.flood")
     p.add_argument("target")
-    p.add_argument("--prompt-len", type=int, required=True)
+    p.add_argument("--prompt-len", type=int, default=0, help="send this many token ids (or --text-chars)")
     p.add_argument("--rate", type=float, default=0.0, help="requests/s; 0 = closed loop, as fast as possible")
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--stop-on-stdin", action="store_true", help="also stop when a line (or EOF) arrives on stdin")
+    p.add_argument("--text-chars", type=int, default=0, help="send a text prompt of this many characters instead")
+    p.add_argument("--http", type=int, default=0, metavar="PORT",
+                   help="send POST /v1/completions to this HTTP port (needs --text-chars)")
     a = p.parse_args()
-    print(json.dumps(asyncio.run(flood(a.target, a.prompt_len, a.rate, a.seconds, a.concurrency, a.stop_on_stdin))),
-          flush=True)
+    if a.http and not a.text_chars:
+        p.error("--http needs --text-chars")
+    if (a.prompt_len > 0) == (a.text_chars > 0):
+        p.error("give one of --prompt-len and --text-chars")
+    print(json.dumps(asyncio.run(flood(a.target, a.prompt_len, a.rate, a.seconds, a.concurrency, a.stop_on_stdin,
+                                       a.text_chars, a.http))), flush=True)
 
 
 if __name__ == "__main__":

@@ -76,18 +76,21 @@ def check_stop_strings(stop) -> None:
 
 
 def check_lengths(num_prompt: int, max_tokens: int, context_length: int, page_size: int,
-                  decode_pool_pages: int | None, prefill_pool_tokens: int | None) -> None:
+                  decode_pool_pages: int | None, prefill_pool_tokens: int | None, at_least: str = "") -> None:
+    """at_least: num_prompt is only a lower bound on the prompt's tokens, for the reason given (every check is
+    monotone in num_prompt, so a bound that does not fit proves the prompt does not)."""
+    prompt = f"at least {num_prompt} tokens ({at_least})" if at_least else f"{num_prompt} tokens"
     if num_prompt + max_tokens > context_length:
-        raise _reject("CONTEXT_EXCEEDED", f"prompt is {num_prompt} tokens + max_tokens {max_tokens} = "
+        raise _reject("CONTEXT_EXCEEDED", f"prompt is {prompt} + max_tokens {max_tokens} = "
                                           f"{num_prompt + max_tokens}; the model's context length is {context_length}")
     if prefill_pool_tokens is not None and num_prompt > prefill_pool_tokens:
-        raise _reject("PREFILL_POOL_EXCEEDED", f"prompt is {num_prompt} tokens; the prefill KV pool holds "
+        raise _reject("PREFILL_POOL_EXCEEDED", f"prompt is {prompt}; the prefill KV pool holds "
                                                f"{prefill_pool_tokens}")
     if decode_pool_pages is not None:
         need = pages_needed(num_prompt, max_tokens, page_size)
         if need > decode_pool_pages:
             raise _reject("DECODE_POOL_EXCEEDED",
-                          f"prompt is {num_prompt} tokens + max_tokens {max_tokens} needs {need} pages of "
+                          f"prompt is {prompt} + max_tokens {max_tokens} needs {need} pages of "
                           f"{page_size}; the decode KV pool holds {decode_pool_pages} pages "
                           f"({decode_pool_pages * page_size} tokens)")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import grpc
 
 from ..engine.sampler import SamplingParams, TokenLogprobs
-from .errors import PdError, from_rpc_error
+from .errors import from_rpc_error
 from .proto import common_pb2
 
 
@@ -35,9 +35,8 @@ def layout_to_pb(layout, tag_nbytes: int):
 
 
 async def call(coro, what: str):
-    """Awaits an outgoing RPC, turning its failure into a PdError with the callee's code and reason."""
+    """Awaits an outgoing RPC, turning its failure into a PdError with the callee's code, reason and retry delay."""
     try:
         return await coro
     except grpc.RpcError as e:
-        err = from_rpc_error(e)
-        raise PdError(err.code, err.reason, f"{what}: {err.message}") from None
+        raise from_rpc_error(e).prefixed(what) from None

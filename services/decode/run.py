@@ -32,6 +32,16 @@ class RunStream:
         self.notices: dict[bytes, asyncio.Future] = {}  # owner -> its write-done notice, while a Run waits for it
         self._queue: collections.deque = collections.deque()  # Run calls waiting for pages, oldest first
         self._changed = asyncio.Event()
+        self._granted_at: collections.deque = collections.deque(maxlen=512)  # when queued requests got pages
+
+    def retry_after_s(self) -> float:
+        """How long until the requests queued now have pages, at the rate requests got them over the last 10 s
+        (the queue timeout when none did): the retry delay of a refusal."""
+        now = time.monotonic()
+        recent = sum(1 for t in self._granted_at if now - t <= 10.0)
+        if not recent:
+            return self.queue_timeout_s
+        return min(60.0, max(0.05, (len(self._queue) + 1) / (recent / 10.0)))
 
     def pages_may_be_free(self) -> None:  # also called when draining begins: the waiters are refused
         """Wakes the allocation queue: this decode released pages, or the broker's stream spoke (its sweeper
@@ -118,7 +128,7 @@ class RunStream:
             OVERLOAD_REJECTIONS.labels("decode", "allocation_queue").inc()
             raise PdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED",
                           f"{len(self._queue)} requests already wait for KV pages of pool {self.pool_id} (limit "
-                          f"{self.queue_limit})")
+                          f"{self.queue_limit})", self.retry_after_s())
         me = object()
         self._queue.append(me)
         end = time.monotonic() + self.queue_timeout_s
@@ -130,7 +140,9 @@ class RunStream:
                                                    "awaited")
                 if self._queue[0] is me:
                     try:
-                        return await self.grant(owner, num_prompt, max_tokens, need, deadline)
+                        alloc = await self.grant(owner, num_prompt, max_tokens, need, deadline)
+                        self._granted_at.append(time.monotonic())
+                        return alloc
                     except PdError as e:
                         if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
                             raise
@@ -143,7 +155,7 @@ class RunStream:
                         raise deadline_exceeded(deadline, f"waiting for {need} KV pages") from None
                     raise PdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_TIMEOUT",
                                   f"no {need} KV pages of pool {self.pool_id} freed within "
-                                  f"{self.queue_timeout_s:.0f}s") from None
+                                  f"{self.queue_timeout_s:.0f}s", self.retry_after_s()) from None
         finally:
             head = self._queue[0] is me
             self._queue.remove(me)

@@ -1,13 +1,20 @@
 """Tokenizer: the checkpoint's `tokenizer.json` through the `tokenizers` package, or bytes when asked for."""
 from __future__ import annotations
 
+import json
+import math
 import os
 
 from .config import CheckpointError
+from .token_bound import max_chars_per_token
 
 
 class ByteTokenizer:
     """One token per UTF-8 byte (ids 0..255); ids above 255 are special and decode to nothing."""
+
+    # every character is at least one byte, so a text has at least as many tokens as characters
+    max_chars_per_token = 1
+    no_bound_reason = ""
 
     def __init__(self, vocab_size: int):
         if vocab_size < 256:
@@ -21,12 +28,22 @@ class ByteTokenizer:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
 
 
+def min_tokens(tokenizer, text: str) -> int:
+    """A lower bound on len(tokenizer.encode(text)) from the text's length alone (O(1)): token_bound.py proves
+    it; 0 when the tokenizer has no bound."""
+    c = tokenizer.max_chars_per_token
+    return 0 if c is None else math.ceil(len(text) / c)
+
+
 class HFTokenizer:
     def __init__(self, path: str):
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer, pre_tokenizers
 
         self._tok = Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size()
+        # read back from the loaded tokenizer, not the file: the bound is about what encode() runs
+        self.max_chars_per_token, self.no_bound_reason = max_chars_per_token(json.loads(self._tok.to_str()),
+                                                                             pre_tokenizers.ByteLevel.alphabet())
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -8,6 +8,7 @@ from ..common.admission import (check_lengths, check_options, check_repetition_p
                                 check_stop_strings, check_tokens)
 from ..common.proto import common_pb2
 from ..common.wire import sampling_from_pb
+from ..engine.tokenizer import min_tokens
 
 
 def sampling_of(request) -> common_pb2.SamplingParams:
@@ -27,23 +28,40 @@ def sampling_of(request) -> common_pb2.SamplingParams:
     return sampling
 
 
+def fits(cap, num_prompt: int, max_tokens: int, at_least: str = "") -> None:
+    check_lengths(num_prompt, max_tokens, cap.context_length, cap.page_size, cap.decode_pool_pages,
+                  cap.prefill_pool_tokens, at_least)
+
+
+def check_length_bound(tokenizer, text: str, max_tokens: int, cap) -> None:
+    """Refuses text when its length alone proves its tokens cannot fit (min_tokens: O(1), no tokenizing)."""
+    lower = min_tokens(tokenizer, text)
+    if lower:
+        fits(cap, lower, max_tokens, f"{len(text)} characters, no token spans more than "
+                                     f"{tokenizer.max_chars_per_token}")
+
+
+def encode_prompt(tokenizer, text: str, max_tokens: int, cap) -> list[int]:
+    """text's tokens, once its length does not already prove they cannot fit."""
+    check_length_bound(tokenizer, text, max_tokens, cap)
+    tokens = tokenizer.encode(text)
+    if tokens:
+        fits(cap, len(tokens), max_tokens)
+    return tokens
+
+
 def admit(request, cap, tokenizer) -> tuple[list[int], common_pb2.SamplingParams]:
     """The prompt's tokens and the sampling to send; cap: the gateway's Capacity."""
     sampling = sampling_of(request)
     check_options(sampling_from_pb(sampling), cap.vocab_size,
                   request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
-
-    def fits(num_prompt: int) -> None:
-        check_lengths(num_prompt, request.max_tokens, cap.context_length, cap.page_size, cap.decode_pool_pages,
-                      cap.prefill_pool_tokens)
-    # the O(1) length checks first: an over-long flood never pays for copying its ids or a vocabulary scan
+    # the O(1) length checks first: an over-long flood never pays for copying its ids, tokenizing its text or a
+    # vocabulary scan
     ids = request.prompt_token_ids
     if len(ids):
-        fits(len(ids))
+        fits(cap, len(ids), request.max_tokens)
         tokens = list(ids)
     else:
-        tokens = tokenizer.encode(request.prompt)
-        if tokens:
-            fits(len(tokens))
+        tokens = encode_prompt(tokenizer, request.prompt, request.max_tokens, cap)
     check_tokens(tokens, cap.vocab_size)
     return tokens, sampling

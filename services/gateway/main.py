@@ -21,6 +21,7 @@ from ..common.drain import settle
 from .backends import Backends
 from .discovery import Discovery
 from .drain import drain
+from .limits import DEFAULT_MAX_CONCURRENT, ConcurrencyLimit
 from .openai.app import Front, create_app
 from .openai.server import HttpServer, add_http_args, api_key, http_limits
 from .servicer import Capacity, GatewayServicer
@@ -49,6 +50,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=config.DEFAULT_MODEL, help="checkpoint directory (for the tokenizer)")
     p.add_argument("--byte-tokenizer", action="store_true",
                    help="encode text as UTF-8 bytes (ids 0..255) instead of the checkpoint's tokenizer.json")
+    p.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT,
+                   help="Generate calls (gRPC and HTTP choices together) running at once; one more is refused at "
+                        "once with RESOURCE_EXHAUSTED OVERLOADED (HTTP 429) and a retry delay; 0: no limit")
     p.add_argument("--prefill-timeout", type=float, default=60.0, help="bound on one Prefill call, seconds")
     p.add_argument("--token-timeout", type=float, default=60.0, help="bound on the gap between two tokens, seconds")
     p.add_argument("--write-notice-timeout", type=float, default=5.0,
@@ -58,6 +62,15 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds running streams get to finish while new requests are refused "
                         "UNAVAILABLE (DRAINING); keep under the pod's terminationGracePeriodSeconds")
     add_tls_args(p, "the gateway's channels to prefill and decode (its public gRPC and HTTP APIs stay plaintext)")
+
+
+def log_prompt_bound(tokenizer) -> None:
+    if tokenizer.max_chars_per_token is None:
+        log.warning("gateway: no bound on characters per token (%s): every text prompt is tokenized in full before "
+                    "its length is checked", tokenizer.no_bound_reason)
+    else:
+        log.info("gateway: no token spans more than %d characters: a text prompt longer than that many times the "
+                 "admissible tokens is refused without tokenizing it", tokenizer.max_chars_per_token)
 
 
 def capacity_of(infos: dict[str, list]) -> Capacity:
@@ -133,9 +146,15 @@ async def serve(args) -> None:
     check_unsafe("gateway", args)
     limits, key = http_limits(args), api_key(args)
     tls = tls_from_args(args, "gateway", "gateway")
+    try:
+        concurrency = ConcurrencyLimit(args.max_concurrent_requests)
+    except ValueError as e:
+        raise SystemExit(f"gateway: --max-concurrent-requests: {e}") from None
     # the checkpoint's tokenizer and chat template are read before any backend is looked for: a missing or broken
     # one stops the gateway at once with its message (the byte tokenizer needs the vocabulary size, found later)
     tokenizer = None if args.byte_tokenizer else load_tokenizer(args.model, 0)
+    if tokenizer is not None:
+        log_prompt_bound(tokenizer)
     template = None
     if args.http_port >= 0:
         try:
@@ -146,6 +165,7 @@ async def serve(args) -> None:
     backends = Backends(tls, args.load_interval)
     servicer = GatewayServicer(backends.routers["prefill"], backends.routers["decode"], None, None,
                                args.prefill_timeout, args.token_timeout, args.write_notice_timeout)
+    servicer.concurrency = concurrency
     svc = Service("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
                   args.host, args.port, args.metrics_port, tls=None,  # public API: plaintext by design
                   metrics_host=args.metrics_host)
@@ -157,7 +177,10 @@ async def serve(args) -> None:
     tasks = [asyncio.ensure_future(d.run()) for d in discoveries(args, backends)]
     await svc.starting(health.first.wait())  # a SIGTERM before any backend answered exits at once
     cap = servicer.cap
-    servicer.tokenizer = tokenizer or load_tokenizer(args.model, cap.vocab_size, byte_tokenizer=True)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(args.model, cap.vocab_size, byte_tokenizer=True)
+        log_prompt_bound(tokenizer)
+    servicer.tokenizer = tokenizer
     http = None
     if args.http_port >= 0:
         front = Front(servicer, cap.model, limits, template)

@@ -21,6 +21,7 @@ from ..common.proto import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc
 from ..common.deadline import deadline_exceeded, deadline_of, timeout_within
 from ..common.wire import call, sampling_from_pb
 from .admit import admit
+from .limits import ConcurrencyLimit
 from .responses import Responses
 from .router import Backend, Router, Ticket
 
@@ -57,6 +58,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.notice_timeout_s = notice_timeout_s
         self.draining = False  # set on SIGTERM (drain.py): Generate refuses, running streams finish
         self.active = 0  # Generate calls (gRPC and HTTP) not yet ended
+        self.concurrency = ConcurrencyLimit()  # no limit unless main.py sets --max-concurrent-requests
 
     def _capacity(self) -> Capacity:
         if self.cap is None or self.tokenizer is None:
@@ -90,6 +92,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if self.draining:
                 raise draining_error("gateway", "new requests are refused; send them to another gateway")
             tokens, sampling = self.admit(request)
+            self.concurrency.enter(self.active)  # after admission: a request that can never fit is not told to retry
             tried: set[str] = set()
             for attempt in range(2):
                 # a retryable failure before the first token is retried once, on another pair, as a new request
@@ -219,5 +222,5 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             err = from_rpc_error(e)
             if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None:
                 raise deadline_exceeded(deadline, f"decode {decode.target} {when}: {err.message}") from None
-            raise PdError(err.code, err.reason, f"decode {decode.target}: {err.message}") from None
+            raise err.prefixed(f"decode {decode.target}") from None
         return None if r is grpc.aio.EOF else r

@@ -25,24 +25,23 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
             raise ApiError(400, "bad_content_length", f"Content-Length {length[:40]!r} is not a number")
         if int(length) > max_bytes:
             raise ApiError(413, "body_too_large", f"body of {int(length)} bytes; the limit is {max_bytes}")
-    chunks, size = [], 0
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    stream = request.stream().__aiter__()
-    while True:
-        try:
-            chunk = await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - loop.time()))
-        except StopAsyncIteration:
-            break
-        except ClientDisconnect:
-            raise ClientGone(f"the client left after {size} bytes of its body") from None
-        except asyncio.TimeoutError:
-            raise ApiError(408, "body_timeout", f"body not received within {timeout_s:g}s "
-                                                f"({size} bytes by then)") from None
-        size += len(chunk)
-        if size > max_bytes:
-            raise ApiError(413, "body_too_large", f"body over {max_bytes} bytes (limit)")
-        chunks.append(chunk)
+    chunks: list[bytes] = []
+
+    async def read() -> None:
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise ApiError(413, "body_too_large", f"body over {max_bytes} bytes (limit)")
+            chunks.append(chunk)
+
+    try:  # one bound on the whole body (a wait_for per chunk made a task per chunk)
+        await asyncio.wait_for(read(), timeout_s)
+    except ClientDisconnect:
+        raise ClientGone(f"the client left after {sum(map(len, chunks))} bytes of its body") from None
+    except asyncio.TimeoutError:
+        raise ApiError(408, "body_timeout", f"body not received within {timeout_s:g}s "
+                                            f"({sum(map(len, chunks))} bytes by then)") from None
     return b"".join(chunks)
 
 

@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from ...engine.chat import ChatTemplateError
+from ..admit import encode_prompt
 from .body import parse, read_body
 from .errors import ApiError
 from .generation import Output, build, collect
@@ -49,7 +50,9 @@ def prompt_ids(front, body: ChatRequest) -> list[int]:
                                      tools=body.tools, **(body.chat_template_kwargs or {}))
     except ChatTemplateError as e:
         raise ApiError(400, "chat_template_error", str(e), param="messages") from None
-    return front.servicer.tokenizer.encode(text)
+    # unset, max_tokens defaults to what the context leaves (at least 1): a prompt that cannot fit with 1 fits with none
+    least = body.max_completion_tokens or body.max_tokens or 1
+    return encode_prompt(front.servicer.tokenizer, text, least, front.servicer.cap)
 
 
 async def handle(front, request: Request) -> Response:

@@ -10,6 +10,7 @@ import uuid
 from fastapi import Request
 from fastapi.responses import Response
 
+from ..admit import check_length_bound
 from .body import parse, read_body
 from .errors import ApiError
 from .generation import Output, build, collect
@@ -90,17 +91,19 @@ async def handle(front, request: Request) -> Response:
     if len(prompts) * body.n > MAX_CHOICES:
         raise ApiError(400, "too_many_choices", f"{len(prompts)} prompts x n {body.n} = {len(prompts) * body.n} "
                                                 f"choices; the limit is {MAX_CHOICES}", param="n")
-    log.info("http request %s: completion, %d prompt(s) x %d choice(s)%s", rid, len(prompts), body.n,
-             f", user {body.user!r}" if body.user else "")
+    max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
+    for p in prompts:  # generate() checks it again; here an over-long flood is refused before any call is built
+        if isinstance(p, str):
+            check_length_bound(front.servicer.tokenizer, p, max_tokens, front.servicer.cap)
     prompt_logprobs = body.logprobs if body.echo else None
-    reqs = [build(body, p, body.max_tokens or DEFAULT_MAX_TOKENS, i, body.logprobs, prompt_logprobs)
-            for p in prompts for i in range(body.n)]
+    reqs = [build(body, p, max_tokens, i, body.logprobs, prompt_logprobs) for p in prompts for i in range(body.n)]
     state = Choices(front, body, prompts)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": front.model}
     if body.stream:
         with_usage = body.stream_options is not None and body.stream_options.include_usage
         gen, first = await open_stream(front.servicer, reqs, request, rid)
+        admitted(rid, prompts, body)
 
         def chunks(i, r):
             o = Output()
@@ -112,4 +115,12 @@ async def handle(front, request: Request) -> Response:
                 yield {**head, "choices": [], "usage": state.usage()}
         return event_stream(gen, first, chunks, tail, rid)
     outs = await collect(front.servicer, reqs, request, rid)
+    admitted(rid, prompts, body)
     return {**head, "choices": [state.choice(i, o) for i, o in enumerate(outs)], "usage": state.usage()}
+
+
+def admitted(rid: str, prompts: list, body: CompletionRequest) -> None:
+    """Logged once admitted (streamed: at the first message; else at the end), not on arrival: a flood of refused
+    requests must not cost a log line each."""
+    log.info("http request %s: completion, %d prompt(s) x %d choice(s)%s", rid, len(prompts), body.n,
+             f", user {body.user!r}" if body.user else "")

@@ -1,14 +1,19 @@
 """The OpenAI error object ({message, type, param, code}) and the statuses that make the official client
 retry only what is transient: 429/503 carry Retry-After, a 500 that a retry cannot fix carries
-x-should-retry: false (openai-python's `_should_retry` obeys that header before it looks at the status)."""
+x-should-retry: false (openai-python's `_should_retry` obeys that header before it looks at the status).
+
+Retry-After is the error's own estimate (PdError.retry_after_s, from the gateway's concurrency limit or a backend's
+RetryInfo) rounded up to whole seconds, at least 1; an error without an estimate (no backend, draining) says 1."""
 from __future__ import annotations
+
+import math
 
 import grpc
 from fastapi.responses import JSONResponse
 
 from ...common.errors import PdError
 
-RETRY_AFTER_S = "1"
+MIN_RETRY_AFTER_S = 1
 STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.FAILED_PRECONDITION: 400,
           grpc.StatusCode.OUT_OF_RANGE: 400, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.CANCELLED: 499,
           grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
@@ -18,6 +23,11 @@ BY_REASON = {"OVERLOADED": 429}
 TYPES = {401: "authentication_error", 429: "rate_limit_error"}
 NO_RETRY = {grpc.StatusCode.DATA_LOSS, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
             grpc.StatusCode.UNIMPLEMENTED}
+
+
+def retry_after(seconds: float | None) -> int:
+    """Whole seconds for Retry-After: the estimate rounded up, never under MIN_RETRY_AFTER_S."""
+    return max(MIN_RETRY_AFTER_S, math.ceil(seconds or 0))
 
 
 class ApiError(Exception):
@@ -34,7 +44,7 @@ class ApiError(Exception):
         status = BY_REASON.get(e.reason, STATUS.get(e.code, 500))
         headers = {}
         if status in (429, 503):
-            headers["Retry-After"] = RETRY_AFTER_S
+            headers["Retry-After"] = str(retry_after(e.retry_after_s))
         if e.code in NO_RETRY:
             headers["x-should-retry"] = "false"
         return cls(status, e.reason.lower(), f"{e.code.name} {e.reason}: {e.message}", headers=headers)

@@ -50,6 +50,9 @@ def test_waiters_are_granted_in_arrival_order_when_pages_are_freed_without_polli
         pool.give_back(4)
         await asyncio.gather(*tasks)
         assert pool.order == [b"big", b"s1", b"s2"] and pool.free == 0 and not pool._queue
+        # three got pages within the last 10 s: the one after the next two in line waits about (2 + 1) / 0.3 s
+        pool._queue.extend([object(), object()])
+        assert pool.retry_after_s() == pytest.approx(10.0)
     asyncio.run(main())
 
 
@@ -64,6 +67,7 @@ def test_a_full_queue_refuses_at_once_and_a_long_wait_ends_with_queue_timeout():
         return full.value, results, pool
     full, results, pool = asyncio.run(main())
     assert full.code == grpc.StatusCode.RESOURCE_EXHAUSTED and full.reason == "OVERLOADED"
+    assert full.retry_after_s == 0.2  # nobody got pages lately: the queue timeout
     assert "2 requests already wait" in full.message and "limit 2" in full.message
     assert [(e.code, e.reason) for e in results] == [(grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_TIMEOUT")] * 2
     assert not pool._queue  # every waiter left the queue
