@@ -127,12 +127,16 @@ class DecodeServicer(BrokerWatch, RunStream, decode_pb2_grpc.DecodeServicer):
         # held from before the Grant is sent: a KeepAlive racing the reply must not have it revoked
         self.pending_grants.add(owner)
         pool_id = self.pool_id  # a move while the Grant is in flight must not relabel its leases
+        rpc = asyncio.ensure_future(call(self.broker.Grant(broker_pb2.GrantRequest(
+            pool_id=pool_id, owner=owner, num_pages=need, epoch=self.epoch),
+            timeout=timeout_within(deadline, self.rpc_timeout_s, "before broker Grant")), "broker Grant"))
         try:
             with GUARD_SECONDS.labels("grant_rpc").time():
-                resp = await call(self.broker.Grant(broker_pb2.GrantRequest(
-                    pool_id=pool_id, owner=owner, num_pages=need, epoch=self.epoch),
-                    timeout=timeout_within(deadline, self.rpc_timeout_s, "before broker Grant")),
-                    "broker Grant")
+                resp = await asyncio.shield(rpc)
+        except asyncio.CancelledError:
+            # the caller left while the Grant was in flight: once it answers, its leases go straight back
+            rpc.add_done_callback(lambda t: self._abandoned_grant(owner, t))
+            raise
         except PdError as e:
             self.pending_grants.discard(owner)
             if e.reason not in ("EPOCH_MISMATCH", "UNKNOWN_POOL", "POOL_FENCED"):
@@ -148,6 +152,12 @@ class DecodeServicer(BrokerWatch, RunStream, decode_pb2_grpc.DecodeServicer):
         alloc = self.allocations[owner] = Allocation(resp.epoch, leases, num_prompt_tokens, max_tokens,
                                                      time.monotonic() + self.allocation_timeout_s, pool_id)
         return alloc
+
+    def _abandoned_grant(self, owner: bytes, rpc: asyncio.Future) -> None:
+        self.pending_grants.discard(owner)
+        if not rpc.cancelled() and rpc.exception() is None:
+            resp = rpc.result()
+            spawn(self._release(owner, resp.epoch, leases_from_pb(resp.leases)))
 
     async def Release(self, request, context) -> decode_pb2.DecodeReleaseResponse:
         alloc = self.allocations.pop(request.request_id, None)
