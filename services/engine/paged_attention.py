@@ -22,21 +22,22 @@ MIN_SPLIT_GAP = 16  # unused pages worth a separate call rather than a wasted sl
 @dataclass(slots=True)
 class PagedDecode:
     """Where a decode step's pages are, computed once per step and read by every layer."""
-    num_seqs: int
     runs: list[tuple[int, int, int]]  # (first page, end page, first row): rows row..row+end-first are those pages
-    owner: torch.Tensor               # [R + B] int64: sequence of each row, num_seqs for nobody; rows R.. are tails
+    owner: torch.Tensor               # [R + B] int64: sequence of each row, B for nobody; rows R.. are the tails
     query: torch.Tensor               # [R + B] int64: the query row each page is scored with (owner, clamped)
     tail_pages: torch.Tensor          # [B] int64: each sequence's last page
     tail_valid: torch.Tensor          # [B, 1, page_size, 1, 1] bool: its slots up to the new token
-    masked: torch.Tensor              # [R + B, heads, page_size * kv_heads] bool: scores that do not count
+    # scores that count: bias 0 and keep 1; the others: bias -1e30 and keep 0 (floats: on CPU a bool-masked
+    # fill takes ~8x an add); [R + B, heads, page_size * kv_heads] float32 both
+    bias: torch.Tensor
+    keep: torch.Tensor
 
 
 def _runs(pages: torch.Tensor) -> list[tuple[int, int]]:
     """Covers sorted distinct page ids with at most MAX_RUNS ranges, split where the most ids lie unused."""
     gaps = pages[1:] - pages[:-1] - 1
-    k = min(MAX_RUNS - 1, gaps.numel())
-    top = torch.topk(gaps, k) if k else None
-    cuts = sorted(i + 1 for g, i in zip(top.values.tolist(), top.indices.tolist()) if g >= MIN_SPLIT_GAP) if k else []
+    top = torch.topk(gaps, min(MAX_RUNS - 1, gaps.numel()))
+    cuts = sorted(i + 1 for g, i in zip(top.values.tolist(), top.indices.tolist()) if g >= MIN_SPLIT_GAP)
     bounds = [0, *cuts, pages.numel()]
     ids = pages.tolist()
     return [(ids[a], ids[b - 1] + 1) for a, b in zip(bounds, bounds[1:])]
@@ -56,7 +57,7 @@ def prepare_paged_decode(table: torch.Tensor, positions: torch.Tensor, page_size
         raise ValueError("a page appears twice among the sequences' full pages of one decode step: "
                          f"{pages.numel()} pages, {pages.unique().numel()} distinct")
     runs, row, owner = [], 0, []
-    for lo, hi in (_runs(pages) if pages.numel() else []):
+    for lo, hi in _runs(pages) if pages.numel() else []:
         rows = torch.full((hi - lo,), B, dtype=torch.int64, device=dev)
         inside = (pages >= lo) & (pages < hi)
         rows[pages[inside] - lo] = owners[inside]
@@ -66,12 +67,12 @@ def prepare_paged_decode(table: torch.Tensor, positions: torch.Tensor, page_size
     owner = torch.cat([*owner, torch.arange(B, device=dev)])
     slot = torch.arange(page_size, device=dev)
     tail_valid = slot[None, :] <= (positions % page_size)[:, None]                      # [B, ps]
-    slot_valid = torch.cat([(owner[:row] < B)[:, None].expand(row, page_size), tail_valid])  # [R + B, ps]
+    slot_keep = torch.cat([(owner[:row] < B)[:, None].expand(row, page_size), tail_valid]).float()  # [R + B, ps]
     group = num_heads // num_kv_heads
-    other_head = torch.arange(num_heads, device=dev)[:, None] // group != torch.arange(num_kv_heads, device=dev)
-    masked = ~slot_valid[:, None, :, None] | other_head[None, :, None, :]  # [R + B, H, ps, kvh]
-    return PagedDecode(B, runs, owner, owner.clamp(max=B - 1), tail_pages, tail_valid[:, None, :, None, None],
-                       masked.view(row + B, num_heads, page_size * num_kv_heads))
+    head_keep = (torch.arange(num_heads, device=dev)[:, None] // group == torch.arange(num_kv_heads, device=dev)).float()
+    keep = (slot_keep[:, None, :, None] * head_keep[None, :, None, :]).view(row + B, num_heads, -1)  # [.., H, ps, kvh]
+    return PagedDecode(runs, owner, owner.clamp(max=B - 1), tail_pages, tail_valid[:, None, :, None, None],
+                       (keep - 1) * 1e30, keep)
 
 
 def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, pd: PagedDecode) -> torch.Tensor:
@@ -89,14 +90,14 @@ def paged_decode_attention(q: torch.Tensor, cache: torch.Tensor, pd: PagedDecode
         torch.bmm(qs[row:row + hi - lo], cache[lo:hi, 0].view(hi - lo, ps * kvh, D).transpose(1, 2),
                   out=scores[row:row + hi - lo])
     torch.bmm(qs[R:], tail[:, 0].view(B, ps * kvh, D).transpose(1, 2), out=scores[R:])
-    # replaced, not added to: a stale K can make a masked score inf or NaN
-    scores = scores.float().masked_fill_(pd.masked, float("-inf"))
+    # added, not replaced: every stale K is in a tail (zeroed above) or in nobody's rows (dropped)
+    scores = scores.float() + pd.bias
     owner_h = pd.owner[:, None].expand(-1, H)
     peak = torch.full((B + 1, H), float("-inf"), device=q.device).scatter_reduce_(0, owner_h, scores.amax(2), "amax")
-    peak[B] = 0  # nobody's rows have no valid score: -inf - -inf would be NaN
     # exp of an input below -87 (a float32 underflow, or -inf) takes ~100x longer on x86 CPUs, and a weight
-    # below e^-80 is nothing next to the peak's 1: clamped, then the masked weights are made exactly 0
-    w = (scores - peak[pd.owner][:, :, None]).clamp_(min=-80.0).exp_().masked_fill_(pd.masked, 0.0)
+    # below e^-80 is nothing next to the peak's 1: clamped, then the masked weights are made exactly 0 (a NaN
+    # stays NaN, but only nobody's rows, summed into the dropped row B, can hold one)
+    w = (scores - peak[pd.owner][:, :, None]).clamp_(min=-80.0).exp_().mul_(pd.keep)
     total = torch.zeros(B + 1, H, device=q.device).index_add_(0, pd.owner, w.sum(2))
     w = w.to(cache.dtype)
     parts = torch.empty(R + B, H, D, dtype=cache.dtype, device=q.device)
