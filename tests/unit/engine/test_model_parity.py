@@ -97,12 +97,11 @@ def test_mixed_lengths_over_stale_pages_equal_prefill(runner):
         tables.append(ids[:-(-n // 16) + 2])
         ids = ids[len(tables[-1]):]
     seqs = [_prompt(n, 2000 + n) for n in lengths]
-    alone = [runner.prefill(s, t)[0] for s, t in zip(seqs, tables)]
     runner.pool.kv[:64] = float("nan")
     runner.pool.kv[64:] = float("inf")
-    for s, t in zip(seqs, tables):
-        if len(s) > 1:
-            runner.prefill(s[:-1], t)
+    alone = [runner.prefill(s, t)[0] for s, t in zip(seqs, tables)]  # also writes the contexts' K/V
+    for n, t in zip(lengths, tables):
+        runner.pool.kv[t[(n - 1) // 16], :, :, (n - 1) % 16] = float("nan")  # the step must write its own
     batch = runner.decode([s[-1] for s in seqs], [n - 1 for n in lengths], tables)
     runner.pool.kv.zero_()
     assert torch.isfinite(batch).all()

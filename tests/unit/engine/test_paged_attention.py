@@ -3,7 +3,7 @@ test_model_parity.py)."""
 import pytest
 import torch
 
-from pdserve.engine.paged_attention import MAX_RUNS, prepare_paged_decode
+from pdserve.engine.paged_attention import MAX_RUNS, paged_decode_attention, prepare_paged_decode
 
 PS = 16
 
@@ -31,3 +31,22 @@ def test_page_in_two_sequences_is_refused():
     table = torch.tensor([[3, 4, 5], [7, 4, 8]])
     with pytest.raises(ValueError, match="appears twice"):
         prepare_paged_decode(table, torch.tensor([40, 40]), PS, 4, 8)
+
+
+def test_other_heads_scores_do_not_shift_the_softmax():
+    """Each page is scored against every KV head at once; a huge score against another group's KV head must
+    not act as the softmax's peak (the real weights would all underflow), so outputs equal plain attention."""
+    ps, kvh, g, D = 4, 2, 2, 8
+    gen = torch.Generator().manual_seed(0)
+    cache = torch.randn(12, 2, ps, kvh, D, generator=gen)
+    cache[:, 0, :, 1] = 50.0                 # KV head 1's keys
+    q = torch.randn(2, kvh * g, D, generator=gen)
+    q[:, :g] = 50.0                          # group 0's queries: ~7000 against KV head 1, ~O(1) against their own
+    tables, positions = [[3, 4, 5, 9], [7, 2, 8, 0]], [13, 9]
+    pd = prepare_paged_decode(torch.tensor(tables), torch.tensor(positions), ps, kvh, kvh * g)
+    out = paged_decode_attention(q, cache, pd)
+    for b, (t, n) in enumerate(zip(tables, positions)):
+        kv = cache[t].transpose(0, 1).reshape(2, -1, kvh, D)[:, :n + 1]  # [2, n+1, kvh, D]
+        for h in range(kvh * g):
+            w = torch.softmax(kv[0, :, h // g] @ q[b, h] * D ** -0.5, 0)
+            assert (out[b, h] - w @ kv[1, :, h // g]).abs().max().item() < 1e-4, f"sequence {b} head {h}"
