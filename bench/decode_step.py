@@ -50,8 +50,9 @@ def read_bandwidth(device: torch.device) -> float:
 def weight_bytes(model: torch.nn.Module, batch: int) -> int:
     emb = model.model.embed_tokens.weight
     read = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters() if p is not emb}
-    tied = model.lm_head.weight.data_ptr() == emb.data_ptr()
-    return sum(read.values()) + (0 if tied else batch * emb.shape[1] * emb.element_size())
+    # a tied lm_head reads the whole table; otherwise the step reads its B rows of it
+    rows = emb.shape[0] if model.lm_head.weight.data_ptr() == emb.data_ptr() else batch
+    return sum(read.values()) + rows * emb.shape[1] * emb.element_size()
 
 
 def _best_pair_ms(step, reps: int, device: torch.device) -> tuple[float, float]:
