@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .paged_attention import PagedDecode
+
 
 @dataclass(slots=True)
 class AttentionContext:
@@ -15,11 +17,8 @@ class AttentionContext:
     # token i of the flattened batch is written to pool page slot_pages[i], offset slot_offsets[i]
     slot_pages: torch.Tensor      # [T] int64
     slot_offsets: torch.Tensor    # [T] int64
-    # decode only: pages each sequence reads, padded with page 0 (masked out by attn_mask)
-    page_tables: torch.Tensor | None = None   # [B, P] int64
-    attn_mask: torch.Tensor | None = None     # [B, 1, 1, P*page_size] bool, True = attend
-    # decode only: (sequence, slot) index pairs of the masked slots (~attn_mask), the same for every layer
-    hidden_slots: tuple[torch.Tensor, torch.Tensor] | None = None
+    # decode only: where each sequence's pages lie in the pool, computed once per step for every layer
+    paged: PagedDecode | None = None
 
 
 _CONTEXT: AttentionContext | None = None

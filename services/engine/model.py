@@ -13,6 +13,7 @@ from torch import nn
 from .config import ModelConfig
 from .context import get_context
 from .moe import SparseMoeBlock
+from .paged_attention import paged_decode_attention
 from .rope import RotaryEmbedding, apply_rope
 
 
@@ -68,24 +69,7 @@ class LlamaAttention(nn.Module):
                 q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                 is_causal=True, enable_gqa=True)[0].transpose(0, 1)
         else:
-            # one new token per sequence: read every page of the sequence from the pool
-            B, kvh, g, D = ctx.page_tables.shape[0], self.num_kv_heads, self.num_queries_per_kv, self.head_dim
-            ks = cache[ctx.page_tables, 0].view(B, -1, kvh * D)  # [B, S, kvh*D], a contiguous copy
-            vs = cache[ctx.page_tables, 1].view(B, -1, kvh * D)
-            S = ks.shape[1]
-            # masked slots still hold whatever the page held before (pages are never zeroed, and padding
-            # points at page 0): a weight of 0 times an inf or NaN there is NaN, so those V rows are zeroed.
-            # K needs nothing: its masked scores are replaced below, not added to.
-            vs[ctx.hidden_slots] = 0
-            # Every query head against every KV head of its sequence in one batched matmul, then the
-            # diagonal blocks where the heads match: kvh times the (few) FLOPs of one token's attention,
-            # but K and V are used as gathered, with no head-major copy of them per layer.
-            scores = torch.bmm(q.view(B, kvh * g, D), ks.view(B, S * kvh, D).transpose(1, 2))
-            scores = scores.view(B, kvh, g, S, kvh).diagonal(dim1=1, dim2=4)  # [B, g, S, kvh]
-            scores = (scores * D ** -0.5).masked_fill_(~ctx.attn_mask.view(B, 1, S, 1), float("-inf"))
-            w = torch.softmax(scores, dim=2).permute(0, 3, 1, 2).reshape(B, kvh * g, S).to(vs.dtype)
-            o = torch.bmm(w, vs).view(B, kvh, g, kvh, D).diagonal(dim1=1, dim2=3)  # [B, g, D, kvh]
-            o = o.permute(0, 3, 1, 2).to(q.dtype)  # [B, kvh, g, D]: query head h*g + i
+            o = paged_decode_attention(q, cache, ctx.paged)  # one new token per sequence
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
 
 

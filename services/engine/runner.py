@@ -9,6 +9,7 @@ import torch
 from .context import AttentionContext, reset_context, set_context
 from .kv_pool import DTYPES, KVPool, PoolLayout
 from .loader import load_model
+from .paged_attention import prepare_paged_decode
 
 
 def set_threads(n: int = 0, switch_interval_ms: float | None = None) -> None:
@@ -72,16 +73,17 @@ class ModelRunner:
         ps = self.page_size
         B = len(token_ids)
         self._check_window(max(positions))
-        max_pages = max(len(t) for t in page_tables)
-        table = torch.zeros((B, max_pages), dtype=torch.int64)
+        short = [(b, len(t), p) for b, (t, p) in enumerate(zip(page_tables, positions)) if len(t) <= p // ps]
+        if short:
+            b, n, p = short[0]
+            raise ValueError(f"sequence {b}: {n} pages of {ps} tokens cannot hold position {p}")
+        table = torch.zeros((B, max(len(t) for t in page_tables)), dtype=torch.int64)
         for b, t in enumerate(page_tables):
             table[b, :len(t)] = torch.tensor(t, dtype=torch.int64)
-        table = table.to(self.device)
-        pos = self._tensor(positions)
-        slot_pages = table[torch.arange(B, device=self.device), pos // ps]
-        mask = torch.arange(max_pages * ps, device=self.device)[None, :] <= pos[:, None]
-        set_context(AttentionContext(False, slot_pages, pos % ps, table, mask[:, None, None, :],
-                                     (~mask).nonzero(as_tuple=True)))
+        table, pos = table.to(self.device), self._tensor(positions)
+        paged = prepare_paged_decode(table, pos, ps, self.config.num_key_value_heads,
+                                     self.config.num_attention_heads)
+        set_context(AttentionContext(False, paged.tail_pages, pos % ps, paged=paged))
         try:
             hidden = self.model(self._tensor(token_ids), pos)
         finally:

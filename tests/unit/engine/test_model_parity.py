@@ -81,3 +81,29 @@ def test_garbage_in_masked_slots_does_not_change_decode(runner):
     assert torch.isfinite(batch).all()
     assert (batch[0] - clean).abs().max().item() < 1e-4
     runner.pool.kv[0] = 0
+
+
+@torch.inference_mode()
+def test_mixed_lengths_over_stale_pages_equal_prefill(runner):
+    """A 1-token and a 1000-token context and others in one step, over shuffled pages with a gap of 19 unused
+    ids (two runs of pages, each with ids nobody in the batch reads), two not-yet-reached pages past each
+    table's end, and NaN or inf in every page and slot the step must not read: each sequence's logits equal a
+    full prefill of it alone."""
+    lengths = [1, 2, 1000, 17, 32, 300]
+    ids = list(range(1, 41)) + list(range(60, 128))
+    random.Random(3).shuffle(ids)
+    tables = []
+    for n in lengths:
+        tables.append(ids[:-(-n // 16) + 2])
+        ids = ids[len(tables[-1]):]
+    seqs = [_prompt(n, 2000 + n) for n in lengths]
+    runner.pool.kv[:64] = float("nan")
+    runner.pool.kv[64:] = float("inf")
+    alone = [runner.prefill(s, t)[0] for s, t in zip(seqs, tables)]  # also writes the contexts' K/V
+    for n, t in zip(lengths, tables):
+        runner.pool.kv[t[(n - 1) // 16], :, :, (n - 1) % 16] = float("nan")  # the step must write its own
+    batch = runner.decode([s[-1] for s in seqs], [n - 1 for n in lengths], tables)
+    runner.pool.kv.zero_()
+    assert torch.isfinite(batch).all()
+    for b, ref in enumerate(alone):
+        assert (batch[b] - ref).abs().max().item() < 1e-4, f"sequence {b} ({lengths[b]} tokens)"

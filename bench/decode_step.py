@@ -1,0 +1,173 @@
+"""One decode step against its memory-bandwidth floor, before (the padded per-layer gather) and after (pages
+read in place), side by side in one process: `python -m pdserve.bench.decode_step`.
+
+floor = (bytes of weights read per step + bytes of KV read per step) / read bandwidth, the bandwidth measured
+in the same run as the best of BW_REPS `torch.sum` passes over a BW_BYTES float32 tensor, with the thread
+count the step runs with. The weights are every parameter but the embedding table (of which a step reads B
+rows); the KV is what the B sequences attend: (position + 1) tokens each. The pool is filled with random
+values, not a prefill (the step's cost does not depend on them), and each sequence's pages are granted
+lowest id first, as the broker grants them. Times are the best of --reps steps, before and after interleaved:
+on a shared machine other work only adds, so the best is the closest to the code's own cost; the run prints
+the load average.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+
+import torch
+
+from pdserve.engine.config import ModelConfig
+from pdserve.engine.kv_pool import PoolLayout
+
+from .decode_step_legacy import legacy_decode
+from .run_common import MODELS, RESULTS, ensure_model
+
+BW_BYTES, BW_REPS = 1 << 30, 5
+PAGE_SIZE = 16
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def read_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a streaming read far larger than the last-level cache."""
+    x = torch.ones(BW_BYTES // 4, device=device)
+    best = float("inf")
+    for _ in range(BW_REPS):
+        _sync(device)
+        t0 = time.perf_counter()
+        x.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return BW_BYTES / best
+
+
+def weight_bytes(model: torch.nn.Module, batch: int) -> int:
+    emb = model.model.embed_tokens.weight
+    read = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters() if p is not emb}
+    # a tied lm_head reads the whole table; otherwise the step reads its B rows of it
+    rows = emb.shape[0] if model.lm_head.weight.data_ptr() == emb.data_ptr() else batch
+    return sum(read.values()) + rows * emb.shape[1] * emb.element_size()
+
+
+def _best_pair_ms(step, reps: int, device: torch.device) -> tuple[float, float]:
+    """Best step time before and after, interleaved (before, after, before, ...) so load hits both alike."""
+    best = [float("inf"), float("inf")]
+    for i in range(reps + 1):  # the first pair warms up the allocator and first-touches the pages
+        for k in (0, 1):
+            with legacy_decode() if k == 0 else contextlib.nullcontext():
+                _sync(device)
+                t0 = time.perf_counter()
+                step()
+                _sync(device)
+                best[k] = min(best[k], time.perf_counter() - t0) if i else best[k]
+    return best[0] * 1e3, best[1] * 1e3
+
+
+def _runner(path: str, num_pages: int, device: torch.device):
+    from pdserve.engine.runner import ModelRunner
+
+    runner = ModelRunner(path, num_pages=num_pages, page_size=PAGE_SIZE, device=device)
+    runner.pool.kv.normal_(0, 0.5)
+    return runner
+
+
+def measure(preset: str, batches: list[int], contexts: list[int], reps: int, bw: float, max_pool_gib: float,
+            device: torch.device) -> list[dict]:
+    path = ensure_model(preset)
+    cfg = ModelConfig.from_dir(path)
+    page_nbytes = PoolLayout.for_model(cfg, PAGE_SIZE, "float32").page_nbytes
+    rows = []
+    for ctx in contexts:
+        pages_per_seq = -(-ctx // PAGE_SIZE)
+        for batch in batches:
+            need = batch * pages_per_seq * page_nbytes
+            if need > max_pool_gib * (1 << 30):
+                rows.append(dict(preset=preset, batch=batch, context=ctx, skipped=f"KV {need / (1 << 30):.1f} GiB "
+                                 f"over --max-pool-gib {max_pool_gib:g}"))
+                continue
+            runner = _runner(path, batch * pages_per_seq, device)
+            tables = [list(range(b * pages_per_seq, (b + 1) * pages_per_seq)) for b in range(batch)]
+            args = ([5] * batch, [ctx - 1] * batch, tables)
+            kv = batch * ctx * page_nbytes // PAGE_SIZE
+            w = weight_bytes(runner.model, batch)
+            before, after = _best_pair_ms(lambda: runner.decode(*args), reps, device)
+            rows.append(dict(preset=preset, batch=batch, context=ctx, weight_mb=w / 1e6, kv_mb=kv / 1e6,
+                             floor_ms=(w + kv) / bw * 1e3, before_ms=before, after_ms=after))
+            print(_row(rows[-1]), flush=True)
+            del runner
+    return rows
+
+
+def _row(r: dict) -> str:
+    if "skipped" in r:
+        return f"| {r['preset']} | {r['batch']} | {r['context']} | skipped: {r['skipped']} | | | | | | |"
+    return (f"| {r['preset']} | {r['batch']} | {r['context']} | {r['weight_mb']:.1f} | {r['kv_mb']:.1f} | "
+            f"{r['floor_ms']:.2f} | {r['before_ms']:.2f} | {r['after_ms']:.2f} | "
+            f"{r['before_ms'] / r['floor_ms']:.1f}× | {r['after_ms'] / r['floor_ms']:.1f}× |")
+
+
+HEADER = ("| preset | batch | context | weights MB | KV MB | floor ms | before ms | after ms | before / floor "
+          "| after / floor |\n|---|---|---|---|---|---|---|---|---|---|")
+
+
+def profile_step(preset: str, batch: int, ctx: int, device: torch.device, top: int = 15) -> str:
+    """torch.profiler's top ops of the new step: what dominates where the floor is not reached."""
+    from torch.profiler import ProfilerActivity, profile
+
+    pages_per_seq = -(-ctx // PAGE_SIZE)
+    runner = _runner(ensure_model(preset), batch * pages_per_seq, device)
+    tables = [list(range(b * pages_per_seq, (b + 1) * pages_per_seq)) for b in range(batch)]
+    runner.decode([5] * batch, [ctx - 1] * batch, tables)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                 ) as prof:
+        for _ in range(5):
+            runner.decode([5] * batch, [ctx - 1] * batch, tables)
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m pdserve.bench.decode_step")
+    ap.add_argument("--presets", default="tiny,small" if os.path.isdir(os.path.join(MODELS, "pdserve-small"))
+                    else "tiny", help="checkpoints (small is written to bench/.models on first use)")
+    ap.add_argument("--batches", default="1,4,16,64")
+    ap.add_argument("--contexts", default="128,1024,4064")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=0, help="intra-op threads; 0: what a service takes (half the cores)")
+    ap.add_argument("--max-pool-gib", type=float, default=4.0, help="cells whose KV is larger are skipped")
+    ap.add_argument("--profile", default="tiny,16,1024", help="preset,batch,context to profile; '' for none")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU host (bench/gpu.sh)")
+    ap.add_argument("--out", default="", help=f"also write the report to this file (e.g. {RESULTS}/decode-step.md)")
+    args = ap.parse_args(argv)
+    from pdserve.engine.runner import set_threads
+
+    set_threads(args.threads)
+    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+    device = torch.device(args.device)
+    bw = read_bandwidth(device)
+    lines = [f"# Decode step against its memory-bandwidth floor\n",
+             f"device {device}, threads {torch.get_num_threads()}, read bandwidth {bw / 1e9:.1f} GB/s (best of {BW_REPS} sums over "
+             f"{BW_BYTES >> 20} MiB), load average before {os.getloadavg()[0]:.1f}, best of {args.reps} steps\n",
+             HEADER]
+    print("\n".join(lines), flush=True)
+    for preset in args.presets.split(","):
+        lines += [_row(r) for r in measure(preset, ints(args.batches), ints(args.contexts), args.reps, bw,
+                                           args.max_pool_gib, device)]
+    lines.append(f"\nload average after {os.getloadavg()[0]:.1f}")
+    if args.profile:
+        preset, batch, ctx = args.profile.split(",")
+        lines += [f"\n## Top ops of the new step: {preset}, batch {batch}, context {ctx} (5 steps)\n", "```",
+                  profile_step(preset, int(batch), int(ctx), device), "```"]
+        print("\n".join(lines[-4:]))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
