@@ -13,6 +13,7 @@ the load average.
 from __future__ import annotations
 
 import argparse
+import json
 import contextlib
 import os
 import time
@@ -100,7 +101,7 @@ def measure(preset: str, batches: list[int], contexts: list[int], reps: int, bw:
             rows.append(dict(preset=preset, batch=batch, context=ctx, weight_mb=w / 1e6, kv_mb=kv / 1e6,
                              floor_ms=(w + kv) / bw * 1e3, before_ms=before, after_ms=after))
             print(_row(rows[-1]), flush=True)
-            del runner
+            runner = None  # its pool goes before the next cell's is allocated
     return rows
 
 
@@ -143,6 +144,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile", default="tiny,16,1024", help="preset,batch,context to profile; '' for none")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU host (bench/gpu.sh)")
     ap.add_argument("--out", default="", help=f"also write the report to this file (e.g. {RESULTS}/decode-step.md)")
+    ap.add_argument("--json", default="", help="also write the measured rows here: {preset, batch, context, step_ms "
+                                               "(the current step), before_ms, floor_ms, ratio}")
     args = ap.parse_args(argv)
     from pdserve.engine.runner import set_threads
 
@@ -150,14 +153,15 @@ def main(argv: list[str] | None = None) -> None:
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     device = torch.device(args.device)
     bw = read_bandwidth(device)
-    lines = [f"# Decode step against its memory-bandwidth floor\n",
+    lines = ["# Decode step against its memory-bandwidth floor\n",
              f"device {device}, threads {torch.get_num_threads()}, read bandwidth {bw / 1e9:.1f} GB/s (best of {BW_REPS} sums over "
              f"{BW_BYTES >> 20} MiB), load average before {os.getloadavg()[0]:.1f}, best of {args.reps} steps\n",
              HEADER]
     print("\n".join(lines), flush=True)
+    measured = []
     for preset in args.presets.split(","):
-        lines += [_row(r) for r in measure(preset, ints(args.batches), ints(args.contexts), args.reps, bw,
-                                           args.max_pool_gib, device)]
+        measured += measure(preset, ints(args.batches), ints(args.contexts), args.reps, bw, args.max_pool_gib, device)
+    lines += [_row(r) for r in measured]
     lines.append(f"\nload average after {os.getloadavg()[0]:.1f}")
     if args.profile:
         preset, batch, ctx = args.profile.split(",")
@@ -167,6 +171,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
+    if args.json:
+        rows = [dict(preset=r["preset"], batch=r["batch"], context=r["context"], step_ms=r["after_ms"],
+                     before_ms=r["before_ms"], floor_ms=r["floor_ms"], ratio=r["after_ms"] / r["floor_ms"])
+                for r in measured if "skipped" not in r]
+        with open(args.json, "w") as f:
+            json.dump({"bandwidth_gbps": bw / 1e9, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,10 @@ class DecodeStepStep:
             return
         path = os.path.join(RESULTS, f"decode-step-{self.plan.mode}.json")
         log("decode step against its memory-bandwidth floor (python -m pdserve.bench.decode_step) ...")
-        out = subprocess.run([sys.executable, "-m", "pdserve.bench.decode_step", "--json", path],
+        # quick: the target cell and its neighbours on the tiny checkpoint; full: every batch, context and preset
+        grid = ["--presets", "tiny", "--batches", "1,16", "--contexts", "128,1024", "--reps", "5"] \
+            if self.plan.mode == "quick" else []
+        out = subprocess.run([sys.executable, "-m", "pdserve.bench.decode_step", "--json", path, *grid],
                              capture_output=True, text=True, cwd=ROOT, timeout=900, stdin=subprocess.DEVNULL)
         if out.returncode != 0:
             raise RuntimeError(f"decode_step exited {out.returncode}: {out.stderr[-2000:]}")
