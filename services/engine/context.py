@@ -20,6 +20,11 @@ class AttentionContext:
     attn_mask: torch.Tensor | None = None     # [B, 1, 1, P*page_size] bool, True = attend
     # decode only: (sequence, slot) index pairs of the masked slots (~attn_mask), the same for every layer
     hidden_slots: tuple[torch.Tensor, torch.Tensor] | None = None
+    # prefill only: sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1] of the packed batch (no padding) and
+    # continues after prefix_lens[b] tokens already in the pool, on the pages prefix_pages[b]
+    cu_seqlens: list[int] | None = None
+    prefix_lens: list[int] | None = None
+    prefix_pages: list[torch.Tensor] | None = None  # [ceil(prefix_len / page_size)] int64 each
 
 
 _CONTEXT: AttentionContext | None = None
