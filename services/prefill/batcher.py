@@ -43,10 +43,11 @@ class Queued:
     started: bool = False  # planned into a pass: it holds pages and is no longer dropped
 
     def drop_reason(self, now: float) -> str | None:
-        if self.left is not None and self.left.is_set():
-            return "cancelled"
+        # first: gRPC cancels a call whose deadline passed, and that caller left because of its deadline
         if self.deadline is not None and now >= self.deadline:
             return "deadline"
+        if self.left is not None and self.left.is_set():
+            return "cancelled"
         return None
 
 
