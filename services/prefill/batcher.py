@@ -1,7 +1,7 @@
 """Prefill's queue: bounded, first in first out, packed into forward passes of at most max_batch_tokens tokens.
 
-A prompt longer than a pass runs in chunks; while other prompts wait, each of its chunks takes at most half a pass,
-so the prompts behind it get the other half of every pass instead of waiting for all of it. Work is dropped only
+A prompt longer than a pass runs in chunks; while a prompt that fits in half a pass waits, each of its chunks takes at
+most half a pass, so short prompts behind it get the other half of every pass instead of waiting for all of it. Work is dropped only
 before its first pass (its caller left, or its deadline passed): once a prompt's KV is being computed it runs to
 its end, since the write that follows must never stop half-way. Local pages are taken when a prompt's first pass
 is planned, so a queued prompt holds none; a head that does not fit waits, and nothing overtakes it.
@@ -88,6 +88,7 @@ class Batcher:
         except asyncio.CancelledError:
             item.left = item.left or asyncio.Event()
             item.left.set()
+            self._wake.set()
             item.future.add_done_callback(lambda f: f.exception())  # nobody else will read it
             if item.started:  # its pages are in a pass: the caller may free them only once it has ended
                 await asyncio.wait([item.future])
@@ -115,7 +116,6 @@ class Batcher:
             log.exception("prefill queue failed; failing the %d prompts in it", len(self._queue))
             for item in list(self._queue):
                 self._end(item, PdError(grpc.StatusCode.INTERNAL, "PREFILL_QUEUE_FAILED", f"prefill queue: {e}"))
-            raise
 
     def _plan(self, now: float) -> list[tuple[Queued, int, int]]:
         """The next pass, in queue order; drops every waiting prompt whose caller is gone, wherever it stands."""
@@ -134,12 +134,19 @@ class Batcher:
                 item.started = True
             rest = len(item.prompt.token_ids) - item.done
             n = min(rest, budget)
-            if rest > self.max_batch_tokens and len(self._queue) > 1:
+            if rest > self.max_batch_tokens and self._is_short_waiting(item):
                 n = min(n, max(1, self.max_batch_tokens // 2))
             batch.append((item, item.done, n))
             budget -= n
             full = budget == 0
         return batch
+
+    def _is_short_waiting(self, long: Queued) -> bool:
+        """Whether a prompt that fits in half a pass waits: only then is the long one slowed down for it (among
+        long prompts alone, first come first served finishes the first sooner and the rest no later)."""
+        half = self.max_batch_tokens // 2
+        return any(item is not long and not item.started and len(item.prompt.token_ids) <= half
+                   for item in self._queue)
 
     def _pass(self, batch: list[tuple[Queued, int, int]]) -> list:
         """In the model's thread. A prompt whose caller went away between planning and now is counted: the bench

@@ -66,7 +66,7 @@ def test_prompts_are_packed_in_order_and_the_last_one_chunked_to_the_budget():
     asyncio.run(main())
 
 
-def test_a_long_prompt_takes_half_a_pass_while_others_wait():
+def test_a_long_prompt_takes_half_a_pass_while_short_ones_wait():
     async def main():
         fwd = FakeForward()
         b = Batcher(fwd, PageAllocator(64), PS, max_batch_tokens=16)
@@ -74,6 +74,9 @@ def test_a_long_prompt_takes_half_a_pass_while_others_wait():
         await asyncio.gather(served(b, prompt(1, 40)), served(b, prompt(2, 4)), served(b, prompt(3, 4)))
         assert fwd.passes == [[(1, 0, 8), (2, 0, 4), (3, 0, 4)], [(1, 8, 16)], [(1, 24, 16)]]
         assert metric("pdserve_prefill_sequences_total") - before == 3  # a chunked prompt counts once
+        fwd.passes.clear()  # behind a long prompt only another long one: first come, first served, whole passes
+        await asyncio.gather(served(b, prompt(4, 40)), served(b, prompt(5, 20)))
+        assert fwd.passes == [[(4, 0, 16)], [(4, 16, 16)], [(4, 32, 8), (5, 0, 8)], [(5, 8, 12)]]
 
     asyncio.run(main())
 
