@@ -64,6 +64,7 @@ class Batcher:
         self._queue: deque[Queued] = deque()
         self._wake = asyncio.Event()  # pages were freed or a caller left
         self._task: asyncio.Task | None = None
+        OVERLOAD_REJECTIONS.labels("prefill", "queue_full")  # exported at 0 from start-up
 
     def wake(self) -> None:
         self._wake.set()
