@@ -1,10 +1,10 @@
 """Prefill's queue: bounded, first in first out, packed into forward passes of at most max_batch_tokens tokens.
 
-A prompt longer than a pass runs in chunks; while a prompt that fits in half a pass waits, each of its chunks takes at
-most half a pass, so short prompts behind it get the other half of every pass instead of waiting for all of it. Work is dropped only
-before its first pass (its caller left, or its deadline passed): once a prompt's KV is being computed it runs to
-its end, since the write that follows must never stop half-way. Local pages are taken when a prompt's first pass
-is planned, so a queued prompt holds none; a head that does not fit waits, and nothing overtakes it.
+A prompt longer than a pass runs in chunks; while a prompt that fits in half a pass waits, each of its chunks takes
+at most half a pass, so short prompts behind it get the other half of every pass instead of waiting for all of it.
+Work is dropped only before its first pass (its caller left, or its deadline passed): once a prompt's KV is being
+computed it runs to its end, since the write that follows must never stop half-way. Local pages are taken when a
+prompt's first pass is planned, so a queued prompt holds none; a head that does not fit waits, nothing overtakes it.
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
@@ -37,8 +37,8 @@ class Queued:
     prompt: Prompt
     num_pages: int
     deadline: float | None
-    left: asyncio.Event | None  # set when the caller's RPC is cancelled
     future: asyncio.Future
+    left: bool = False  # the caller's RPC was cancelled
     done: int = 0  # tokens whose KV is in the pool
     started: bool = False  # planned into a pass: it holds pages and is no longer dropped
 
@@ -46,7 +46,7 @@ class Queued:
         # first: gRPC cancels a call whose deadline passed, and that caller left because of its deadline
         if self.deadline is not None and now >= self.deadline:
             return "deadline"
-        if self.left is not None and self.left.is_set():
+        if self.left:
             return "cancelled"
         return None
 
@@ -69,27 +69,34 @@ class Batcher:
     def wake(self) -> None:
         self._wake.set()
 
-    async def run(self, prompt: Prompt, deadline: float | None = None, left: asyncio.Event | None = None) -> Forward:
-        """Queues the prompt and returns its Forward. Its local pages are in prompt.pages from its first pass on,
-        for the caller to free once it no longer needs them (also when this raises)."""
+    def submit(self, prompt: Prompt, deadline: float | None = None) -> Queued:
+        """Queues the prompt, or refuses it when the queue is full: before any lease call is made for it."""
         if len(self._queue) >= self.queue_limit:
             OVERLOAD_REJECTIONS.labels("prefill", "queue_full").inc()
             raise PdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "PREFILL_QUEUE_FULL",
                           f"the prefill queue holds {len(self._queue)} prompts, its limit (--prefill-queue-limit "
                           f"{self.queue_limit}); retry later or elsewhere")
-        item = Queued(prompt, pages_for(len(prompt.token_ids), self.page_size), deadline, left,
+        item = Queued(prompt, pages_for(len(prompt.token_ids), self.page_size), deadline,
                       asyncio.get_running_loop().create_future())
         self._queue.append(item)
         PREFILL_QUEUE.set(len(self._queue))
         self._wake.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop())
+        return item
+
+    def leave(self, item: Queued) -> None:
+        """The caller left: the prompt is dropped if its first pass has not started."""
+        item.left = True
+        self._wake.set()
+
+    async def result(self, item: Queued) -> Forward:
+        """The prompt's Forward. Its local pages are in prompt.pages from its first pass on, for the caller to free
+        once it no longer needs them (also when this raises)."""
         try:
             return await asyncio.shield(item.future)
         except asyncio.CancelledError:
-            item.left = item.left or asyncio.Event()
-            item.left.set()
-            self._wake.set()
+            self.leave(item)
             item.future.add_done_callback(lambda f: f.exception())  # nobody else will read it
             if item.started:  # its pages are in a pass: the caller may free them only once it has ended
                 await asyncio.wait([item.future])

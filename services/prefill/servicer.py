@@ -20,7 +20,7 @@ from ..common.tasks import spawn
 from ..common.wire import layout_to_pb, leases_from_pb, leases_to_pb, logprobs_to_pb, sampling_from_pb
 from ..engine.tags import TAG_NBYTES
 from ..kvtransfer.engine import TransferError
-from .batcher import Batcher
+from .batcher import Batcher, Queued
 from .worker import PrefillWorker, Progress, Prompt, Target
 from .writelease import WriteLeases
 
@@ -97,9 +97,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if self.draining:
             raise draining_error("prefill", "no new Prefill call is taken")
         leases = self._admit(request)
-        left = asyncio.Event()
-        work = asyncio.ensure_future(self._prefill(request, leases, None if context is None else deadline_of(context),
-                                                   left))
+        deadline = None if context is None else deadline_of(context)
+        queued = self.batcher.submit(Prompt(list(request.token_ids), sampling_from_pb(request.sampling),
+                                            request.prompt_logprobs if request.HasField("prompt_logprobs") else None),
+                                     deadline)
+        work = asyncio.ensure_future(self._prefill(request, leases, deadline, queued))
         self.in_flight.add(work)
         work.add_done_callback(self._work_done)
         # not cancelled with the caller (nor at the drain timeout): a write must not stop half-way or skip EndWrite;
@@ -108,8 +110,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         try:
             await asyncio.wait({work, expired}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
-            left.set()
-            self.batcher.wake()
+            self.batcher.leave(queued)
             raise
         finally:
             expired.cancel()
@@ -131,11 +132,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             log.info("BeginWrite failed after the forward pass had failed: %s", e)
             return None
 
-    async def _prefill(self, request, leases: list[tuple[int, int]], deadline: float | None = None,
-                       left: asyncio.Event | None = None) -> prefill_pb2.PrefillResponse:
-        """deadline (the caller's) bounds the lease calls, the wait for a forward pass and when the write may still
-        be posted: work nobody waits for any more is not started (EndWrite then frees its pages at once, nothing
-        posted). left: set when the caller is gone (the prompt is then dropped if still queued)."""
+    async def _prefill(self, request, leases: list[tuple[int, int]], deadline: float | None,
+                       queued: Queued) -> prefill_pb2.PrefillResponse:
+        """deadline (the caller's) bounds the lease calls, the wait in the queue for a forward pass and when the
+        write may still be posted: work nobody waits for any more is not started (EndWrite then frees its pages at
+        once, nothing posted)."""
         owner = request.request_id
         dest = request.destination
         pool_id, epoch = dest.pool_id, dest.epoch
@@ -148,18 +149,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         # and writes nothing of decode's, and nothing is posted to decode before BeginWrite has succeeded
         begin = asyncio.ensure_future(self.leases.begin(pool_id, owner, epoch, leases_pb, writer_id, deadline))
         n = len(request.token_ids)
-        prompt = Prompt(list(request.token_ids), sampling_from_pb(request.sampling),
-                        request.prompt_logprobs if request.HasField("prompt_logprobs") else None)
         try:
-            fwd = await self.batcher.run(prompt, deadline, left)
+            fwd = await self.batcher.result(queued)
         except BaseException:
-            await self._free_local(prompt.pages)
+            await self._free_local(queued.prompt.pages)
             if (renew := await self._begun(begin)) is not None:  # acknowledge the write that never posted
                 renew.cancel()
                 await self.leases.end(*end, False, nothing_posted=True)
             raise
         waited = time.perf_counter()
-        local = prompt.pages
+        local = queued.prompt.pages
         try:
             expires, renew, region = await begin
         except BaseException:

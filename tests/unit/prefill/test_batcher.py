@@ -45,10 +45,10 @@ def metric(name: str, **labels) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
-async def served(batcher: Batcher, p: Prompt, **kw) -> int:
+async def served(batcher: Batcher, p: Prompt, deadline: float | None = None) -> int:
     """A caller: runs the prompt, frees its pages (as the servicer does once the write is done)."""
     try:
-        return (await batcher.run(p, **kw)).first_token
+        return (await batcher.result(batcher.submit(p, deadline))).first_token
     finally:
         batcher.alloc.deallocate(p.pages)
         batcher.wake()
@@ -101,13 +101,12 @@ def test_work_whose_deadline_passes_or_whose_caller_left_is_dropped_before_its_p
         running = asyncio.ensure_future(served(b, prompt(1, 8)))
         await asyncio.to_thread(fwd.started.wait, 10)  # the first pass holds the model
         late = asyncio.ensure_future(served(b, prompt(2, 8), deadline=time.monotonic() + 0.05))
-        left = asyncio.Event()
-        leaving = asyncio.ensure_future(served(b, prompt(3, 8), left=left))
+        leaving_item = b.submit(prompt(3, 8))
+        leaving = asyncio.ensure_future(b.result(leaving_item))
         cancelled = asyncio.ensure_future(served(b, prompt(4, 8)))
         kept = asyncio.ensure_future(served(b, prompt(5, 8), deadline=time.monotonic() + 60))
         await asyncio.sleep(0.1)
-        left.set()
-        b.wake()
+        b.leave(leaving_item)  # as the servicer does when the caller's RPC is cancelled
         cancelled.cancel()
         await asyncio.sleep(0)
         fwd.gate.set()
@@ -138,7 +137,7 @@ def test_a_full_queue_refuses_with_the_numbers():
         queued = [asyncio.ensure_future(served(b, prompt(i, 4))) for i in (1, 2)]
         await asyncio.to_thread(fwd.started.wait, 10)
         with pytest.raises(PdError) as info:
-            await b.run(prompt(3, 4))
+            b.submit(prompt(3, 4))
         assert (info.value.code, info.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "PREFILL_QUEUE_FULL")
         assert "holds 2 prompts" in info.value.message and "--prefill-queue-limit 2" in info.value.message
         assert metric("pdserve_overload_rejections_total", service="prefill", reason="queue_full") - refusals == 1
