@@ -79,7 +79,7 @@ class Batcher:
         item = Queued(prompt, pages_for(len(prompt.token_ids), self.page_size), deadline,
                       asyncio.get_running_loop().create_future())
         self._queue.append(item)
-        PREFILL_QUEUE.set(len(self._queue))
+        self._count_waiting()
         self._wake.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._loop())
@@ -107,6 +107,7 @@ class Batcher:
             while self._queue:
                 self._wake.clear()
                 batch = self._plan(time.monotonic())
+                self._count_waiting()
                 if not batch:
                     if self._queue:  # the head waits for local pages, or a deadline
                         await self._wait()
@@ -174,11 +175,14 @@ class Batcher:
 
     def _end(self, item: Queued, result: Forward | Exception) -> None:
         self._queue.remove(item)
-        PREFILL_QUEUE.set(len(self._queue))
+        self._count_waiting()
         if isinstance(result, Exception):
             item.future.set_exception(result)
         else:
             item.future.set_result(result)
+
+    def _count_waiting(self) -> None:
+        PREFILL_QUEUE.set(sum(not item.started for item in self._queue))
 
     async def _wait(self) -> None:
         """Until pages are freed, a caller leaves, or the nearest deadline of a waiting prompt passes."""

@@ -136,6 +136,7 @@ def test_a_full_queue_refuses_with_the_numbers():
         refusals = metric("pdserve_overload_rejections_total", service="prefill", reason="queue_full")
         queued = [asyncio.ensure_future(served(b, prompt(i, 4))) for i in (1, 2)]
         await asyncio.to_thread(fwd.started.wait, 10)
+        assert metric("pdserve_prefill_queue_depth") == 0  # both in the held pass: counted by the limit, not waiting
         with pytest.raises(PdError) as info:
             b.submit(prompt(3, 4))
         assert (info.value.code, info.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "PREFILL_QUEUE_FULL")
