@@ -7,8 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from pdserve.common.proto import decode_pb2
-from tests.integration.helpers import allocate, collect, decode_stream, prefill, prompt, wait_no_leases
+from pdserve.common.proto import decode_pb2, prefill_pb2
+from tests.integration.helpers import allocate, collect, decode_stream, prefill, prompt, sampling, wait_no_leases
 
 BATCHES = "pdserve_prefill_batch_sequences_count"  # forward passes
 SEQUENCES = "pdserve_prefill_sequences_total"
@@ -56,7 +56,9 @@ def test_work_whose_deadline_passes_in_the_queue_is_dropped_unrun(stack, oracle)
         running = pool.submit(prefill, stack, rid_first, first, dest_first, 8)
         _wait_for("the first pass", lambda: stack.metric("prefill", BATCHES) > passes)
         with pytest.raises(grpc.RpcError) as info:
-            stack.prefills[0].Prefill(prefill_request(rid_late, late, dest_late), timeout=0.5)
+            stack.prefills[0].Prefill(prefill_pb2.PrefillRequest(request_id=rid_late, token_ids=late,
+                                                                 sampling=sampling(8), destination=dest_late),
+                                      timeout=0.5)
         resp = running.result()
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     tokens, err = collect(decode_stream(stack, rid_first, first, resp, 8))
@@ -70,9 +72,3 @@ def test_work_whose_deadline_passes_in_the_queue_is_dropped_unrun(stack, oracle)
     # acknowledged as never posted: nothing waits out a quarantine
     states = wait_no_leases(stack)
     assert all(s.num_leased == 0 and s.num_quarantined == 0 for s in states), states
-
-
-def prefill_request(rid, tokens, dest):
-    from pdserve.common.proto import prefill_pb2
-    from tests.integration.helpers import sampling
-    return prefill_pb2.PrefillRequest(request_id=rid, token_ids=tokens, sampling=sampling(8), destination=dest)
