@@ -22,6 +22,8 @@ KNOWN = {
     "prefill.delay_before_write": "sleep ARG ms after BeginWrite, before the writes",
     "prefill.lose_end_write": "never send EndWrite",
     "prefill.slow_transfer": "sleep ARG ms between the data writes and the tag writes (a stuck transfer)",
+    "prefill.slow_forward": "sleep ARG ms (default 1000) at the start of the next prefill forward pass (work queues "
+                            "behind it)",
     "prefill.crash_mid_transfer": "exit the process (as SIGKILL would) after the data writes, before the tags",
     "transfer.fail_then_land": "report the data write failed at once, then really post it ARG ms later (default "
                                "200), reading the source pages as they are then",

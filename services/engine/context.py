@@ -19,6 +19,11 @@ class AttentionContext:
     slot_offsets: torch.Tensor    # [T] int64
     # decode only: where each sequence's pages lie in the pool, computed once per step for every layer
     paged: PagedDecode | None = None
+    # prefill only: sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1] of the packed batch (no padding) and
+    # continues after prefix_lens[b] tokens already in the pool, on the pages prefix_pages[b]
+    cu_seqlens: list[int] | None = None
+    prefix_lens: list[int] | None = None
+    prefix_pages: list[torch.Tensor] | None = None  # [ceil(prefix_len / page_size)] int64 each
 
 
 _CONTEXT: AttentionContext | None = None

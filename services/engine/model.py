@@ -64,13 +64,31 @@ class LlamaAttention(nn.Module):
             cache[ctx.slot_pages, 0, ctx.slot_offsets] = k.to(cache.dtype)
             cache[ctx.slot_pages, 1, ctx.slot_offsets] = v.to(cache.dtype)
         if ctx.is_prefill:
-            # one sequence from position 0: attend over its fresh K/V, causally
-            o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+            # packed sequences, each attending only to itself: no padding, no [T, T] mask across the batch
+            cu = ctx.cu_seqlens
+            outs = [self._prefill_attention(q[a:b], k[a:b], v[a:b], ctx.prefix_pages[i], ctx.prefix_lens[i])
+                    for i, (a, b) in enumerate(zip(cu, cu[1:]))]
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)
         else:
             o = paged_decode_attention(q, cache, ctx.paged)  # one new token per sequence
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
+
+    def _prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_pages: torch.Tensor,
+                           prefix_len: int) -> torch.Tensor:
+        """One sequence of a packed prefill: causal over its fresh K/V, after the prefix_len tokens that earlier
+        chunks of it left in the pool (read back as decode reads them, so a chunked prompt equals a whole one)."""
+        # q: [L, H, D]; k, v: [L, kvh, D] -> [L, H, D]
+        mask = None
+        if prefix_len:
+            L, kvh, D = q.shape[0], self.num_kv_heads, self.head_dim
+            old = self.kv_cache[prefix_pages]  # [P, 2, ps, kvh, D], a copy of the prefix's pages
+            k = torch.cat([old[:, 0].reshape(-1, kvh, D)[:prefix_len].to(k.dtype), k])
+            v = torch.cat([old[:, 1].reshape(-1, kvh, D)[:prefix_len].to(v.dtype), v])
+            # query i sits at position prefix_len + i: it sees keys 0 .. prefix_len + i
+            mask = torch.ones(L, prefix_len + L, dtype=torch.bool, device=q.device).tril(prefix_len)
+        return F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+            attn_mask=mask, is_causal=mask is None, enable_gqa=True)[0].transpose(0, 1)
 
 
 class LlamaMLP(nn.Module):

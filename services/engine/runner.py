@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -24,6 +25,15 @@ def set_threads(n: int = 0, switch_interval_ms: float | None = None) -> None:
 
 def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+class Chunk(NamedTuple):
+    """The next tokens of one prompt in a packed prefill pass: token_ids sit at positions start.. of the prompt,
+    whose KV lives in pages (from the prompt's first page); start > 0 continues after an earlier chunk."""
+    token_ids: list[int]
+    start: int
+    pages: list[int]
+    all_logits: bool = False  # else only the last row's: what the first token is sampled from
 
 
 class ModelRunner:
@@ -53,18 +63,38 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, token_ids: list[int], pages: list[int], all_logits: bool = False) -> torch.Tensor:
         """Runs one prompt from position 0, writing its KV into `pages`; returns logits [T or 1, V]."""
-        n, ps = len(token_ids), self.page_size
-        if len(pages) * ps < n:
-            raise ValueError(f"{len(pages)} pages of {ps} tokens cannot hold {n} tokens")
-        self._check_window(n - 1)
-        positions = torch.arange(n, device=self.device)
-        page_of = self._tensor(pages)[positions // ps]
-        set_context(AttentionContext(True, page_of, positions % ps))
+        return self.prefill_batch([Chunk(token_ids, 0, pages, all_logits)])[0]
+
+    @torch.inference_mode()
+    def prefill_batch(self, chunks: list[Chunk]) -> list[torch.Tensor]:
+        """One forward pass over several prompts packed into one [T_total] batch with no padding: each chunk's
+        tokens attend causally to themselves and to the `start` tokens of their prompt already in its pages.
+        Returns each chunk's logits, [n or 1, V]."""
+        ps = self.page_size
+        ids, positions, page_of, rows, cu, prefix_pages = [], [], [], [], [0], []
+        for c in chunks:
+            n, end = len(c.token_ids), c.start + len(c.token_ids)
+            if n == 0 or c.start < 0:
+                raise ValueError(f"a prefill chunk needs at least one token from a position >= 0, got {n} "
+                                 f"tokens from position {c.start}")
+            if len(c.pages) * ps < end:
+                raise ValueError(f"{len(c.pages)} pages of {ps} tokens cannot hold {end} tokens")
+            self._check_window(end - 1)
+            ids += c.token_ids
+            positions += range(c.start, end)
+            page_of += [c.pages[p // ps] for p in range(c.start, end)]
+            rows += range(cu[-1], cu[-1] + n) if c.all_logits else [cu[-1] + n - 1]
+            cu.append(cu[-1] + n)
+            prefix_pages.append(self._tensor(c.pages[:-(-c.start // ps)]))
+        pos = self._tensor(positions)
+        set_context(AttentionContext(True, self._tensor(page_of), pos % ps, cu_seqlens=cu,
+                                     prefix_lens=[c.start for c in chunks], prefix_pages=prefix_pages))
         try:
-            hidden = self.model(self._tensor(token_ids), positions)
+            hidden = self.model(self._tensor(ids), pos)
         finally:
             reset_context()
-        return self.model.compute_logits(hidden if all_logits else hidden[-1:])
+        logits = self.model.compute_logits(hidden if len(rows) == len(ids) else hidden[self._tensor(rows)])
+        return list(logits.split([len(c.token_ids) if c.all_logits else 1 for c in chunks]))
 
     @torch.inference_mode()
     def decode(self, token_ids: list[int], positions: list[int], page_tables: list[list[int]]

@@ -25,6 +25,12 @@ from .writelease import TimingBoundError, WriteLeases
 log = logging.getLogger(__name__)
 
 
+def _at_least_one(text: str) -> int:
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return int(text)
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, "prefill", config.PREFILL_PORT, config.DEFAULT_PREFILL_POOL_TOKENS)
     p.add_argument("--writer-ttl", type=float, default=5.0, help="liveness lease of one write, seconds")
@@ -36,6 +42,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="on SIGTERM, seconds in-flight Prefill calls get to finish; past it they fail UNAVAILABLE "
                         "(DRAINING) and the gateway retries them on another prefill before the first token")
+    p.add_argument("--prefill-max-batch-tokens", type=_at_least_one, default=2048,
+                   help="tokens in one forward pass: prompts are packed up to it and a longer prompt runs in chunks")
+    p.add_argument("--prefill-queue-limit", type=_at_least_one, default=256,
+                   help="prompts waiting for or in a forward pass; one more is refused with RESOURCE_EXHAUSTED "
+                        "(PREFILL_QUEUE_FULL)")
     p.add_argument("--landing-slack", type=float, default=1.0,
                    help="seconds added to Mooncake's timeout + 1 ns/byte to bound how late a posted write can land; "
                         "the sum must not exceed the broker's --lock-delay (checked at start-up)")
@@ -76,7 +87,8 @@ async def _start(args, tls) -> PrefillServicer:
     max_landing = landing_bound_s(transfer.timeout_s, runner.pool.data_nbytes, args.landing_slack)
     leases = WriteLeases(broker, writer_prefix, max_landing, writer_ttl_s=args.writer_ttl)
     servicer = PrefillServicer(worker, leases, context_length, max_prompt,
-                               os.path.basename(os.path.normpath(args.model)), transfer_timeout_s=args.transfer_timeout)
+                               os.path.basename(os.path.normpath(args.model)), transfer_timeout_s=args.transfer_timeout,
+                               max_batch_tokens=args.prefill_max_batch_tokens, queue_limit=args.prefill_queue_limit)
     while True:  # SERVING only once the broker's lock_delay covers the longest a posted write can still land
         try:
             lock_delay = await leases.check_bounds()

@@ -20,7 +20,8 @@ from ..common.tasks import spawn
 from ..common.wire import layout_to_pb, leases_from_pb, leases_to_pb, logprobs_to_pb, sampling_from_pb
 from ..engine.tags import TAG_NBYTES
 from ..kvtransfer.engine import TransferError
-from .worker import PrefillWorker, Progress, Target
+from .batcher import Batcher, Queued
+from .worker import PrefillWorker, Progress, Prompt, Target
 from .writelease import WriteLeases
 
 log = logging.getLogger(__name__)
@@ -28,18 +29,18 @@ log = logging.getLogger(__name__)
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, worker: PrefillWorker, leases: WriteLeases, context_length: int, max_prompt: int,
-                 model_name: str, transfer_timeout_s: float = 30.0):
+                 model_name: str, transfer_timeout_s: float = 30.0, max_batch_tokens: int = 2048,
+                 queue_limit: int = 256):
         self.leases = leases
         self.transfer_timeout_s = transfer_timeout_s
         self.worker = worker
         self.context_length = context_length
         self.max_prompt = max_prompt  # capped by the local pool
         self.model_name = model_name
-        self._compute = asyncio.Lock()
-        self._pages_freed = asyncio.Condition()
+        self.batcher = Batcher(worker.forward, worker.alloc, worker.pool.page_size, max_batch_tokens, queue_limit)
         self.layout_pb = layout_to_pb(worker.pool.layout, TAG_NBYTES)
         self.draining = False  # set on SIGTERM (drain.py): GetInfo reports it, Prefill refuses
-        self.in_flight: set[asyncio.Task] = set()  # queued for the compute lock or running, until EndWrite
+        self.in_flight: set[asyncio.Task] = set()  # queued for a forward pass or running, until EndWrite
         self.drain_expired = asyncio.Event()  # set when the drain timeout ends
 
     async def GetInfo(self, request, context) -> common_pb2.EngineInfo:
@@ -96,13 +97,21 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if self.draining:
             raise draining_error("prefill", "no new Prefill call is taken")
         leases = self._admit(request)
-        work = asyncio.ensure_future(self._prefill(request, leases, None if context is None else deadline_of(context)))
+        deadline = None if context is None else deadline_of(context)
+        queued = self.batcher.submit(Prompt(list(request.token_ids), sampling_from_pb(request.sampling),
+                                            request.prompt_logprobs if request.HasField("prompt_logprobs") else None),
+                                     deadline)
+        work = asyncio.ensure_future(self._prefill(request, leases, deadline, queued))
         self.in_flight.add(work)
         work.add_done_callback(self._work_done)
-        # not cancelled with the caller (nor at the drain timeout): a write must not stop half-way or skip EndWrite
+        # not cancelled with the caller (nor at the drain timeout): a write must not stop half-way or skip EndWrite;
+        # only a prompt still queued is dropped when its caller leaves
         expired = asyncio.ensure_future(self.drain_expired.wait())
         try:
             await asyncio.wait({work, expired}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            self.batcher.leave(queued)
+            raise
         finally:
             expired.cancel()
         if not work.done():
@@ -123,10 +132,11 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             log.info("BeginWrite failed after the forward pass had failed: %s", e)
             return None
 
-    async def _prefill(self, request, leases: list[tuple[int, int]], deadline: float | None = None
-                       ) -> prefill_pb2.PrefillResponse:
-        """deadline (the caller's) bounds the lease calls and when the write may still be posted: a write nobody
-        waits for any more is not started (EndWrite then frees its pages at once, nothing posted)."""
+    async def _prefill(self, request, leases: list[tuple[int, int]], deadline: float | None,
+                       queued: Queued) -> prefill_pb2.PrefillResponse:
+        """deadline (the caller's) bounds the lease calls, the wait in the queue for a forward pass and when the
+        write may still be posted: work nobody waits for any more is not started (EndWrite then frees its pages at
+        once, nothing posted)."""
         owner = request.request_id
         dest = request.destination
         pool_id, epoch = dest.pool_id, dest.epoch
@@ -138,22 +148,17 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         # KeepAlive and BeginWrite run while the forward pass fills this process's own pool: the pass reads
         # and writes nothing of decode's, and nothing is posted to decode before BeginWrite has succeeded
         begin = asyncio.ensure_future(self.leases.begin(pool_id, owner, epoch, leases_pb, writer_id, deadline))
-        local: list[int] = []
+        n = len(request.token_ids)
         try:
-            n = len(request.token_ids)
-            local = await self._allocate_local(pages_for(n, self.worker.pool.page_size))
-            sampling = sampling_from_pb(request.sampling)
-            num_prompt_lps = request.prompt_logprobs if request.HasField("prompt_logprobs") else None
-            async with self._compute:
-                fwd = await asyncio.to_thread(self.worker.forward, list(request.token_ids), local, sampling,
-                                              num_prompt_lps)
+            fwd = await self.batcher.result(queued)
         except BaseException:
-            await self._free_local(local)
+            await self._free_local(queued.prompt.pages)
             if (renew := await self._begun(begin)) is not None:  # acknowledge the write that never posted
                 renew.cancel()
                 await self.leases.end(*end, False, nothing_posted=True)
             raise
         waited = time.perf_counter()
+        local = queued.prompt.pages
         try:
             expires, renew, region = await begin
         except BaseException:
@@ -239,11 +244,4 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     async def _free_local(self, local: list[int]) -> None:
         if local:
             self.worker.alloc.deallocate(local)
-            async with self._pages_freed:
-                self._pages_freed.notify_all()
-
-    async def _allocate_local(self, need: int) -> list[int]:
-        async with self._pages_freed:
-            await asyncio.wait_for(self._pages_freed.wait_for(lambda: self.worker.alloc.can_allocate(need)),
-                                   timeout=self.leases.rpc_timeout_s * 3)
-            return self.worker.alloc.allocate(need)
+            self.batcher.wake()  # a prompt may be waiting for these

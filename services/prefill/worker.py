@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from typing import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,7 +17,7 @@ from ..common.config import pages_for
 from ..common.faults import FAULTS
 from ..common.metrics import FORWARD_SECONDS, GUARD_SECONDS
 from ..engine.page_allocator import PageAllocator
-from ..engine.runner import ModelRunner
+from ..engine.runner import Chunk, ModelRunner
 from ..engine.sampler import SamplingParams, TokenLogprobs, logprobs, sample_one
 from ..engine.tags import TAG_NBYTES, make_tags
 from ..kvtransfer.engine import TransferEngine, coalesce
@@ -39,6 +39,16 @@ class Target:
 class Progress:
     """Shared with the caller while the write runs: once posted, a failure may still land bytes later."""
     posted: bool = False
+
+
+@dataclass(slots=True)
+class Prompt:
+    """One prompt's prefill, over one packed pass or several (chunks)."""
+    token_ids: list[int]
+    sampling: SamplingParams
+    prompt_logprobs: int | None = None  # None: none asked for
+    pages: list[int] = field(default_factory=list)  # local pages, taken when its first pass is planned
+    prompt_lps: list[TokenLogprobs] = field(default_factory=list)  # filled chunk by chunk
 
 
 @dataclass(slots=True)
@@ -68,17 +78,32 @@ class PrefillWorker:
         transfer.register(self.pool.data_ptr, self.pool.data_nbytes)
         transfer.register(self.pool.tag_ptr, self.pool.tag_nbytes)
 
-    def forward(self, token_ids: list[int], local_pages: list[int], sampling: SamplingParams,
-                prompt_logprobs: int | None = None) -> Forward:
-        """Step 0 goes through the same sampling as decode's later steps: one seed, the same tokens split or not."""
+    def forward(self, chunks: list[tuple[Prompt, int, int]]) -> list[Forward | Exception | None]:
+        """One packed pass over tokens [start, start + n) of each prompt. For each: its Forward once its last chunk
+        ran, None before, or the exception its own sampling raised (the rest of the pass is served). Step 0 goes
+        through the same sampling as decode's later steps: one seed, the same tokens split, packed or not."""
+        if (arg := FAULTS.fire("prefill.slow_forward")) is not None:
+            time.sleep(int(arg or 1000) / 1000)
         with FORWARD_SECONDS.labels("prefill").time():
-            logits = self.runner.prefill(token_ids, local_pages, all_logits=prompt_logprobs is not None)
-        # logits: [T or 1, V]; row i predicts token i + 1
-        first = sample_one(logits[-1], sampling, 0, token_ids, ())
-        first_lp = logprobs(logits[-1:], [first], [sampling.logprobs])[0] if sampling.logprobs is not None else None
-        prompt_lps = [] if prompt_logprobs is None else logprobs(logits[:-1], token_ids[1:],
-                                                                  [prompt_logprobs] * (len(token_ids) - 1))
-        return Forward(first, first_lp, prompt_lps)
+            logits = self.runner.prefill_batch([Chunk(p.token_ids[s:s + n], s, p.pages, p.prompt_logprobs is not None)
+                                                for p, s, n in chunks])
+        return [self._finish_chunk(p, s, n, rows) for (p, s, n), rows in zip(chunks, logits)]
+
+    @staticmethod
+    def _finish_chunk(p: Prompt, start: int, n: int, rows: torch.Tensor) -> Forward | Exception | None:
+        # rows: [n or 1, V]; row i predicts token start + i + 1
+        ids = p.token_ids
+        upto = min(start + n, len(ids) - 1)  # the rows that predict prompt tokens
+        if p.prompt_logprobs is not None and upto > start:
+            p.prompt_lps += logprobs(rows[:upto - start], ids[start + 1:upto + 1], [p.prompt_logprobs] * (upto - start))
+        if start + n < len(ids):
+            return None
+        try:
+            first = sample_one(rows[-1], p.sampling, 0, ids, ())
+        except Exception as e:  # noqa: BLE001  (this prompt's own failure)
+            return e
+        lp = logprobs(rows[-1:], [first], [p.sampling.logprobs])[0] if p.sampling.logprobs is not None else None
+        return Forward(first, lp, p.prompt_lps)
 
     def write(self, owner: bytes, local_pages: list[int], num_tokens: int, target: Target,
               check_alive: Callable[[str], None] = lambda stage: None, progress: Progress | None = None) -> Written:

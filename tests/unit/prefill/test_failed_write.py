@@ -32,10 +32,11 @@ class FakeWorker:
         self.dest: dict[int, int] = {}
         self.fail_next = False
 
-    def forward(self, token_ids, local, sampling, prompt_logprobs) -> Forward:
-        for p in local:
-            self.source[p] = token_ids[0]
-        return Forward(7, None, [])
+    def forward(self, chunks) -> list[Forward]:
+        for prompt, _, _ in chunks:
+            for p in prompt.pages:
+                self.source[p] = prompt.token_ids[0]
+        return [Forward(7, None, []) for _ in chunks]
 
     def write(self, owner, local, n, target, check_alive, progress):
         check_alive("data")

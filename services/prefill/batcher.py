@@ -1,0 +1,205 @@
+"""Prefill's queue: bounded, first in first out, packed into forward passes of at most max_batch_tokens tokens.
+
+A prompt longer than a pass runs in chunks; while a prompt that fits in half a pass waits, each of its chunks takes
+at most half a pass, so short prompts behind it get the other half of every pass instead of waiting for all of it.
+Work is dropped only before its first pass (its caller left, or its deadline passed): once a prompt's KV is being
+computed it runs to its end, since the write that follows must never stop half-way. Local pages are taken when a
+prompt's first pass is planned, so a queued prompt holds none; a head that does not fit waits, nothing overtakes it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import grpc
+
+from ..common.config import pages_for
+from ..common.deadline import deadline_exceeded
+from ..common.errors import PdError
+from ..common.metrics import (OVERLOAD_REJECTIONS, PREFILL_BATCH, PREFILL_DROPPED, PREFILL_GONE_AT_START,
+                              PREFILL_QUEUE, PREFILL_SEQUENCES)
+from ..engine.page_allocator import PageAllocator
+from .worker import Forward, Prompt
+
+log = logging.getLogger(__name__)
+
+# forward(chunks): one pass over tokens [start, start + n) of each prompt; per chunk a Forward once the prompt is
+# done, None before, or the exception that failed that prompt alone
+ForwardFn = Callable[[list[tuple[Prompt, int, int]]], list[Forward | Exception | None]]
+
+
+@dataclass(slots=True, eq=False)
+class Queued:
+    prompt: Prompt
+    num_pages: int
+    deadline: float | None
+    future: asyncio.Future
+    left: bool = False  # the caller's RPC was cancelled
+    done: int = 0  # tokens whose KV is in the pool
+    started: bool = False  # planned into a pass: it holds pages and is no longer dropped
+
+    def drop_reason(self, now: float) -> str | None:
+        # first: gRPC cancels a call whose deadline passed, and that caller left because of its deadline
+        if self.deadline is not None and now >= self.deadline:
+            return "deadline"
+        if self.left:
+            return "cancelled"
+        return None
+
+
+class Batcher:
+    def __init__(self, forward: ForwardFn, alloc: PageAllocator, page_size: int, max_batch_tokens: int = 2048,
+                 queue_limit: int = 256):
+        if max_batch_tokens < 1 or queue_limit < 1:
+            raise ValueError(f"max_batch_tokens ({max_batch_tokens}) and queue_limit ({queue_limit}) must be >= 1")
+        self.forward = forward
+        self.alloc = alloc
+        self.page_size = page_size
+        self.max_batch_tokens = max_batch_tokens
+        self.queue_limit = queue_limit
+        self._queue: deque[Queued] = deque()
+        self._wake = asyncio.Event()  # pages were freed or a caller left
+        self._task: asyncio.Task | None = None
+        self._tokens_per_s: float | None = None  # of recent passes (a moving average): the refusals' retry delay
+        OVERLOAD_REJECTIONS.labels("prefill", "queue_full")  # exported at 0 from start-up
+
+    def retry_after_s(self) -> float:
+        """When the prompts queued now should be done, at the recent passes' token rate (1 s before any pass)."""
+        if not self._tokens_per_s:
+            return 1.0
+        left = sum(len(item.prompt.token_ids) - item.done for item in self._queue)
+        return min(60.0, max(0.05, left / self._tokens_per_s))
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def submit(self, prompt: Prompt, deadline: float | None = None) -> Queued:
+        """Queues the prompt, or refuses it when the queue is full: before any lease call is made for it."""
+        if len(self._queue) >= self.queue_limit:
+            OVERLOAD_REJECTIONS.labels("prefill", "queue_full").inc()
+            raise PdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "PREFILL_QUEUE_FULL",
+                          f"the prefill queue holds {len(self._queue)} prompts, its limit (--prefill-queue-limit "
+                          f"{self.queue_limit}); retry later or elsewhere", self.retry_after_s())
+        item = Queued(prompt, pages_for(len(prompt.token_ids), self.page_size), deadline,
+                      asyncio.get_running_loop().create_future())
+        self._queue.append(item)
+        self._count_waiting()
+        self._wake.set()
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._loop())
+        return item
+
+    def leave(self, item: Queued) -> None:
+        """The caller left: the prompt is dropped if its first pass has not started."""
+        item.left = True
+        self._wake.set()
+
+    async def result(self, item: Queued) -> Forward:
+        """The prompt's Forward. Its local pages are in prompt.pages from its first pass on, for the caller to free
+        once it no longer needs them (also when this raises)."""
+        try:
+            return await asyncio.shield(item.future)
+        except asyncio.CancelledError:
+            self.leave(item)
+            item.future.add_done_callback(lambda f: f.exception())  # nobody else will read it
+            if item.started:  # its pages are in a pass: the caller may free them only once it has ended
+                await asyncio.wait([item.future])
+            raise
+
+    async def _loop(self) -> None:
+        try:
+            while self._queue:
+                self._wake.clear()
+                batch = self._plan(time.monotonic())
+                self._count_waiting()
+                if not batch:
+                    if self._queue:  # the head waits for local pages, or a deadline
+                        await self._wait()
+                    continue
+                try:
+                    began = time.monotonic()
+                    results = await asyncio.to_thread(self._pass, batch)
+                    rate = sum(n for _, _, n in batch) / max(1e-6, time.monotonic() - began)
+                    self._tokens_per_s = rate if self._tokens_per_s is None else 0.8 * self._tokens_per_s + 0.2 * rate
+                except Exception as e:  # noqa: BLE001  (the pass failed for every prompt in it)
+                    log.warning("prefill pass of %d chunks failed: %s", len(batch), e)
+                    results = [e] * len(batch)
+                for (item, start, n), res in zip(batch, results):
+                    item.done = start + n
+                    if res is not None:
+                        self._end(item, res)
+        except Exception as e:
+            log.exception("prefill queue failed; failing the %d prompts in it", len(self._queue))
+            for item in list(self._queue):
+                self._end(item, PdError(grpc.StatusCode.INTERNAL, "PREFILL_QUEUE_FAILED", f"prefill queue: {e}"))
+
+    def _plan(self, now: float) -> list[tuple[Queued, int, int]]:
+        """The next pass, in queue order; drops every waiting prompt whose caller is gone, wherever it stands."""
+        budget, batch, full = self.max_batch_tokens, [], False
+        for item in list(self._queue):
+            if not item.started and (reason := item.drop_reason(now)) is not None:
+                self._drop(item, reason)
+                continue
+            if full:
+                continue
+            if not item.started:
+                if not self.alloc.can_allocate(item.num_pages):
+                    full = True  # nothing overtakes it: a large prompt is not starved by small ones
+                    continue
+                item.prompt.pages = self.alloc.allocate(item.num_pages)
+                item.started = True
+            rest = len(item.prompt.token_ids) - item.done
+            n = min(rest, budget)
+            if rest > self.max_batch_tokens and self._is_short_waiting(item):
+                n = min(n, max(1, self.max_batch_tokens // 2))
+            batch.append((item, item.done, n))
+            budget -= n
+            full = budget == 0
+        return batch
+
+    def _is_short_waiting(self, long: Queued) -> bool:
+        """Whether a prompt that fits in half a pass waits: only then is the long one slowed down for it (among
+        long prompts alone, first come first served finishes the first sooner and the rest no later)."""
+        half = self.max_batch_tokens // 2
+        return any(item is not long and not item.started and len(item.prompt.token_ids) <= half
+                   for item in self._queue)
+
+    def _pass(self, batch: list[tuple[Queued, int, int]]) -> list:
+        """In the model's thread. A prompt whose caller went away between planning and now is counted: the bench
+        checks that the drop above keeps this at 0."""
+        now = time.monotonic()
+        first = [item for item, start, _ in batch if start == 0]
+        PREFILL_GONE_AT_START.inc(sum(item.drop_reason(now) is not None for item in first))
+        PREFILL_SEQUENCES.inc(len(first))
+        PREFILL_BATCH.observe(len(batch))
+        return self.forward([(item.prompt, start, n) for item, start, n in batch])
+
+    def _drop(self, item: Queued, reason: str) -> None:
+        PREFILL_DROPPED.labels(reason).inc()
+        what = "while the prompt waited for prefill's forward pass (nothing computed)"
+        self._end(item, deadline_exceeded(item.deadline, what) if reason == "deadline" else
+                  PdError(grpc.StatusCode.CANCELLED, "CALLER_LEFT", f"the caller left {what}"))
+
+    def _end(self, item: Queued, result: Forward | Exception) -> None:
+        self._queue.remove(item)
+        self._count_waiting()
+        if isinstance(result, Exception):
+            item.future.set_exception(result)
+        else:
+            item.future.set_result(result)
+
+    def _count_waiting(self) -> None:
+        PREFILL_QUEUE.set(sum(not item.started for item in self._queue))
+
+    async def _wait(self) -> None:
+        """Until pages are freed, a caller leaves, or the nearest deadline of a waiting prompt passes."""
+        deadlines = [item.deadline for item in self._queue if not item.started and item.deadline is not None]
+        timeout = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
