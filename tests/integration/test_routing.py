@@ -30,7 +30,7 @@ def test_requests_spread_over_two_prefills_and_two_decodes(wide, oracle):
         assert "error" not in out, out
         oracle.check(p, out["token_ids"])
     for svc in ("prefill", "decode"):
-        served = [wide.metric(svc, "pdserve_rpc_seconds_count", {"method": "Prefill" if svc == "prefill" else "Decode"},
+        served = [wide.metric(svc, "pdserve_rpc_seconds_count", {"method": "Prefill" if svc == "prefill" else "Run"},
                               index=i) for i in range(2)]
         assert all(n >= 1 for n in served), (svc, served)
         assert sum(served) == 16
@@ -48,7 +48,7 @@ def _served(stack, i: int, method: str) -> float:
         return 0.0
 
 
-def _decodes_served(stack, method: str = "Decode") -> list[float]:
+def _decodes_served(stack, method: str = "Run") -> list[float]:
     return [_served(stack, i, method) for i in range(len(stack.procs["decode"]))]
 
 
@@ -139,13 +139,13 @@ def test_decode_added_under_traffic_takes_work_and_a_removed_one_stops(discoveri
         _write(s.decode_file, [p.target for p in s.procs["decode"][1:]])
         _wait("the gateway to retire decode0", lambda: s.metric(
             "gateway", "pdserve_gateway_backends", {"role": "decode", "state": "retiring"}) == 1, s)
-        # new work is an Allocate; one picked just before the retirement has long answered a second later (its
-        # Decode may still come: a request's Decode goes to the pod that answered its Allocate)
+        # new work is a Run stream (counted when it ends); one picked just before the retirement has ended a second
+        # later
         time.sleep(1.0)
-        gone = _decodes_served(s, "Allocate")[0]
-        rest = sum(_decodes_served(s, "Allocate")[1:])
-        _wait("six more requests on the others", lambda: sum(_decodes_served(s, "Allocate")[1:]) >= rest + 6, s)
-        assert _decodes_served(s, "Allocate")[0] == gone, "decode0 took new work after it left discovery"
+        gone = _decodes_served(s)[0]
+        rest = sum(_decodes_served(s)[1:])
+        _wait("six more requests on the others", lambda: sum(_decodes_served(s)[1:]) >= rest + 6, s)
+        assert _decodes_served(s)[0] == gone, "decode0 took new work after it left discovery"
     finally:
         stop.set()
         for w in workers:
