@@ -5,8 +5,6 @@
  * tag or checksum check; one that landed in full holds the Run's own bytes, and its late writes
  * carry the same bytes, while the page stays writing (FAILW) until the bound: verify_prompt_pages
  * and the failed write's hold cover it (with a fault budget of 1; the success check stays in code).
- * Both requests use Decode.Run.
  */
-#define RUNPATH 3
 #define MUT_NOTICE_ON_FAILURE
 #include "../pdserve.pml"
