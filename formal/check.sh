@@ -10,7 +10,8 @@
 #
 # Environment: FORMAL_OUT (build directory, default formal/out), FORMAL_JOBS (parallel runs,
 # default: number of CPUs), FORMAL_DEEP=1 (also the model with a fault budget of 2, the LTL
-# run with the lease faults, and redundant/*_deep.pml; minutes, GiBs), CC (default gcc).
+# run with the lease faults, every request free to choose its decode path, and
+# redundant/*_deep.pml; minutes, GiBs), CC (default gcc).
 set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -88,10 +89,14 @@ add model-writer-per-write   model "$here/pdserve.pml" "-DWRITER_PER_WRITE" "$sa
 add model-two-prefills       model "$here/pdserve.pml" "-DNW=2"             "$safety" "-m10000"
 add model-three-pages        model "$here/pdserve.pml" "-DNP=3"             "$safety" "-m10000"
 add model-lease-faults      model "$here/pdserve.pml" "-DLEASE_FAULTS"     "$safety" "-m10000"
+# the other runs put r0 on Decode.Run and r1 on the old path (Allocate, Decode); here both use Run
+add model-both-run           model "$here/pdserve.pml" "-DRUNPATH=3"        "$safety" "-m10000"
 add model-ltl-drains         model "$here/pdserve.pml" ""                   "-O1"     "-m10000 -a -N drains"
 if [ "${FORMAL_DEEP:-0}" = 1 ]; then
   add model-two-faults       model "$here/pdserve.pml" "-DFAULTS=2" "$safety -DCOLLAPSE" "-m10000"
   add model-ltl-drains-lease-faults model "$here/pdserve.pml" "-DLEASE_FAULTS" "-O1" "-m10000 -a -N drains"
+  # each request chooses its path at the grant (4.5x the states of model-default)
+  add model-any-path         model "$here/pdserve.pml" "-DANYPATH=3" "$safety -DCOLLAPSE" "-m10000"
 fi
 # guards the model shows to be covered by others: they must not yield a counter-example
 # (FORMAL_DEEP=1 also runs the *_deep.pml ones, which repeat an argument already checked)

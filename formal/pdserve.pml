@@ -13,14 +13,17 @@
  *            source page, one-sided writes of the data and of the tag to the pool's
  *            registered addresses, wait for completion or a reported failure, EndWrite
  *            always (success, nothing_posted), re-sent until answered.
- *   Reader   decode, one per request: Grant, dispatch, verify_prompt_pages, Validate, the
- *            check before every step (and the blind stop), Release; cancellable at every
- *            stage.
+ *   Reader   decode, one per request, on one of two paths chosen at the grant: the old one
+ *            (Allocate; wait for prefill's answer, verify_prompt_pages, Validate) or Run (one
+ *            stream: wait for the broker's write-done notice, verify_prompt_pages against it,
+ *            no Validate); then the check before every step (and the blind stop), Release;
+ *            cancellable at every stage.
  *   Net      delivers one-sided writes late and in any order (data and tag of one write too);
  *            reports a transfer failed or timed out while its posted writes may still land
  *            (until the enforced bound), or, as a fault, loses one silently; loses, duplicates
- *            and delays EndWrite; delays revocation notices (the stream may drop, delay and
- *            disconnect: with the cursor a dropped notice is replayed, so a drop is a delay).
+ *            and delays EndWrite; delays revocation and write-done notices, in order on one
+ *            stream (it may drop, delay and disconnect: with the cursor a dropped notice is
+ *            replayed, so a drop is a delay).
  *   Hostile  a second Prefill of a lease (retry, replay) with other content; a request that
  *            names another request's page as its destination.
  *
@@ -55,6 +58,16 @@
 #endif
 #ifndef FAULTS
 #define FAULTS 1        /* fault budget shared by every kind of fault: faults stop */
+#endif
+/* decode's path per request (bit r of each mask): Run (RUNPATH) or the old Allocate + Decode
+ * (neither), or either, chosen at the grant (ANYPATH). Exploring the choice for both requests
+ * costs 4.5x the states: check.sh runs r0 on Run and r1 on the old path, both on Run in one run,
+ * and the free choice only with FORMAL_DEEP=1 */
+#ifndef RUNPATH
+#define RUNPATH 1
+#endif
+#ifndef ANYPATH
+#define ANYPATH 0
 #endif
 
 #define NONE   255
@@ -135,6 +148,13 @@ bit  canpost[NR];                /* BeginWrite answered OK, writes not posted ye
 bit  werr[NR];                   /* transfer reported an error to the writer */
 byte ackq[NR];                   /* EndWrite copies in flight */
 bit  ackdone[NR];                /* the broker answered an EndWrite */
+bit  wok[NR];                    /* EndWrite's success flag as prefill sent it */
+/* Decode.Run and the write-done notice (Revocation.write_done) on the pool's revocation stream */
+bit  rrun[NR];                   /* decode serves r by Run (chosen at the grant) */
+bit  wdq[NR];                    /* r's write-done notice is on the stream, not yet delivered */
+bit  wdd[NR];                    /* decode has r's write-done notice */
+bit  wdx[NR];                    /*   ... and its prompt digest is another prompt's (a replayed Prefill) */
+bit  wdlate[NR];                 /*   ... it was logged after a revocation of r still on the stream */
 
 /* ---------------- prefill processes and writer liveness ---------------- */
 bit wcrashed[NW];                /* process crashed */
@@ -256,6 +276,47 @@ byte k;                          /* loop index inside atomic sequences only; 0 b
 #define ACKMATCH(p,r) (paw[p] == WID(r)+1 && pawgen[p] == rgen[r])
 #endif
 
+/* the broker's write-done notice on EndWrite: success, the lease current (epoch included) and
+ * this writer's BeginWrite the one active on it, all checked in the same step as EndWrite */
+#if defined(MUT_NOTICE_UNCHECKED)
+#define NOTICE_OK(p,r) wok[r]                         /* any successful EndWrite */
+#elif defined(MUT_NOTICE_ON_FAILURE)
+#define NOTICE_OK(p,r) (LEASE_CUR(r) && ACKMATCH(p, r)) /* whatever success says */
+#else
+#define NOTICE_OK(p,r) (wok[r] && LEASE_CUR(r) && ACKMATCH(p, r))
+#endif
+/* Run: decode takes a notice only if its prompt digest is the Run's (the bytes are this prompt's) */
+#ifdef MUT_NOTICE_NO_PROMPT
+#define PROMPTOK(r) 1
+#else
+#define PROMPTOK(r) (!wdx[r])
+#endif
+/* one ordered stream: a revocation of r logged after r's write-done notice is delivered after it */
+#ifdef MUT_NOTICE_UNORDERED
+#define AFTER_NOTICE(r) 1                             /* a revocation may overtake the notice */
+#else
+#define AFTER_NOTICE(r) (!(wdq[r] && !wdlate[r]))
+#endif
+/* a revocation that reaches a Run before its write-done notice: decode may drop it (the model
+ * does: the worst case). One that comes after the notice ends the Run, even before it joins */
+#ifdef MUT_RUN_DROPS_REVOCATION
+#define DROPPED(r) (rrun[r] && !reading[r])            /* dropped until the Run joins the batch */
+#else
+#define DROPPED(r) (rrun[r] && !wdd[r] && !reading[r])
+#endif
+/* the blind stop ends every request decode holds, Runs waiting for their notice included */
+#ifdef MUT_BLIND_SPARES_RUN
+#define BLINDED(k) (!(rrun[k] && !wdd[k] && !reading[k]))
+#else
+#define BLINDED(k) 1
+#endif
+/* what a Run waits for before verify_prompt_pages */
+#ifdef MUT_RUN_NO_NOTICE
+#define RUN_READY(r) (result[r] == DONE)               /* prefill's own answer, relayed */
+#else
+#define RUN_READY(r) wdd[r]
+#endif
+
 #define LIVE_R(r) (reading[r] && !revoked[r] && EPOK(r))
 #define TWO_LIVE(a,b) (LIVE_R(a) && LIVE_R(b) && rpage[a] == rpage[b])
 
@@ -320,9 +381,21 @@ inline release(r) {
   fi
 }
 
+/* the write-done notice of r's write (other: another prompt's), logged on the pool's revocation
+ * stream after every revocation of r logged before it. Only a Run waits for it: for an old-path
+ * request decode ignores it, so it is not logged (fewer states, no behaviour lost) */
+inline notice(r, other) {
+  wdq[r] = 1; wdx[r] = other; wdlate[r] = rvq[r];
+  printf("WRITEDONE r%d's write-done notice logged (another prompt's digest: %d)\n", r, other)
+}
+
 /* LeaseTable.end_write */
 inline end_write(r) {
   p = rpage[r];
+  if                                                 /* checked before the write is cleared */
+  :: rrun[r] && !wdq[r] && !wdd[r] && NOTICE_OK(p, r) -> notice(r, 0)
+  :: else
+  fi;
   if
   :: EPOK(r) && ACKMATCH(p, r) && HOLD_FAILED(r) ->
      paw[p] = FAILW;                                 /* its writes may land until the bound */
@@ -422,7 +495,7 @@ inline blind_stop() {
   do
   :: k < NR ->
      if
-     :: rpage[k] != NONE && !rdone[k] -> revoked[k] = 1
+     :: rpage[k] != NONE && !rdone[k] && BLINDED(k) -> revoked[k] = 1
      :: else
      fi;
      k++
@@ -560,11 +633,11 @@ proctype Writer(byte r) {                            /* prefill: servicer._prefi
     do
     :: ackdone[r] -> break
 #ifdef MUT_ENDWRITE_GIVEUP
-    :: atomic { !ackdone[r] && ackq[r] == 0 && !sent -> ackq[r]++; sent = 1;
+    :: atomic { !ackdone[r] && ackq[r] == 0 && !sent -> ackq[r]++; sent = 1; wok[r] = ok;
                 printf("ENDWRITE  r%d sent (ok=%d)\n", r, ok) }
     :: atomic { !ackdone[r] && ackq[r] == 0 && sent -> printf("ENDWRITE  r%d: gives up\n", r); break }
 #else
-    :: atomic { !ackdone[r] && ackq[r] == 0 -> ackq[r]++; printf("ENDWRITE  r%d sent (ok=%d)\n", r, ok) }
+    :: atomic { !ackdone[r] && ackq[r] == 0 -> ackq[r]++; wok[r] = ok; printf("ENDWRITE  r%d sent (ok=%d)\n", r, ok) }
 #endif
     od;
     atomic { result[r] = (ok -> DONE : FAILED); wfin[r] = 1; printf("PREFILL   r%d answers %e\n", r, PRESULT(result[r])) };
@@ -577,7 +650,16 @@ proctype Reader(byte r) {                            /* decode: Allocate, Decode
   byte p;
   byte i;
   if
-  :: atomic { npst[FREE] > 0 -> grant(r) }
+  :: atomic { npst[FREE] > 0 -> grant(r);
+              if
+              :: (ANYPATH >> r) & 1 ->
+                 if
+                 :: skip                             /* Allocate; Decode after prefill answered */
+                 :: rrun[r] = 1
+                 fi
+              :: else -> rrun[r] = (RUNPATH >> r) & 1
+              fi;
+              printf("PATH      r%d: %d (1: Run, one stream, destination first; 0: Allocate, Decode)\n", r, rrun[r]) }
 #ifdef LEASE_FAULTS
   :: atomic { npst[FREE] > 0 && budget > 0 -> budget--; grant(r);   /* fault: the reply is lost */
               printf("GRANT     FAULT reply to r%d lost: decode never learns of page %d\n", r, rpage[r]);
@@ -590,9 +672,10 @@ proctype Reader(byte r) {                            /* decode: Allocate, Decode
   :: atomic { wfin[r] = 1; printf("CANCEL    r%d before dispatch\n", r); goto out }
   fi;
   if
-  :: result[r] == DONE
-  :: result[r] == FAILED -> goto out
-  :: atomic { printf("CANCEL    r%d while prefill runs\n", r); goto out }
+  :: !rrun[r] && result[r] == DONE                    /* old path: prefill's answer */
+  :: !rrun[r] && result[r] == FAILED -> goto out
+  :: rrun[r] && RUN_READY(r)                          /* Run: the broker's write-done notice */
+  :: atomic { printf("CANCEL    r%d while it waits (old path: for prefill; Run: for its notice)\n", r); goto out }
   fi;
   atomic {                                           /* verify_prompt_pages */
     p = rpage[r];
@@ -601,6 +684,15 @@ proctype Reader(byte r) {                            /* decode: Allocate, Decode
     if
     :: TAGOK(p, r) && COVERAGE(p) && CHECKSUM(p) -> p = 0
     :: else -> p = 0; goto out                       /* DATA_LOSS */
+    fi;
+    if                                               /* Run: the notice is the validation */
+    :: rrun[r] ->
+       printf("RUN       r%d: the notice's prompt digest is the Run's: %d\n", r, PROMPTOK(r));
+       if
+       :: PROMPTOK(r) -> reading[r] = 1; goto steps  /* no Validate */
+       :: else -> goto out                           /* DATA_LOSS */
+       fi
+    :: else
     fi
   }
   atomic {                                           /* broker Validate */
@@ -610,6 +702,7 @@ proctype Reader(byte r) {                            /* decode: Allocate, Decode
     :: else -> goto out
     fi
   }
+steps:
   do
   :: i < NSTEPS ->
      atomic {
@@ -666,7 +759,12 @@ gone:
   :: atomic { ackq[r] > 0 -> ackq[r]--; end_write(r) } \
   :: atomic { ackq[r] > 0 && budget > 0 -> budget--; ackq[r]--; printf("NET       FAULT EndWrite of r%d lost\n", r) } \
   :: atomic { ackq[r] > 0 && budget > 0 -> budget--; ackq[r]++; printf("NET       FAULT EndWrite of r%d duplicated\n", r) } \
-  :: atomic { rvq[r] -> rvq[r] = 0; revoked[r] = 1; printf("NOTICE    r%d learns of its revocation\n", r) } \
+  :: atomic { rvq[r] && AFTER_NOTICE(r) -> rvq[r] = 0; \
+              if :: DROPPED(r) -> \
+                    printf("NOTICE    r%d's revocation reaches a Run that does not read yet: decode drops it\n", r) \
+                 :: else -> revoked[r] = 1; printf("NOTICE    r%d learns of its revocation\n", r) fi } \
+  :: atomic { wdq[r] && !(rvq[r] && wdlate[r]) -> wdq[r] = 0; wdd[r] = 1; \
+              printf("NOTICE    r%d's write-done notice reaches decode\n", r) } \
   NODROP(r)
 #ifdef MUT_NO_CURSOR
 /* no cursor: a notice the stream drops is never sent again; the stream itself stays up */
@@ -678,7 +776,10 @@ gone:
 /* in order: data lands, tag lands, transfer error or timeout reported (fault; its writes
  * stay in flight), silent loss (fault),
  * EndWrite delivered, EndWrite lost (fault), EndWrite duplicated (fault),
- * revocation notice delivered (late: the stream delays, disconnects, resumes) */
+ * revocation notice delivered (late: the stream delays, disconnects, resumes; after a write-done
+ * notice of r logged before it), write-done notice delivered (likewise ordered). A revocation
+ * reaching a Run that has no notice yet may be dropped by decode: the model drops it (the worst
+ * case; the Run can be cancelled at any time) */
 
 proctype Net() {
   byte p;
@@ -750,6 +851,7 @@ end:
   :: atomic { budget > 0 && BEGIN_OK(r) -> budget--; pwrit[rpage[r]] = 1; \
               d0[rpage[r]] = rstamp[r] + OTHER; d1[rpage[r]] = rstamp[r] + OTHER; \
               tstamp[rpage[r]] = rstamp[r] + OTHER; tntok[rpage[r]] = 2; \
+              if :: rrun[r] -> notice(r, 1) :: else fi; \
               printf("REPLAY    FAULT a second Prefill of r%d's lease writes another prompt's KV to page %d\n", r, rpage[r]) }
 #endif
 
