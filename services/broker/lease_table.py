@@ -125,7 +125,7 @@ class LeaseTable(ReaderLiveness):
 
     def end_write(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], writer_id: str,
                   success: bool, nothing_posted: bool = False, written: tuple | None = None) -> int:
-        """written: (num_tokens, checksums, first_token) of a successful write. When, at this instant, every lease
+        """written: (num_tokens, checksums, first_token, prompt digest) of a successful write. When, at this instant, every lease
         is the owner's current one and this writer is the one active on it, a write-done notice carrying them goes
         on the pool's revocation log (after any revocation of the owner, before any later one): decode reads on it
         without a Validate call, as the generation is sealed and no other writer can begin on it."""

@@ -13,7 +13,8 @@ class Revocation(NamedTuple):
     epoch: int
     reason: str
     seq: int = 0  # 1, 2, ... per pool within an epoch; 0 only before it is logged
-    # a write-done notice, not a revocation: (leases, num_tokens, checksums, first_token) the writer reported
+    # a write-done notice, not a revocation: (leases, num_tokens, checksums, first_token, prompt digest) the writer
+    # reported
     written: tuple | None = None
 
 

@@ -92,7 +92,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
     async def EndWrite(self, request: broker_pb2.EndWriteRequest,
                        context: grpc.aio.ServicerContext) -> broker_pb2.EndWriteResponse:
         cov = request.coverage
-        written = (cov.num_tokens, tuple(cov.checksums), request.first_token) if request.HasField("coverage") else None
+        written = (cov.num_tokens, tuple(cov.checksums), request.first_token, request.prompt_digest) \
+            if request.HasField("coverage") else None
         last_seq = self._last_seq(request.pool_id)
         num = await self._call(context, self._table.end_write, request.pool_id, request.owner, request.epoch,
                                _leases(request.leases), request.writer_id, request.success,

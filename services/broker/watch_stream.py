@@ -20,8 +20,8 @@ log = logging.getLogger(__name__)
 def _pb(event) -> broker_pb2.Revocation:
     msg = broker_pb2.Revocation(owner=event.owner, epoch=event.epoch, reason=event.reason, seq=event.seq)
     if event.written is not None:
-        leases, num_tokens, checksums, first_token = event.written
-        msg.write_done, msg.first_token = True, first_token
+        leases, num_tokens, checksums, first_token, digest = event.written
+        msg.write_done, msg.first_token, msg.prompt_digest = True, first_token, digest
         msg.leases.extend(common_pb2.PageLease(page=p, generation=g) for p, g in leases)
         msg.coverage.num_tokens, msg.coverage.num_pages = num_tokens, len(checksums)
         msg.coverage.checksums.extend(checksums)

@@ -1,7 +1,10 @@
 """Conversions between protobuf messages and plain Python values shared by the services."""
 from __future__ import annotations
 
+import hashlib
+
 import grpc
+import numpy as np
 
 from ..engine.sampler import SamplingParams, TokenLogprobs
 from .errors import from_rpc_error
@@ -14,6 +17,12 @@ def leases_to_pb(leases: list[tuple[int, int]]) -> list:
 
 def leases_from_pb(msgs) -> list[tuple[int, int]]:
     return [(m.page, m.generation) for m in msgs]
+
+
+def prompt_digest(token_ids) -> bytes:
+    """BLAKE2b-128 of the prompt's token ids (int32, little-endian): what ties a write-done notice to the prompt
+    the Run was opened for."""
+    return hashlib.blake2b(np.asarray(token_ids, dtype="<i4").tobytes(), digest_size=16).digest()
 
 
 def sampling_from_pb(m) -> SamplingParams:

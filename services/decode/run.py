@@ -18,7 +18,7 @@ import grpc
 
 from ..common.deadline import deadline_of, deadline_exceeded
 from ..common.drain import draining_error
-from ..common.errors import PdError
+from ..common.errors import PdError, invalid
 from ..common.config import pages_for
 from ..common.metrics import LEASE_VIOLATIONS, OVERLOAD_REJECTIONS, TIMEOUTS
 from ..common.proto import decode_pb2
@@ -63,12 +63,14 @@ class RunStream:
     async def Run(self, request, context):
         owner, deadline = request.request_id, deadline_of(context)
         sampling = request.sampling
+        if len(request.prompt_digest) != 16:
+            raise invalid("BAD_PROMPT_DIGEST", f"prompt_digest must be 16 bytes, got {len(request.prompt_digest)}")
         alloc = await self._granted(owner, request.num_prompt_tokens, sampling.max_tokens, deadline)
         fut = self.notices[owner] = asyncio.get_running_loop().create_future()
         taken = False
         try:
             yield decode_pb2.RunEvent(destination=self.destination(alloc))
-            notice = await self._notice(owner, alloc, fut, deadline)
+            notice = await self._notice(owner, alloc, fut, deadline, request.prompt_digest)
             if self.allocations.get(owner) is not alloc:
                 raise self._gone(owner, alloc)
             del self.allocations[owner]
@@ -92,7 +94,7 @@ class RunStream:
         return PdError(grpc.StatusCode.DATA_LOSS, "REVOKED", f"request {owner.hex()}'s allocation ended (revoked, "
                                                              "released or expired) before its KV was written")
 
-    async def _notice(self, owner: bytes, alloc, fut: asyncio.Future, deadline: float | None):
+    async def _notice(self, owner: bytes, alloc, fut: asyncio.Future, deadline: float | None, digest: bytes):
         """The write-done notice, or an error once the allocation ends, the broker moves or time runs out."""
         end = alloc.deadline if deadline is None else min(alloc.deadline, deadline)
         while not fut.done():
@@ -118,6 +120,13 @@ class RunStream:
             raise PdError(grpc.StatusCode.DATA_LOSS, "NOTICE_MISMATCH",
                           f"the write-done notice of {owner.hex()} names {len(named)} leases of epoch "
                           f"{notice.epoch:#x}; its {n} prompt pages are {alloc.leases[:n]} of epoch {alloc.epoch:#x}")
+        if notice.prompt_digest != digest:
+            # the leases were written with another prompt's KV (a replayed or hostile Prefill won BeginWrite):
+            # tags and checksums are the writer's own and match; only the digest tells (found by the formal model)
+            LEASE_VIOLATIONS.labels("decode", "PROMPT_MISMATCH").inc()
+            raise PdError(grpc.StatusCode.DATA_LOSS, "PROMPT_MISMATCH",
+                          f"the write-done notice of {owner.hex()} is for prompt digest {notice.prompt_digest.hex()}; "
+                          f"this request's prompt has digest {digest.hex()}")
         return notice
 
     async def _granted(self, owner: bytes, num_prompt: int, max_tokens: int, deadline: float | None):

@@ -19,7 +19,7 @@ from ..common.errors import PdError, from_rpc_error
 from ..common.metrics import ITL, REQUESTS, TIMEOUTS, TTFT
 from ..common.proto import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 from ..common.deadline import deadline_exceeded, deadline_of, timeout_within
-from ..common.wire import call, sampling_from_pb
+from ..common.wire import call, prompt_digest, sampling_from_pb
 from .admit import admit
 from .limits import ConcurrencyLimit
 from .responses import Responses
@@ -134,7 +134,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """Three round trips to the first token: decode's Run stream grants pages (waiting in decode's queue when
         the pool is full) and sends the destination; prefill writes there and acks to the broker; the broker's
         write-done notice starts decode, whose first token comes down the same stream."""
-        run = decode_pb2.RunRequest(request_id=request_id, num_prompt_tokens=len(tokens), sampling=sampling)
+        run = decode_pb2.RunRequest(request_id=request_id, num_prompt_tokens=len(tokens), sampling=sampling,
+                                    prompt_digest=prompt_digest(tokens))
         if sampling_from_pb(sampling).repetition_penalty != 1.0:
             run.prompt_token_ids.extend(tokens)  # the penalty counts prompt tokens
         stream = decode.stub.Run(run, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))

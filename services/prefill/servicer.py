@@ -17,7 +17,8 @@ from ..common.metrics import (GUARD_SECONDS, LEASE_VIOLATIONS, SOURCE_PAGES_HELD
                               TRANSFER_FAILURES, TRANSFER_SECONDS)
 from ..common.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from ..common.tasks import spawn
-from ..common.wire import layout_to_pb, leases_from_pb, leases_to_pb, logprobs_to_pb, sampling_from_pb
+from ..common.wire import (layout_to_pb, leases_from_pb, leases_to_pb, logprobs_to_pb, prompt_digest,
+                           sampling_from_pb)
 from ..engine.tags import TAG_NBYTES
 from ..kvtransfer.engine import TransferError
 from .batcher import Batcher, Queued
@@ -210,7 +211,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 write.add_done_callback(lambda fut: spawn(self._late_finish(fut, local, progress, end)))
             else:
                 # a successful EndWrite carries what decode needs to start: the broker's notice hands it over
-                await self._finish(local, progress, end, ok, coverage, fwd.first_token)
+                await self._finish(local, progress, end, ok, coverage, fwd.first_token,
+                                   prompt_digest(request.token_ids) if ok else b"")
 
     async def _late_finish(self, write: asyncio.Future, local: list[int], progress: Progress, end: tuple) -> None:
         """A write that outlived its timeout has returned: count how it ended, then acknowledge it."""
@@ -221,7 +223,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         await self._finish(local, progress, end, False)
 
     async def _finish(self, local: list[int], progress: Progress, end: tuple, ok: bool, coverage=None,
-                      first_token: int = 0) -> None:
+                      first_token: int = 0, digest: bytes = b"") -> None:
         """Frees the source pages and acknowledges the write. A failed write that posted anything may still be
         reading the source pages and landing bytes: the broker holds the destination for lock_delay from its
         ack, and the source pages stay out of reuse for the landing bound from now (the call has returned)."""
@@ -230,7 +232,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         else:
             spawn(self._free_local_after(local, self.leases.max_landing_s))
         await self.leases.end(*end, ok, nothing_posted=not progress.posted, coverage=coverage,
-                              first_token=first_token)
+                              first_token=first_token, prompt_digest=digest)
 
     async def _free_local_after(self, local: list[int], delay_s: float) -> None:
         SOURCE_PAGES_HELD.inc(len(local))

@@ -79,13 +79,15 @@ class WriteLeases:
         return expires, self.renewals.add(writer_id, epoch, expires), resp.region
 
     async def end(self, pool_id, owner, epoch, leases_pb, writer_id: str, ok: bool, nothing_posted: bool,
-                  coverage=None, first_token: int = 0) -> None:
-        """coverage and first_token (of a successful write) go into the broker's write-done notice to decode."""
+                  coverage=None, first_token: int = 0, prompt_digest: bytes = b"") -> None:
+        """coverage, first_token and the prompt's digest (of a successful write) go into the broker's write-done
+        notice to decode."""
         if FAULTS.fire("prefill.lose_end_write") is not None:
             return
         req = broker_pb2.EndWriteRequest(pool_id=pool_id, owner=owner, epoch=epoch, leases=leases_pb,
                                          writer_id=writer_id, success=ok, nothing_posted=nothing_posted and not ok,
-                                         coverage=coverage if ok else None, first_token=first_token if ok else 0)
+                                         coverage=coverage if ok else None, first_token=first_token if ok else 0,
+                                         prompt_digest=prompt_digest if ok else b"")
         for attempt in range(3):  # the acknowledgement matters: the pages stay quarantined without it
             try:
                 with GUARD_SECONDS.labels("end_write_rpc").time():
@@ -134,6 +136,7 @@ class Renewals:
                     expires[0] = 0.0  # a new broker epoch: check_alive now refuses every further post
                     log.warning("writer %s: broker epoch is %#x, its leases are of %#x", writer_id, resp.epoch, epoch)
                 elif writer_id in refused:
+                    expires[0] = 0.0  # not renewed: check_alive refuses every further post at once
                     log.warning("KeepAlive of %s refused: its pool is fenced", writer_id)
                 elif writer_id in self.writes:
                     expires[0] = sent + self.leases.writer_ttl_s

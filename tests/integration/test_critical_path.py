@@ -1,12 +1,18 @@
 """The short critical path (issue 12) on the default stack: per request exactly one decode Run stream and one
 Prefill call, at the broker one Grant, one BeginWrite and one EndWrite and no Validate (the write-done notice
 stands for it); a full decode pool makes requests wait in decode's queue, and they complete with the reference's
-tokens once pages are given back."""
+tokens once pages are given back; a write of another prompt under a Run's leases is refused."""
 import concurrent.futures
+import secrets
 import time
 
+import grpc
+import pytest
+
+from pdserve.common.errors import from_rpc_error
 from pdserve.common.proto import common_pb2, decode_pb2
-from tests.integration.helpers import allocate, prompt, wait_no_leases
+from pdserve.common.wire import prompt_digest
+from tests.integration.helpers import allocate, prefill, prompt, sampling, wait_no_leases
 
 METHODS = {"broker": ("Grant", "BeginWrite", "EndWrite", "Validate"), "decode": ("Run", "Allocate", "Decode"),
            "prefill": ("Prefill",)}
@@ -53,4 +59,27 @@ def test_a_full_pool_queues_requests_in_decode_until_pages_come_back(stack, orac
     assert depth == len(held) + 3 and not done_early, (depth, len(held))  # all three waited in decode's queue
     assert all("error" not in o for o in outs), outs
     oracle.check_many([(p, o["token_ids"]) for p, o in zip(prompts, outs)])
+    assert all(s.num_leased == 0 for s in wait_no_leases(stack))
+
+
+def test_a_run_refuses_the_write_of_another_prompt_under_its_leases(stack):
+    """A replayed or hostile Prefill that reaches BeginWrite first writes another prompt's KV with its own matching
+    tags and checksums; the broker's notice carries that prompt's digest, and decode refuses it (the formal model's
+    notice_without_prompt). The real Prefill then finds the lease already written."""
+    mine, other = prompt(40, 700), prompt(40, 701)
+    rid = secrets.token_bytes(16)
+    run = stack.decodes[0].Run(decode_pb2.RunRequest(request_id=rid, num_prompt_tokens=len(mine),
+                                                     sampling=sampling(4), prompt_digest=prompt_digest(mine)),
+                               timeout=60)
+    dest = next(run).destination
+    before = stack.metric("decode", "pdserve_lease_violations_total", {"reason": "PROMPT_MISMATCH"})
+    prefill(stack, rid, other, dest, 4)  # the hostile write: served, its EndWrite sends the notice
+    with pytest.raises(grpc.RpcError) as e:
+        next(run)
+    err = from_rpc_error(e.value)
+    assert (err.code, err.reason) == (grpc.StatusCode.DATA_LOSS, "PROMPT_MISMATCH"), err
+    assert stack.metric("decode", "pdserve_lease_violations_total", {"reason": "PROMPT_MISMATCH"}) == before + 1
+    with pytest.raises(grpc.RpcError) as e:
+        prefill(stack, rid, mine, dest, 4)
+    assert from_rpc_error(e.value).reason in ("LEASE_ALREADY_WRITTEN", "LEASE_NOT_CURRENT")
     assert all(s.num_leased == 0 for s in wait_no_leases(stack))

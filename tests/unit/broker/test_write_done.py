@@ -3,7 +3,7 @@ so it must appear exactly when Validate would pass at the EndWrite instant, once
 from pdserve.broker.lease_table import LeaseError
 from tests.unit.broker.test_lease_table import A, B, make, refused
 
-WRITTEN = (32, (11, 22), 5)  # num_tokens, checksums, first_token
+WRITTEN = (32, (11, 22), 5, b"d" * 16)  # num_tokens, checksums, first_token, prompt digest
 
 
 def notices(table):

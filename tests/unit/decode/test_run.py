@@ -9,6 +9,8 @@ import grpc
 import pytest
 
 from pdserve.common.errors import PdError
+from pdserve.common.proto import broker_pb2, common_pb2
+from pdserve.common.wire import prompt_digest
 from pdserve.decode.run import RunStream
 
 
@@ -109,12 +111,14 @@ class Waiting(RunStream):
             asyncio.get_running_loop().call_later(0.05, act)
         if notice is not None:
             self.on_notice(notice)
-        return await self._notice(b"o", self.alloc, fut, None)
+        return await self._notice(b"o", self.alloc, fut, None, DIGEST)
 
 
-def _notice(leases, epoch=7):
-    from pdserve.common.proto import broker_pb2, common_pb2
-    return broker_pb2.Revocation(owner=b"o", epoch=epoch, write_done=True, first_token=3,
+DIGEST = prompt_digest([5, 6, 7])
+
+
+def _notice(leases, epoch=7, digest=DIGEST):
+    return broker_pb2.Revocation(owner=b"o", epoch=epoch, write_done=True, first_token=3, prompt_digest=digest,
                                  leases=[common_pb2.PageLease(page=p, generation=g) for p, g in leases])
 
 
@@ -138,3 +142,13 @@ def test_the_matching_notice_is_returned_and_an_ended_allocation_or_lost_stream_
     with pytest.raises(PdError) as e:
         asyncio.run(gap.wait(act=lambda: gap.notices_lost("test gap")))
     assert (e.value.code, e.value.reason) == (grpc.StatusCode.UNAVAILABLE, "NOTICE_LOST")
+
+
+def test_a_notice_of_another_prompt_under_these_leases_is_refused():
+    """A replayed or hostile Prefill that won BeginWrite writes its own prompt with matching tags and checksums: only
+    the digest differs (the formal model's notice_without_prompt)."""
+    other = prompt_digest([5, 6, 8])
+    assert other != DIGEST and prompt_digest([5, 6, 7]) == DIGEST
+    with pytest.raises(PdError) as e:
+        asyncio.run(Waiting().wait(_notice([(4, 9), (5, 9), (6, 9)], digest=other)))
+    assert (e.value.code, e.value.reason) == (grpc.StatusCode.DATA_LOSS, "PROMPT_MISMATCH")

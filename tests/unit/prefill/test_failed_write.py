@@ -65,10 +65,12 @@ class FakeLeases:
     async def begin(self, pool_id, owner, epoch, leases_pb, writer_id, deadline=None):
         return [time.monotonic() + 60], asyncio.create_task(asyncio.sleep(3600)), self.region
 
-    async def end(self, pool_id, owner, epoch, leases_pb, writer_id, ok, nothing_posted, coverage=None, first_token=0):
+    async def end(self, pool_id, owner, epoch, leases_pb, writer_id, ok, nothing_posted, coverage=None, first_token=0,
+                  prompt_digest=b""):
         self.acks.append((owner, ok, nothing_posted))
         # what the broker's write-done notice hands to decode: only a successful write carries it
         assert (coverage is not None) == ok and (coverage is None or coverage.num_tokens > 0)
+        assert len(prompt_digest) == (16 if ok else 0)
 
 
 def request(servicer, owner: bytes, marker: int, pages: list[int]) -> prefill_pb2.PrefillRequest:
