@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict
 
 from .plan import CONTEXT
-from .run_common import RESULTS, ROOT, ensure_model, log
+from .run_common import RESULTS, ROOT, ensure_model, log, under_flood
 from .stack import BenchStack, cpu_seconds, machine_cpu_seconds
 from .workload import fmt_ci, make_prompts, mean_ci
 
@@ -57,22 +57,9 @@ def _children_cpu() -> float:
 
 def pair(stack: BenchStack, args: list[str], prompts, concurrency: int, rate: float) -> dict:
     alone, _ = stack.run("pdserve", "tiny", prompts, concurrency)
-    proc = subprocess.Popen(flood_cmd(stack, args) + ["--rate", str(rate), "--seconds", "120", "--concurrency", "64",
-                                                      "--stop-on-stdin"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        if '"ready"' not in (first := proc.stdout.readline()):
-            raise RuntimeError(f"flood did not start: {first} {proc.stderr.read()[-2000:]}")
-        time.sleep(0.2)  # the flood reaches its rate before the measured traffic starts
-        flooded, _ = stack.run("pdserve+flood", "tiny", prompts, concurrency)
-        proc.stdin.write("stop\n")
-        proc.stdin.flush()
-        fl = json.loads(proc.stdout.readline())
-        proc.wait(60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(5)
+    (flooded, _), fl = under_flood(flood_cmd(stack, args) + ["--rate", str(rate), "--seconds", "120",
+                                                              "--concurrency", "64", "--stop-on-stdin"],
+                                   lambda: stack.run("pdserve+flood", "tiny", prompts, concurrency))
     return {"alone": asdict(alone), "flood": asdict(flooded), "flood_stats": fl}
 
 

@@ -1,8 +1,10 @@
 """What every bench step shares: the paths, the progress log and the checkpoints (written once, then reused)."""
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,3 +37,24 @@ def ensure_model(preset: str) -> str:
         log(f"writing the {preset} checkpoint to {os.path.relpath(path, ROOT)} (seed 0) ...")
         make_model(path, preset, 0)
     return path
+
+
+def under_flood(flood_cmd: list[str], measure):
+    """measure()'s result while `python -m pdserve.bench.flood ... --stop-on-stdin` (flood_cmd) runs, and the flood's
+    own stats (its JSON line once told to stop)."""
+    proc = subprocess.Popen(flood_cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=ROOT)
+    try:
+        if '"ready"' not in (first := proc.stdout.readline()):
+            raise RuntimeError(f"flood did not start: {first} {proc.stderr.read()[-2000:]}")
+        time.sleep(0.2)  # the flood reaches its rate before the measured traffic starts
+        result = measure()
+        proc.stdin.write("stop\n")
+        proc.stdin.flush()
+        stats = json.loads(proc.stdout.readline())
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    return result, stats

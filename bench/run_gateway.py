@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from .run_common import RESULTS, ROOT, ensure_model, log
+from .run_common import RESULTS, ROOT, ensure_model, log, under_flood
 
 FLOOD_RATE = 5000  # over-long prompts/s beside the admitted traffic: issue 12's target rate
 
@@ -65,23 +65,9 @@ class GatewaySteps:
             f"under a {FLOOD_RATE:,}/s over-long flood, {self.plan.repeats} interleaved pairs")
         for i in range(self.plan.repeats):
             alone, _ = stack.run("pdserve", pp.preset, prompts, cell.concurrency)
-            proc = subprocess.Popen(cmd + ["--rate", str(FLOOD_RATE), "--seconds", "120", "--concurrency", "128",
-                                           "--stop-on-stdin"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, cwd=ROOT)
-            try:
-                first = proc.stdout.readline()
-                if '"ready"' not in first:
-                    raise RuntimeError(f"flood did not start: {first} {proc.stderr.read()[-2000:]}")
-                time.sleep(0.2)  # the flood reaches its rate before the measured traffic starts
-                loaded, _ = stack.run("pdserve+flood", pp.preset, prompts, cell.concurrency)
-                proc.stdin.write("stop\n")
-                proc.stdin.flush()
-                fl = json.loads(proc.stdout.readline())
-                proc.wait(60)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait(5)
+            (loaded, _), fl = under_flood(cmd + ["--rate", str(FLOOD_RATE), "--seconds", "120", "--concurrency",
+                                                 "128", "--stop-on-stdin"],
+                                          lambda: stack.run("pdserve+flood", pp.preset, prompts, cell.concurrency))
             pairs.append({"alone": asdict(alone), "flood": asdict(loaded), "flood_stats": fl})
             log(f"  pair {i + 1}: alone {alone.out_tok_s:.0f} tok/s, TTFT p50 {alone.ttft_p50 * 1e3:.1f} ms | "
                 f"flooded {loaded.out_tok_s:.0f} tok/s, TTFT p50 {loaded.ttft_p50 * 1e3:.1f} ms, "
