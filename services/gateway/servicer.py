@@ -160,6 +160,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 await asyncio.wait({pf, first}, return_when=asyncio.FIRST_COMPLETED)
                 if pf.done() and pf.exception() is not None:
                     raise self._prefill_error(pf.exception(), deadline)
+                if not pf.done() and isinstance(first.exception(), PdError) and \
+                        first.exception().code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    TIMEOUTS.labels("prefill").inc()
+                    raise deadline_exceeded(deadline, "during prefill") if deadline is not None else first.exception()
                 if not first.done():
                     # prefill's EndWrite was answered before it replied: the notice is on its way to decode, unless
                     # the ack was lost, and then the pages wait for the writer's liveness to lapse (retryable)
@@ -211,11 +215,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _next(self, stream, decode: Backend, deadline: float | None, when: str):
         """The stream's next event (None at its end), within the gap bound and the request's deadline."""
         gap = timeout_within(deadline, self.token_timeout_s, when)
+        by_deadline = gap < self.token_timeout_s  # the request's deadline, not the gap bound, is what ends the wait
         try:
             r = await asyncio.wait_for(stream.read(), gap)
         except asyncio.TimeoutError:
             TIMEOUTS.labels("decode").inc()
-            if deadline is not None and time.monotonic() >= deadline:
+            if by_deadline:
                 raise deadline_exceeded(deadline, when) from None
             raise PdError(grpc.StatusCode.DEADLINE_EXCEEDED, "DECODE_STALLED",
                           f"decode {decode.target} sent nothing for {self.token_timeout_s:.0f}s ({when})") from None
