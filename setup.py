@@ -64,4 +64,4 @@ def packages() -> list[str]:
 # every build step (egg_info lists pdserve.v1's files, build_py copies them, an editable install points at
 # them) needs the stubs: they are generated first, from the protos as they are now (cheap, and never stale)
 generate_stubs()
-setup(packages=packages(), package_data={"pdserve.v1": ["*.pyi"]}, cmdclass={"gen_stubs": GenStubs})
+setup(packages=packages(), package_data={"pdserve.v1": ["*.pyi"], "pdserve.bench": ["*.sh"]}, cmdclass={"gen_stubs": GenStubs})
