@@ -132,7 +132,13 @@ class RunStream:
     async def _granted(self, owner: bytes, num_prompt: int, max_tokens: int, deadline: float | None):
         """An allocation, after waiting in order while the pool has too few free pages."""
         need = self.admit_allocation(owner, num_prompt, max_tokens)
-        # everyone queues, so nobody overtakes a waiter whose Grant is in flight; the head tries at once
+        if not self._queue:  # nobody waits: Grants go out side by side, as many as arrive
+            try:
+                return await self.grant(owner, num_prompt, max_tokens, need, deadline)
+            except PdError as e:
+                if e.code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+        # short of pages: queue behind whoever already waits (even one whose retry is in flight), oldest first
         if len(self._queue) >= self.queue_limit:
             OVERLOAD_REJECTIONS.labels("decode", "allocation_queue").inc()
             raise PdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "OVERLOADED",
