@@ -135,7 +135,7 @@ class LeaseTable(ReaderLiveness):
             return 0
         pool = self._pool(pool_id)
         leases = list(leases)
-        if success and written is not None and leases and self._written_by(pool, owner, leases, writer_id):
+        if success and written is not None and self._written_by(pool, owner, leases, writer_id):
             pool.revocations.append(owner, epoch, "WRITE_DONE", (tuple(leases), *written))
         num_unquarantined = 0
         # a failed or timed-out write is no proof that nothing is in flight: the transport returns as soon as one
@@ -160,13 +160,10 @@ class LeaseTable(ReaderLiveness):
     @staticmethod
     def _written_by(pool, owner: bytes, leases: list[Lease], writer_id: str) -> bool:
         """Every lease is owner's current one, and writer_id's write of that generation is the one active on it."""
-        for page_id, generation in leases:
-            if not 0 <= page_id < pool.num_pages:
-                return False
-            page = pool.pages[page_id]
-            if (page.state is not PageState.LEASED or page.owner != owner or page.generation != generation
-                    or page.active_writer != (writer_id, generation)):
-                return False
+        try:
+            pool.checked_pages(owner, leases, writer_id)
+        except LeaseError:
+            return False
         return True
 
     def validate(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease]) -> None:

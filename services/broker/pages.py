@@ -67,8 +67,9 @@ class PoolPages:
         self.free = [i for i in self.free if i not in self.quarantined]
         heapq.heapify(self.free)
 
-    def checked_pages(self, owner: bytes, leases: list[Lease]) -> list[Page]:
-        """The pages of leases, if every one is current and has no active writer."""
+    def checked_pages(self, owner: bytes, leases: list[Lease], writer_id: str | None = None) -> list[Page]:
+        """The pages of leases, if every one is current and has no active writer (with writer_id: its write of that
+        generation is the active one, what a write-done notice stands for)."""
         check_owner(owner)
         if not leases:
             raise LeaseError("INVALID_ARGUMENT", "NO_LEASES", "at least 1 lease is required; 0 given")
@@ -86,7 +87,7 @@ class PoolPages:
                                  f"(page is {page.state.name} at generation {page.generation})")
             pages.append(page)
         for (page_id, generation), page in zip(leases, pages):
-            if page.active_writer is not None:
+            if page.active_writer != (None if writer_id is None else (writer_id, generation)):
                 raise LeaseError("FAILED_PRECONDITION", "WRITER_ACTIVE",
                                  f"page {page_id} generation {generation} is being written by {page.active_writer}")
         return pages

@@ -78,7 +78,7 @@ class RunStream:
             dreq = decode_pb2.DecodeRequest(request_id=owner, num_prompt_tokens=request.num_prompt_tokens,
                                             first_token=notice.first_token, sampling=sampling,
                                             coverage=notice.coverage, prompt_token_ids=request.prompt_token_ids)
-            async for r in self.decode_stream(dreq, alloc, deadline, notice):
+            async for r in self.decode_stream(dreq, alloc, deadline, validate=False):
                 yield decode_pb2.RunEvent(token=r)
         finally:
             self.notices.pop(owner, None)

@@ -178,9 +178,9 @@ class DecodeServicer(BrokerWatch, RunStream, decode_pb2_grpc.DecodeServicer):
         async for r in self.decode_stream(request, alloc, deadline_of(context)):
             yield r
 
-    async def decode_stream(self, request, alloc: Allocation, deadline: float | None, notice=None):
-        """Verifies the prompt pages, then streams the tokens. notice: the broker's write-done notice of these
-        leases (Run), which stands for the Validate call made otherwise."""
+    async def decode_stream(self, request, alloc: Allocation, deadline: float | None, validate: bool = True):
+        """Verifies the prompt pages, then streams the tokens. validate=False: the broker's write-done notice of
+        these leases (Run) came, and stands for the Validate call."""
         owner = request.request_id
         # from here the request's pages are released exactly once: by the scheduler once it runs the sequence,
         # else by the finally below, whatever ends this call (error, finish, or cancellation). While joining,
@@ -189,7 +189,7 @@ class DecodeServicer(BrokerWatch, RunStream, decode_pb2_grpc.DecodeServicer):
                        alloc.num_prompt_tokens, SamplingParams(), self.eos, [request.first_token])
         self.scheduler.join(seq)
         try:
-            await self._verify(request, owner, alloc, seq, deadline, validate=notice is None)
+            await self._verify(request, owner, alloc, seq, deadline, validate)
             if self.check_checksums:  # verification proved the pages' bytes carry these checksums
                 seq.prompt = PromptRecord.of(alloc.leases, alloc.num_prompt_tokens, self.pool.page_size,
                                              list(request.coverage.checksums))

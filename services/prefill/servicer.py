@@ -142,12 +142,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         dest = request.destination
         pool_id, epoch = dest.pool_id, dest.epoch
         leases_pb = leases_to_pb(leases)
-        # one liveness lease per write: a stuck write stops being renewed at its timeout, so the broker can
-        # presume it dead and drain its pages, while the rest of this process keeps serving
+        # one liveness lease per write (renewed with the others of this process): a stuck write stops being renewed
+        # at its timeout, so the broker can presume it dead and drain its pages, while the rest keeps serving
         writer_id = f"{self.leases.writer_prefix}/{owner.hex()}"
         end = (pool_id, owner, epoch, leases_pb, writer_id)
-        # KeepAlive and BeginWrite run while the forward pass fills this process's own pool: the pass reads
-        # and writes nothing of decode's, and nothing is posted to decode before BeginWrite has succeeded
+        # BeginWrite (which starts the write's liveness) runs while the prompt waits for and runs its forward pass
+        # into this process's own pool: the pass reads and writes nothing of decode's, and nothing is posted to
+        # decode before BeginWrite has succeeded
         begin = asyncio.ensure_future(self.leases.begin(pool_id, owner, epoch, leases_pb, writer_id, deadline))
         n = len(request.token_ids)
         try:
