@@ -178,7 +178,9 @@ class LeaseTable(ReaderLiveness):
 
     def revoke(self, pool_id: str, owner: bytes, reason: str) -> tuple[int, int]:
         """Unlike release, the holder has not let go: decode may still be mid-step, writing its own KV into
-        these pages, until the revocation reaches it. So every page goes through quarantine for lock_delay."""
+        these pages, however long that step stalls. So every page goes through quarantine, and lock_delay starts
+        only once decode acknowledges that no step of the owner can still run (its KeepAlive no longer lists the
+        owner: reader_liveness.acknowledge) or its reader expired (the pool is then fenced for good)."""
         pool = self._pool(pool_id)
         holder = f"revoked/{pool_id}/{owner.hex()}"
         for page_id in pool.owners.get(owner, []):
@@ -187,7 +189,10 @@ class LeaseTable(ReaderLiveness):
                 page.active_writer = (holder, page.generation)
                 pool.writing.add(page_id)
         if pool.owners.get(owner):
-            self._liveness[holder] = self._clock()  # already expired: only lock_delay remains
+            self._liveness[holder] = float("inf")  # held until the reader's acknowledgement
+            pool.unacked[owner] = (holder, pool.granted_at.get(owner, self._clock()))
+            if pool.reader_expiry <= self._clock():  # a fenced pool is never granted from again
+                self.acknowledge(pool, owner, pool.reader_expiry)
         counts = self._end_leases(pool, owner)
         pool.revocations.append(owner, self.epoch, reason)
         return counts

@@ -27,6 +27,7 @@ class ReaderLiveness:
     _pools: dict[str, PoolPages]
     lock_delay_s: float
     max_ttl_s: float
+    _liveness: dict[str, float]
 
     def _check_reader_bounds(self) -> None:
         if self.reader_ttl_s <= 0 or self.reconcile_grace_s < 0:
@@ -89,7 +90,19 @@ class ReaderLiveness:
                  if owner not in held and now - pool.granted_at.get(owner, now) > self.reconcile_grace_s]
         for owner in stale:
             self.revoke(pool_id, owner, NOT_HELD)
+        # decode lists every owner a step may still write (the step in flight too): a revoked owner it no longer
+        # lists has stopped for good. Past the grace the list was built after decode sent the owner's Grant (an
+        # RPC takes at most its timeout <= the grace), so its absence is no stale view from before decode knew it.
+        for owner, (_, granted_at) in list(pool.unacked.items()):
+            if owner not in held and now - granted_at > self.reconcile_grace_s:
+                self.acknowledge(pool, owner)
         return stale
+
+    def acknowledge(self, pool: PoolPages, owner: bytes, at: float | None = None) -> None:
+        """No step of the revoked owner can write its pages any more (or, at: the pool is fenced from then on, so
+        nothing is ever granted from it again): from then only lock_delay holds them."""
+        holder, _ = pool.unacked.pop(owner)
+        self._liveness[holder] = self._clock() if at is None else at
 
     def expire_readers(self) -> int:
         """Revokes every lease of each pool whose reader's record has expired; returns the owners revoked."""
@@ -101,6 +114,8 @@ class ReaderLiveness:
             for owner in list(pool.owners):
                 self.revoke(pool.pool_id, owner, READER_EXPIRED)
                 num_revoked += 1
+            for owner in list(pool.unacked):  # a fenced pool is never granted from again
+                self.acknowledge(pool, owner, min(now, pool.reader_expiry))
         return num_revoked
 
     def forget_pools(self) -> list[str]:

@@ -30,6 +30,8 @@ KNOWN = {
     "decode.corrupt_tag": "overwrite the tag of page ARG of the next request before its next step",
     "decode.rogue_data_write": "overwrite the data (not the tag) of prompt page ARG of the newest running request "
                                "before its first step (a late data-only write)",
+    "decode.stall_step": "sleep ARG ms (default 1000) inside the next decode step's worker thread, before its forward "
+                         "pass (a stalled step while the event loop keeps renewing)",
     "decode.fail_release": "drop the next Release to the broker as if the RPC failed (the pages leak until reconciled)",
     "broker.cut_watch": "end the next revocation stream to loop with UNAVAILABLE (a cut stream; decode resumes "
                         "from its cursor)",

@@ -23,10 +23,11 @@ async def drain(servicer, timeout_s: float) -> None:
         log.warning("decode drain timeout %.1fs: failing %d running and %d joining requests, releasing %d "
                     "allocations that never got their Decode call", timeout_s, len(s.running), len(s.joining),
                     len(servicer.allocations))
-        s.fail_all(draining_error("decode", f"its {timeout_s:g}s drain timeout ended this stream"))
-        for owner, alloc in list(servicer.allocations.items()):
-            servicer.allocations.pop(owner, None)
-            await servicer._release(owner, alloc.epoch, alloc.leases)
+        err = draining_error("decode", f"its {timeout_s:g}s drain timeout ended this stream")
+        s.fail_all(err)
+        # popped in one step: a Run waiting for its notice ends with this (retryable) error, not REVOKED
+        for owner, alloc in servicer.allocations.end_all(err):
+            await servicer.release(owner, alloc.epoch, alloc.leases)
         # the scheduler ends marked sequences between steps and releases their pages
         await wait_idle("decode", lambda: _busy(servicer), 5.0)
     await settle()

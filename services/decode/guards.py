@@ -1,10 +1,11 @@
-"""The checks the scheduler runs on a batch before every step (a mixin of Scheduler): the tags of every page the
-step reads against the leases, and the rotating checksum sweep of prompt pages. Each drops the sequences that
-fail, ending them alone with DATA_LOSS; nothing computed from a suspect page is ever sent."""
+"""The checks the scheduler runs on a batch before every step (an object the scheduler composes): the tags of
+every page the step reads against the leases, and the rotating checksum sweep of prompt pages. Each drops the
+sequences that fail, ending them alone with DATA_LOSS through the scheduler's `end`; nothing computed from a
+suspect page is ever sent."""
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import grpc
 import torch
@@ -12,37 +13,42 @@ import torch
 from ..common.errors import PdError
 from ..common.faults import FAULTS
 from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS
+from .sweep import ChecksumSweep
 from .verify import step_tag_mismatches
 
 if TYPE_CHECKING:
+    from ..engine.kv_pool import KVPool
     from .scheduler import Sequence
 
 log = logging.getLogger(__name__)
 
 
 class StepGuards:
-    def _check(self, batch: list[Sequence], tables: list[list[int]]) -> tuple[list[Sequence], list[list[int]]]:
+    def __init__(self, pool: KVPool | None, sweep: ChecksumSweep, end: Callable[[Sequence, PdError], None]):
+        self.pool, self.sweep, self.end = pool, sweep, end
+
+    def check(self, batch: list[Sequence], tables: list[list[int]]) -> tuple[list[Sequence], list[list[int]]]:
         """The per-step guard over exactly the page tables the step will read; drops failing sequences."""
         lengths = [len(t) for t in tables]
         pages = torch.cat([s.page_ids[:n] for s, n in zip(batch, lengths)])
         expected = torch.cat([s.expected[:n] for s, n in zip(batch, lengths)])
         with GUARD_SECONDS.labels("step_tag_check").time():
-            bad = step_tag_mismatches(self.runner.pool.tags, pages, expected, lengths)
+            bad = step_tag_mismatches(self.pool.tags, pages, expected, lengths)
         for i in bad:
             seq = batch[i]
             LEASE_VIOLATIONS.labels("decode", "STEP_TAG_MISMATCH").inc()
             log.error("request %s: a page's tag no longer matches its lease before step %d; failing it",
                       seq.owner.hex(), len(seq.generated))
-            self._end(seq, PdError(grpc.StatusCode.DATA_LOSS, "STEP_TAG_MISMATCH",
+            self.end(seq, PdError(grpc.StatusCode.DATA_LOSS, "STEP_TAG_MISMATCH",
                                    "a KV page of this request was overwritten under its lease"))
         return _without(batch, tables, set(bad))
 
-    def _sweep(self, batch: list[Sequence], tables: list[list[int]]) -> tuple[list[Sequence], list[list[int]]]:
+    def sweep_pages(self, batch: list[Sequence], tables: list[list[int]]) -> tuple[list[Sequence], list[list[int]]]:
         """Re-checksums the oldest-checked prompt pages of the batch (sweep.py); drops failing sequences."""
         if (arg := _fresh_fault(batch)) is not None:
             # a late write of data alone: bytes of one prompt page of the newest request change, its tag does not
             page = batch[-1].pages[int(arg or 0)]
-            self.runner.pool.kv[page, :, :, 0] = 0.5
+            self.pool.kv[page, :, :, 0] = 0.5
         with GUARD_SECONDS.labels("checksum_sweep").time():
             bad = self.sweep([s.prompt for s in batch])
         for m in bad:
@@ -51,7 +57,7 @@ class StepGuards:
             log.error("request %s: prompt page %d (physical page %d) has CRC-32C %#010x, verified %#010x, before "
                       "step %d; failing it", seq.owner.hex(), m.page_index, m.page, m.actual, m.expected,
                       len(seq.generated))
-            self._end(seq, PdError(grpc.StatusCode.DATA_LOSS, "PROMPT_PAGE_CHANGED",
+            self.end(seq, PdError(grpc.StatusCode.DATA_LOSS, "PROMPT_PAGE_CHANGED",
                                    f"prompt page {m.page_index} (physical page {m.page}) was overwritten after "
                                    f"verification: CRC-32C {m.actual:#010x}, verified {m.expected:#010x}"))
         return _without(batch, tables, {m.index for m in bad})

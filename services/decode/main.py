@@ -62,9 +62,10 @@ async def serve(args) -> None:
     await svc.start()
     servicer = await svc.starting(_start(args, tls))
     holder.servicer = servicer
-    tasks = [asyncio.create_task(servicer.scheduler.run()), asyncio.create_task(servicer.expire_allocations()),
-             asyncio.create_task(servicer.watch_epoch()), asyncio.create_task(servicer.watch_revocations())]
-    await svc.starting(servicer.watching.wait())  # a request must never run before decode can hear its revocation
+    link = servicer.link
+    tasks = [asyncio.create_task(servicer.scheduler.run()), asyncio.create_task(link.expire_allocations()),
+             asyncio.create_task(link.watch_epoch()), asyncio.create_task(link.watch_revocations())]
+    await svc.starting(link.watching.wait())  # a request must never run before decode can hear its revocation
     await svc.set_serving()
     # the loops keep running while draining: streams still step, leases are still renewed and released
     await svc.wait_for_termination(drain=lambda: drain(servicer, args.drain_timeout), drain_timeout=args.drain_timeout)
@@ -102,13 +103,13 @@ async def _start(args, tls) -> DecodeServicer:
     servicer.transfer = transfer  # held for the process's life: the engine unregisters the pool when collected
     while True:  # SERVING only once the pool is allocated, registered and checked
         try:
-            epoch = await servicer.register()
+            epoch = await servicer.link.register()
             break
         except Exception as e:
             log.warning("registering pool %s with broker %s failed (%s); retrying", pool_id, args.broker, e)
             await asyncio.sleep(0.5)
-    if servicer.bound_error:
-        raise SystemExit(f"decode refuses to start: {servicer.bound_error}")
+    if servicer.link.bound_error:
+        raise SystemExit(f"decode refuses to start: {servicer.link.bound_error}")
     log.info("pool %s registered: %d pages of %d tokens, epoch %#x", pool_id, num_pages, args.page_size, epoch)
     return servicer
 

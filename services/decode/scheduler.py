@@ -5,11 +5,20 @@ mismatch ends that request alone (DATA_LOSS) and nothing computed from the page 
 sweep (sweep.py) re-checks the bytes of some of the batch's prompt pages, in rotation. A request leaves the
 batch only between steps, so its pages are never released while a step still uses them; a request whose own
 sampling fails ends alone (INTERNAL, SAMPLING_FAILED) while the rest of the step gets its tokens.
+
+Every running sequence makes progress: past --max-batch, each step takes the sequences stepped longest ago
+(the batch rotates), so none waits more than ceil(running / max_batch) steps between two tokens.
+
+A step runs in a worker thread and writes each sequence's new K/V into its pages; it may stall (a long
+batch, a paused thread) while the event loop goes on. Its owners stay in `stepping` until it returns, and
+decode's KeepAlive lists them: the broker frees a revoked owner's pages only after a KeepAlive that no
+longer names it, so no page is re-granted while a step that may write it can still run.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
@@ -69,7 +78,7 @@ class Sequence:
         return self.is_stopped() or len(self.generated) >= self.sampling.max_tokens
 
 
-class Scheduler(StepGuards):
+class Scheduler:
     """Owns a request from the moment Decode takes its allocation: first as joining (being verified or
     sending its first token, never stepped), then as running. A revocation, Release or broker restart
     finds it in either state; it only marks the sequence, which ends between steps (or, while joining,
@@ -82,9 +91,21 @@ class Scheduler(StepGuards):
         self.release = release
         self.max_batch = max_batch
         self.sweep = ChecksumSweep(getattr(runner, "pool", None), sweep_pages, sweep_every)
+        self.guards = StepGuards(getattr(runner, "pool", None), self.sweep, self._end)
         self.joining: dict[bytes, Sequence] = {}
-        self.running: dict[bytes, Sequence] = {}
+        self.running: dict[bytes, Sequence] = {}  # in the order they are next stepped (the batch rotates)
+        self.stepping: frozenset[bytes] = frozenset()  # owners of the step in flight, until it returns
+        self._idle = asyncio.Event()  # set while no step is in flight
+        self._idle.set()
         self._wake = asyncio.Event()
+
+    def holds(self, owner: bytes) -> bool:
+        """Whether a step may read or write the owner's pages now or later: its pages are not to be released."""
+        return owner in self.running or owner in self.joining or owner in self.stepping
+
+    async def step_ended(self) -> None:
+        """Returns once no step is in flight (at once when none is)."""
+        await self._idle.wait()
 
     def join(self, seq: Sequence) -> None:
         self.joining[seq.owner] = seq
@@ -158,9 +179,21 @@ class Scheduler(StepGuards):
             page, gen = seq.leases[i]
             self.runner.pool.tags[page] = torch.tensor(make_tag(seq.owner, seq.epoch, gen, i, 0, 0))
 
+    def _next_batch(self) -> list[Sequence]:
+        """The max_batch sequences stepped longest ago; they move to the back of the order."""
+        if len(self.running) <= self.max_batch:
+            return list(self.running.values())
+        batch = list(self.running.values())[: self.max_batch]
+        for seq in batch:
+            del self.running[seq.owner]
+            self.running[seq.owner] = seq
+        return batch
+
     def _step(self, batch: list[Sequence], tables: list[list[int]]
               ) -> list[tuple[int | SamplingError, TokenLogprobs | None]]:
         """One forward step and its sampling, in the worker thread (on a GPU, sampling is what waits)."""
+        if (arg := FAULTS.fire("decode.stall_step")) is not None:
+            time.sleep(float(arg or 1000) / 1000)  # a stalled step thread: the event loop goes on meanwhile
         with FORWARD_SECONDS.labels("decode").time():
             logits = self.runner.decode([s.generated[-1] for s in batch], [s.position for s in batch], tables)
         tokens = sample(logits, [s.sampling for s in batch], [len(s.generated) for s in batch],
@@ -184,18 +217,24 @@ class Scheduler(StepGuards):
                 continue
             if self._stop_if_blind():
                 continue
-            batch = list(self.running.values())[: self.max_batch]
+            batch = self._next_batch()
             try:
                 for seq in batch:
                     self._stamp_own_pages(seq)
                 if (arg := FAULTS.fire("decode.corrupt_tag")) is not None:
                     self.runner.pool.tags[batch[0].pages[int(arg or 0)], OWNER_LO] ^= 1
                 ps = self.runner.page_size
-                batch, tables = self._check(batch, [s.pages[: s.position // ps + 1] for s in batch])
-                batch, tables = self._sweep(batch, tables)
+                batch, tables = self.guards.check(batch, [s.pages[: s.position // ps + 1] for s in batch])
+                batch, tables = self.guards.sweep_pages(batch, tables)
                 if not batch:
                     continue
-                tokens = await asyncio.to_thread(self._step, batch, tables)
+                self.stepping = frozenset(s.owner for s in batch)
+                self._idle.clear()
+                try:
+                    tokens = await asyncio.to_thread(self._step, batch, tables)
+                finally:
+                    self.stepping = frozenset()
+                    self._idle.set()
             except Exception as e:  # a failed step fails its batch, never the loop
                 log.exception("decode step failed")
                 for seq in batch:

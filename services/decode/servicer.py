@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 
 import grpc
 import torch
@@ -23,7 +22,8 @@ from ..engine.runner import ModelRunner
 from ..engine.tags import TAG_NBYTES, expected_tags
 from ..engine.sampler import SamplingParams
 from .admit import admit_decode
-from .run import RunStream
+from .allocations import Allocation, Allocations
+from .run import GrantQueue, Notices
 from .scheduler import Scheduler, Sequence, raise_if_ended
 from .sweep import PromptRecord
 from .verify import CANARY_BYTE, Violation, check_canaries, verify_prompt_pages
@@ -34,49 +34,65 @@ log = logging.getLogger(__name__)
 FINISH = {True: common_pb2.FINISH_REASON_STOP, False: common_pb2.FINISH_REASON_LENGTH}
 
 
-@dataclass(slots=True)
-class Allocation:
-    epoch: int
-    leases: list[tuple[int, int]]
-    num_prompt_tokens: int
-    max_tokens: int
-    deadline: float
-    pool_id: str = ""  # the pool incarnation it was granted in
+class DecodeServicer(decode_pb2_grpc.DecodeServicer):
+    """Composes decode's parts, each the one owner of its state: the allocations (granted, not yet decoded),
+    the link to the broker (pool incarnation, liveness, revocations), the queue for pages, the write-done
+    notices, and the scheduler (joining and running sequences)."""
 
-
-class DecodeServicer(BrokerWatch, RunStream, decode_pb2_grpc.DecodeServicer):
     def __init__(self, runner: ModelRunner, broker, pool_id: str, transfer_session: str, context_length: int,
                  model_name: str, max_batch: int = 64, rpc_timeout_s: float = 10.0, allocation_timeout_s: float = 120.0,
                  check_checksums: bool = True, canary: bool = False, sweep_pages: int = 8, max_blind_s: float = 1.0,
                  sweep_every: int = 1, queue_limit: int = 256, queue_timeout_s: float = 30.0):
         self.check_checksums, self.canary = check_checksums, canary
         self.runner, self.pool, self.broker = runner, runner.pool, broker
-        self.pool_id = pool_id
         self.session = transfer_session
         self.context_length, self.model_name = context_length, model_name
         self.rpc_timeout_s = rpc_timeout_s
         self.allocation_timeout_s = allocation_timeout_s
-        self.epoch = 0
-        self._epoch_changed = asyncio.Event()
-        self.allocations: dict[bytes, Allocation] = {}
+        self.allocations = Allocations()
+        self.pending_grants: set[bytes] = set()  # owners whose Grant is in flight
+        self.link = BrokerWatch(broker, self, pool_id, self.pool.num_pages, max_blind_s, rpc_timeout_s)
         self.scheduler = Scheduler(runner, self._release_seq, max_batch, sweep_pages if check_checksums else 0,
-                                   blind=self.blind_error, sweep_every=sweep_every)
-        self.init_watch(max_blind_s)
-        self.init_run(queue_limit, queue_timeout_s)
+                                   blind=self.link.blind_error, sweep_every=sweep_every)
+        self.queue = GrantQueue(queue_limit, queue_timeout_s, lambda: self.draining)
+        self.notices = Notices(self.pool.page_size, self.link.blind_error)
         self.layout_pb = layout_to_pb(self.pool.layout, TAG_NBYTES)
         self.eos = frozenset(runner.config.eos_token_ids)
         self.draining = False  # set on SIGTERM (drain.py): GetInfo reports it, Allocate refuses
 
-    async def register(self, quarantined: list[int] = ()) -> int:
-        region = broker_pb2.PoolRegion(transfer_session=self.session, data_base=self.pool.data_ptr,
-                                       tag_base=self.pool.tag_ptr, layout=self.layout_pb)
-        resp = await call(self.broker.RegisterPool(broker_pb2.RegisterPoolRequest(
-            pool_id=self.pool_id, num_pages=self.pool.num_pages, quarantined_pages=quarantined, region=region),
-            timeout=self.rpc_timeout_s), "broker RegisterPool")
-        self.epoch = resp.epoch
-        self.check_lock_delay(resp.lock_delay_ms)
-        self.contacted(resp.fence_ms)
-        return self.epoch
+    @property
+    def pool_id(self) -> str:  # the current incarnation: a move to another broker changes it
+        return self.link.pool_id
+
+    @property
+    def epoch(self) -> int:
+        return self.link.epoch
+
+    def blind_error(self) -> PdError | None:
+        return self.link.blind_error()
+
+    # -- what the broker link needs of decode (watch.Holder) --
+    def held_owners(self) -> set[bytes]:
+        """Every owner whose pages decode may still use or write, the step in flight included: the broker revokes
+        the others after its grace, and frees a revoked owner's pages only once it is no longer listed here."""
+        s = self.scheduler
+        return {*self.pending_grants, *self.allocations, *s.joining, *s.running, *s.stepping}
+
+    def region(self) -> broker_pb2.PoolRegion:
+        return broker_pb2.PoolRegion(transfer_session=self.session, data_base=self.pool.data_ptr,
+                                     tag_base=self.pool.tag_ptr, layout=self.layout_pb)
+
+    def on_notice(self, msg) -> None:
+        self.notices.on_notice(msg)
+
+    def notices_lost(self, why: str) -> None:
+        self.notices.lost(why)
+
+    def pages_may_be_free(self) -> None:
+        self.queue.pages_may_be_free()
+
+    async def release(self, owner: bytes, epoch: int, leases: list[tuple[int, int]]) -> None:
+        await self._release(owner, epoch, leases)
 
     async def GetInfo(self, request, context) -> common_pb2.EngineInfo:
         cfg = self.runner.config
@@ -90,7 +106,7 @@ class DecodeServicer(BrokerWatch, RunStream, decode_pb2_grpc.DecodeServicer):
             free_pages=state.num_free, draining=self.draining, queue_depth=self.queue_depth())
 
     def queue_depth(self) -> int:  # waiting for pages, allocated, not yet decoding, plus every sequence decoding
-        return len(self._queue) + len(self.allocations) + len(self.scheduler.joining) + len(self.scheduler.running)
+        return len(self.queue) + len(self.allocations) + len(self.scheduler.joining) + len(self.scheduler.running)
 
     async def Allocate(self, request, context) -> decode_pb2.AllocateResponse:
         owner = request.request_id
@@ -121,7 +137,7 @@ class DecodeServicer(BrokerWatch, RunStream, decode_pb2_grpc.DecodeServicer):
         """Leases `need` pages from the broker (RESOURCE_EXHAUSTED when the pool is short) as a new allocation."""
         if (err := self.blind_error()) is not None:
             raise err
-        if owner in self.held_owners():
+        if owner in self.held_owners() or self.scheduler.holds(owner):
             raise PdError(grpc.StatusCode.ALREADY_EXISTS, "OWNER_HAS_LEASE", f"request {owner.hex()} is already "
                                                                              f"allocated on pool {self.pool_id}")
         # held from before the Grant is sent: a KeepAlive racing the reply must not have it revoked
@@ -141,7 +157,7 @@ class DecodeServicer(BrokerWatch, RunStream, decode_pb2_grpc.DecodeServicer):
             self.pending_grants.discard(owner)
             if e.reason not in ("EPOCH_MISMATCH", "UNKNOWN_POOL", "POOL_FENCED"):
                 raise
-            self._epoch_changed.set()  # re-register now rather than at the next liveness tick
+            self.link.epoch_changed.set()  # re-register now rather than at the next liveness tick
             raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED", e.message) from None
         self.pending_grants.discard(owner)  # no await until it is an allocation (or released)
         leases = leases_from_pb(resp.leases)
@@ -149,9 +165,8 @@ class DecodeServicer(BrokerWatch, RunStream, decode_pb2_grpc.DecodeServicer):
             spawn(self._release(owner, resp.epoch, leases))
             raise PdError(grpc.StatusCode.INTERNAL, "BAD_GRANT", f"asked the broker for {need} pages, granted "
                                                                  f"{len(leases)}")
-        alloc = self.allocations[owner] = Allocation(resp.epoch, leases, num_prompt_tokens, max_tokens,
-                                                     time.monotonic() + self.allocation_timeout_s, pool_id)
-        return alloc
+        return self.allocations.add(owner, Allocation(resp.epoch, leases, num_prompt_tokens, max_tokens,
+                                                      time.monotonic() + self.allocation_timeout_s, pool_id))
 
     def _abandoned_grant(self, owner: bytes, rpc: asyncio.Future) -> None:
         self.pending_grants.discard(owner)
@@ -160,7 +175,8 @@ class DecodeServicer(BrokerWatch, RunStream, decode_pb2_grpc.DecodeServicer):
             spawn(self._release(owner, resp.epoch, leases_from_pb(resp.leases)))
 
     async def Release(self, request, context) -> decode_pb2.DecodeReleaseResponse:
-        alloc = self.allocations.pop(request.request_id, None)
+        alloc = self.allocations.end(request.request_id, PdError(
+            grpc.StatusCode.CANCELLED, "RELEASED", f"request {request.request_id.hex()} was released by its caller"))
         if alloc is not None:
             # shielded: the allocation is already popped, so a cancelled caller must not stop the release
             await asyncio.shield(self._release(request.request_id, alloc.epoch, alloc.leases))
@@ -170,13 +186,45 @@ class DecodeServicer(BrokerWatch, RunStream, decode_pb2_grpc.DecodeServicer):
 
     async def Decode(self, request, context):
         owner = request.request_id
-        alloc = self.allocations.pop(owner, None)
+        alloc = self.allocations.take(owner)
         if alloc is None:
             raise PdError(grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_REQUEST",
                           f"request {owner.hex()} has no allocation on pool {self.pool_id} (released, revoked "
                           f"or timed out)")
         async for r in self.decode_stream(request, alloc, deadline_of(context)):
             yield r
+
+    async def Run(self, request, context):
+        """Allocate and Decode in one stream: grant (queueing while the pool is short), send the destination, wait
+        for the broker's write-done notice, then verify and decode."""
+        owner, deadline = request.request_id, deadline_of(context)
+        sampling = request.sampling
+        if len(request.prompt_digest) != 16:
+            raise invalid("BAD_PROMPT_DIGEST", f"prompt_digest must be 16 bytes, got {len(request.prompt_digest)}")
+        need = self.admit_allocation(owner, request.num_prompt_tokens, sampling.max_tokens)
+        alloc = await self.queue.granted(
+            lambda: self.grant(owner, request.num_prompt_tokens, sampling.max_tokens, need, deadline), need,
+            self.pool_id, deadline)
+        fut = self.notices.expect(owner)
+        try:
+            yield decode_pb2.RunEvent(destination=self.destination(alloc))
+            notice = await self.notices.wait(owner, alloc, fut, deadline, request.prompt_digest,
+                                             self.allocation_timeout_s)
+            if self.allocations.take(owner, alloc) is None:  # ended between the notice and now
+                raise alloc.ended or PdError(grpc.StatusCode.INTERNAL, "ALLOCATION_GONE",
+                                             f"the allocation of {owner.hex()} ended for no recorded reason")
+        except BaseException:
+            # never reached decoding: if the allocation is still ours to end, give the pages back
+            if self.allocations.take(owner, alloc) is not None:
+                await asyncio.shield(self._release(owner, alloc.epoch, alloc.leases))
+            raise
+        finally:
+            self.notices.forget(owner)
+        dreq = decode_pb2.DecodeRequest(request_id=owner, num_prompt_tokens=request.num_prompt_tokens,
+                                        first_token=notice.first_token, sampling=sampling,
+                                        coverage=notice.coverage, prompt_token_ids=request.prompt_token_ids)
+        async for r in self.decode_stream(dreq, alloc, deadline, validate=False):
+            yield decode_pb2.RunEvent(token=r)
 
     async def decode_stream(self, request, alloc: Allocation, deadline: float | None, validate: bool = True):
         """Verifies the prompt pages, then streams the tokens. validate=False: the broker's write-done notice of
@@ -267,6 +315,15 @@ class DecodeServicer(BrokerWatch, RunStream, decode_pb2_grpc.DecodeServicer):
         await self._release(seq.owner, seq.epoch, seq.leases)
 
     async def _release(self, owner: bytes, epoch: int, leases: list[tuple[int, int]]) -> None:
+        if self.scheduler.holds(owner):
+            # a step may still read or write these pages: the broker would free them at once. Stop the sequence
+            # instead; the scheduler releases it between steps (defence in depth: every path that takes an
+            # allocation hands it out once, so this is a bug elsewhere)
+            LEASE_VIOLATIONS.labels("decode", "RELEASE_WHILE_HELD").inc()
+            log.error("refused to release %s while the scheduler holds it; stopping it first", owner.hex())
+            self.scheduler.revoke(owner, PdError(grpc.StatusCode.INTERNAL, "RELEASE_WHILE_HELD",
+                                                 f"request {owner.hex()} was to be released while decoding"))
+            return
         if self.canary:
             # before the broker can re-grant them: a page nobody rewrites keeps the marker, and a verified
             # page that still carries it would prove stale bytes got through

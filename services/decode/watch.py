@@ -1,23 +1,29 @@
-"""The decode servicer's background loops: broker liveness and restarts (a new epoch), revocations, and
-allocations whose Decode call never came. A mixin of DecodeServicer, whose state it reads and changes.
+"""Decode's link to the broker: its pool incarnation (id, epoch, registration), liveness and the list of owners
+it holds, broker restarts and moves (a new incarnation), and the revocation stream. An object the servicer
+composes; it reaches the rest of decode only through the narrow `Holder` interface below.
 
 Revocations come with a per-pool cursor (seq): decode resumes from the last one it processed, and after
 any reconnect (or a gap the broker reports) re-checks every lease it reads with Validate. It counts as
 blind from the last message of the stream (heartbeats included); blind longer than max_blind, it stops
 stepping and fails what runs (UNAVAILABLE), since a revocation it cannot hear frees the pages after
-lock_delay. Hence the start-up rule max_blind <= lock_delay / 2: the other half covers the step that
-was already running, the network and the recheck.
+lock_delay. Hence the start-up rule max_blind <= lock_delay / 2.
+
+The KeepAlive's owner list is also decode's acknowledgement of a revocation: it names every owner whose pages
+a step may still write (the step in flight included, however long it stalls), and the broker frees a revoked
+owner's pages only lock_delay after a KeepAlive that no longer names it (issue 18, hole 2).
 
 A move to another broker incarnation (a new epoch, or the pool fenced or forgotten here) may leave the old
 broker running, still accepting writes to the old pool until its reader record expires. So decode
 registers a new pool incarnation and grants nothing from it until the fence the old broker announced
-(reader_ttl + max writer ttl + lock_delay) has passed since decode's last contact with it."""
+(reader_ttl + max writer ttl + lock_delay) has passed since decode's last contact with it, and the step in
+flight (which may still write old pages) has ended."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import secrets
 import time
+from typing import Protocol
 
 import grpc
 
@@ -25,6 +31,8 @@ from ..common.errors import PdError
 from ..common.metrics import TIMEOUTS
 from ..common.proto import broker_pb2
 from ..common.wire import call, leases_to_pb
+from .allocations import Allocations
+from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -38,17 +46,43 @@ def blind_bound_error(max_blind_s: float, lock_delay_ms: int) -> str | None:
             f"its pages after lock_delay, and the step already running and the recheck need the other half")
 
 
+class Holder(Protocol):
+    """What the link needs of the rest of decode."""
+    scheduler: Scheduler
+    allocations: Allocations
+
+    def held_owners(self) -> set[bytes]: ...
+    def region(self) -> broker_pb2.PoolRegion: ...
+    def on_notice(self, msg) -> None: ...
+    def notices_lost(self, why: str) -> None: ...
+    def pages_may_be_free(self) -> None: ...
+    async def release(self, owner: bytes, epoch: int, leases: list[tuple[int, int]]) -> None: ...
+
+
 class BrokerWatch:
-    def init_watch(self, max_blind_s: float) -> None:
-        self.max_blind_s = max_blind_s
+    def __init__(self, broker, holder: Holder, pool_id: str, num_pages: int, max_blind_s: float,
+                 rpc_timeout_s: float):
+        self.broker, self.holder = broker, holder
+        self.pool_id, self.num_pages = pool_id, num_pages
+        self.epoch = 0
+        self.max_blind_s, self.rpc_timeout_s = max_blind_s, rpc_timeout_s
+        self.epoch_changed = asyncio.Event()
         self.heard_at: float | None = None  # monotonic time of the last message on the revocation stream
         self.bound_error: str | None = None  # set when the broker's lock_delay breaks the blind bound
         self.watch_cursor = (0, 0)  # (epoch, seq) of the last revocation processed
         self.watching = asyncio.Event()  # set once the stream is first up
-        self.pending_grants: set[bytes] = set()  # owners whose Grant is in flight
         self.contact_at: float | None = None  # monotonic time of the last reply of the broker
         self.fence_s = 0.0  # how long after contact_at a write it accepted may still land
         self.fenced_until = 0.0  # after a move: no grant from the new incarnation before this
+
+    async def register(self, quarantined: list[int] = ()) -> int:
+        resp = await call(self.broker.RegisterPool(broker_pb2.RegisterPoolRequest(
+            pool_id=self.pool_id, num_pages=self.num_pages, quarantined_pages=quarantined,
+            region=self.holder.region()), timeout=self.rpc_timeout_s), "broker RegisterPool")
+        self.epoch = resp.epoch
+        self.check_lock_delay(resp.lock_delay_ms)
+        self.contacted(resp.fence_ms)
+        return self.epoch
 
     def contacted(self, fence_ms: int) -> None:
         self.contact_at, self.fence_s = time.monotonic(), fence_ms / 1000.0
@@ -73,24 +107,22 @@ class BrokerWatch:
                        f"decode has not heard from the broker's revocation stream for {blind_s:.2f}s "
                        f"(bound --max-blind {self.max_blind_s:g}s); it stops rather than miss a revocation")
 
-    def held_owners(self) -> set[bytes]:
-        """Every owner whose pages decode may still use: the broker revokes the others after its grace."""
-        return {*self.pending_grants, *self.allocations, *self.scheduler.joining, *self.scheduler.running}
-
     async def watch_epoch(self, interval_s: float = 0.5, ttl_s: float = 5.0) -> None:
         """Keeps decode's liveness (and the list of owners it holds) with the broker and notices a broker
         restart (a new epoch): in-flight requests fail UNAVAILABLE (retryable) and the pages they held
         return through quarantine."""
         while True:
             try:
-                await asyncio.wait_for(self._epoch_changed.wait(), interval_s)
+                await asyncio.wait_for(self.epoch_changed.wait(), interval_s)
             except asyncio.TimeoutError:
                 pass
-            self._epoch_changed.clear()
+            self.epoch_changed.clear()
             try:
+                # built here, after every await: an owner whose step is still running is listed, so the
+                # broker keeps its revoked pages (hole 2)
                 resp = await self.broker.KeepAlive(broker_pb2.KeepAliveRequest(
                     holder_id=self.pool_id, ttl_ms=int(ttl_s * 1000), pool_id=self.pool_id,
-                    held_owners=sorted(self.held_owners())), timeout=self.rpc_timeout_s)
+                    held_owners=sorted(self.holder.held_owners())), timeout=self.rpc_timeout_s)
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.NOT_FOUND:
                     log.warning("broker unreachable (%s); running requests continue, new ones wait", e.code())
@@ -108,19 +140,24 @@ class BrokerWatch:
         the old broker must have fenced the old one and its writes have landed."""
         # every page, not only those in use: one released just before the move may still have an old write in
         # flight that no table remembers (found by the formal model)
-        held = list(range(self.pool.num_pages))
+        held = list(range(self.num_pages))
         if self.contact_at is not None:
             self.fenced_until = max(self.fenced_until, self.contact_at + self.fence_s)
         old_pool = self.pool_id
         self.pool_id = f"{old_pool.rsplit('-', 1)[0]}-{secrets.token_hex(4)}"
+        scheduler = self.holder.scheduler
         log.error("%s: failing %d running requests; new pool incarnation %s, grantable in %.2fs", why,
-                  len(self.scheduler.running), self.pool_id, max(0.0, self.fenced_until - time.monotonic()))
-        self.scheduler.fail_all(PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED", why))
+                  len(scheduler.running), self.pool_id, max(0.0, self.fenced_until - time.monotonic()))
+        err = PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED", why)
+        scheduler.fail_all(err)
+        for owner, alloc in self.holder.allocations.end_all(err):
+            asyncio.ensure_future(self.holder.release(owner, alloc.epoch, alloc.leases))
         self.watch_cursor, self.heard_at = (0, 0), None
+        # a step still running may write pages of the old incarnation: the new one starts after it
+        await scheduler.step_ended()
         try:
             epoch = await self.register(held)
-            log.info("pool %s registered: %d pages of %d tokens, epoch %#x", self.pool_id, self.pool.num_pages,
-                     self.pool.page_size, epoch)
+            log.info("pool %s registered: %d pages, epoch %#x", self.pool_id, self.num_pages, epoch)
         except PdError as e:
             log.error("registering pool %s failed: %s", self.pool_id, e)
 
@@ -143,21 +180,21 @@ class BrokerWatch:
                         continue
                     self.heard_at = time.monotonic()
                     if msg.write_done:
-                        self.on_notice(msg)
+                        self.holder.on_notice(msg)
                         self.watch_cursor = (msg.epoch, msg.seq)
                     else:
                         self._on_revocation(msg)
-                    self.pages_may_be_free()
+                    self.holder.pages_may_be_free()
             except grpc.RpcError as e:
                 log.warning("revocation stream ended (%s); resubscribing after seq %s", e.code(), self.watch_cursor)
             await asyncio.sleep(retry_s)
 
     def _on_revocation(self, msg) -> None:
-        alloc = self.allocations.pop(msg.owner, None)
-        if alloc is not None:
+        err = PdError(grpc.StatusCode.DATA_LOSS, "REVOKED", f"the broker revoked this request's leases: {msg.reason}")
+        if self.holder.allocations.end(msg.owner, err) is not None:
+            # the broker ended these leases itself: nothing to release
             log.warning("allocation %s revoked before its Decode: %s", msg.owner.hex(), msg.reason)
-        self.scheduler.revoke(msg.owner, PdError(grpc.StatusCode.DATA_LOSS, "REVOKED",
-                                                 f"the broker revoked this request's leases: {msg.reason}"))
+        self.holder.scheduler.revoke(msg.owner, err)
         self.watch_cursor = (msg.epoch, msg.seq)
 
     async def _on_heartbeat(self, msg, is_new_stream: bool) -> None:
@@ -165,8 +202,8 @@ class BrokerWatch:
             # revocations were missed: nothing may be trusted until every lease read is re-checked
             log.error("revocation stream of pool %s lost revocations (cursor %s, broker at seq %s): "
                       "re-checking every running lease", self.pool_id, self.watch_cursor, msg.seq)
-            self.notices_lost(f"the broker's stream of pool {self.pool_id} lost events after seq "
-                              f"{self.watch_cursor[1]}; a write-done notice may be among them")
+            self.holder.notices_lost(f"the broker's stream of pool {self.pool_id} lost events after seq "
+                                     f"{self.watch_cursor[1]}; a write-done notice may be among them")
             await self.recheck_leases()
         elif is_new_stream:
             self.heard_at = time.monotonic()  # the replay brought everything missed
@@ -174,11 +211,12 @@ class BrokerWatch:
         self.heard_at = time.monotonic()
         self.watch_cursor = (msg.epoch, msg.seq)
         self.watching.set()
-        self.pages_may_be_free()
+        self.holder.pages_may_be_free()
 
     async def recheck_leases(self) -> None:
         """Validates every running and joining request's leases; a refused one is failed (DATA_LOSS)."""
-        seqs = [*self.scheduler.running.values(), *self.scheduler.joining.values()]
+        scheduler = self.holder.scheduler
+        seqs = [*scheduler.running.values(), *scheduler.joining.values()]
         results = await asyncio.gather(*(call(self.broker.Validate(broker_pb2.ValidateRequest(
             pool_id=self.pool_id, owner=s.owner, epoch=s.epoch, leases=leases_to_pb(s.leases)),
             timeout=self.rpc_timeout_s), "broker Validate") for s in seqs), return_exceptions=True)
@@ -191,17 +229,15 @@ class BrokerWatch:
             else:  # the check could not be made: fail closed
                 err = PdError(grpc.StatusCode.UNAVAILABLE, "RECHECK_FAILED", str(result))
             log.warning("request %s failed its lease re-check: %s", seq.owner.hex(), result)
-            self.scheduler.revoke(seq.owner, err)
+            scheduler.revoke(seq.owner, err)
 
     async def expire_allocations(self, interval_s: float = 1.0) -> None:
         """Allocations whose Decode never came (prefill failed, gateway gone) end at their deadline; should
         the Release fail, the broker's reconciliation ends the leases (the owner is no longer held)."""
         while True:
             await asyncio.sleep(interval_s)
-            now = time.monotonic()
-            for owner, alloc in list(self.allocations.items()):
-                if alloc.deadline < now:
-                    self.allocations.pop(owner, None)
-                    TIMEOUTS.labels("allocation").inc()
-                    log.warning("allocation %s expired without a Decode call; releasing", owner.hex())
-                    await asyncio.shield(self._release(owner, alloc.epoch, alloc.leases))
+            # popped in one step before any await: one that Decode or Run takes meanwhile is not among them
+            for owner, alloc in self.holder.allocations.expire():
+                TIMEOUTS.labels("allocation").inc()
+                log.warning("allocation %s expired without a Decode call; releasing", owner.hex())
+                await asyncio.shield(self.holder.release(owner, alloc.epoch, alloc.leases))

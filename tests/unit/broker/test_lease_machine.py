@@ -17,8 +17,10 @@ class LeaseMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock()
-        # no reader renews here: reader liveness has its own tests (test_reader_liveness.py)
-        self.table = LeaseTable(LOCK_DELAY, TTL, self.clock, epoch=1, reader_ttl_s=float("inf"))
+        # the reader never expires here (reader liveness has its own tests: test_reader_liveness.py); its
+        # KeepAlive acknowledges revocations, with no grace
+        self.table = LeaseTable(LOCK_DELAY, TTL, self.clock, epoch=1, reader_ttl_s=float("inf"),
+                                reconcile_grace_s=0.0)
         self.table.register_pool("p", NUM_PAGES)
         self.held: dict[bytes, list[tuple[int, int]]] = {}
         self.writes: dict[int, tuple[str, int]] = {}  # page -> (writer, gen), LEASED or QUARANTINED
@@ -26,6 +28,8 @@ class LeaseMachine(RuleBasedStateMachine):
         self.max_gen = [0] * NUM_PAGES
         self.history: list[tuple[int, int]] = []  # every lease ever granted, for stale requests
         self.sealed: set[tuple[int, int]] = set()  # leases a write began on: never written again
+        self.granted_at: dict[bytes, float] = {}
+        self.unacked: dict[bytes, float] = {}  # revoked owners whose reader has not acknowledged -> grant time
 
     def held_pages(self) -> set[int]:
         return {p for leases in self.held.values() for p, _ in leases}
@@ -46,6 +50,7 @@ class LeaseMachine(RuleBasedStateMachine):
             assert gen > self.max_gen[page]
         self.held[owner] = leases
         self.history += leases
+        self.granted_at[owner] = self.clock.now
 
     @precondition(lambda self: self.held)
     @rule(writer=st.sampled_from(WRITERS), stale=st.booleans(), data=st.data())
@@ -94,14 +99,26 @@ class LeaseMachine(RuleBasedStateMachine):
         if not revoke:
             assert self.table.release("p", owner, 1) == (len(leases) - num_written, num_written)
             return
-        # a revoked holder may still be mid-step: every page goes through quarantine for lock_delay
+        # a revoked holder may still be mid-step: every page goes through quarantine until its reader acknowledges
+        # (a KeepAlive that no longer lists it), then for lock_delay
         assert self.table.revoke("p", owner, "TEST") == (0, len(leases))
         holder = f"revoked/p/{owner.hex()}"
         for page, gen in leases:
             if page not in self.writes:
                 self.writes[page] = (holder, gen)
         if leases:
-            self.expiry[holder] = self.clock.now
+            self.expiry[holder] = float("inf")
+            self.unacked[owner] = self.granted_at[owner]
+
+    @rule(data=st.data())
+    def reader_keep_alive(self, data):
+        # the reader lists what it holds, and some revoked owners whose step may still run
+        still = data.draw(st.lists(st.sampled_from(sorted(self.unacked) or [OWNERS[0]]), unique=True))
+        self.table.reader_keep_alive("p", [*self.held, *still])
+        for owner in [o for o, t in self.unacked.items() if o not in still and o not in self.held]:
+            if self.clock.now - self.unacked[owner] > 0.0:
+                del self.unacked[owner]
+                self.expiry[f"revoked/p/{owner.hex()}"] = self.clock.now
 
     @rule(writer=st.sampled_from(WRITERS), ttl=st.sampled_from([0.5, 1.0, 3.0]))
     def keep_alive(self, writer, ttl):

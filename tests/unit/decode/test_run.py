@@ -11,20 +11,21 @@ import pytest
 from pdserve.common.errors import PdError
 from pdserve.common.proto import broker_pb2, common_pb2
 from pdserve.common.wire import prompt_digest
-from pdserve.decode.run import RunStream
+from pdserve.decode.allocations import Allocation, Allocations
+from pdserve.decode.run import GrantQueue, Notices
 
 
-class Pool(RunStream):
-    """RunStream with a pool of `free` pages; grant() takes them or raises RESOURCE_EXHAUSTED like the broker."""
+class Pool(GrantQueue):
+    """The queue with a pool of `free` pages; grant() takes them or raises RESOURCE_EXHAUSTED like the broker."""
 
     def __init__(self, free: int, limit: int = 8, timeout_s: float = 5.0):
-        self.init_run(limit, timeout_s)
-        self.free, self.pool_id, self.order, self.grants, self.draining = free, "p", [], 0, False
+        super().__init__(limit, timeout_s)
+        self.free, self.pool_id, self.order, self.grants = free, "p", [], 0
 
-    def admit_allocation(self, owner, num_prompt, max_tokens):
-        return num_prompt
+    def _granted(self, owner, need, max_tokens, deadline):
+        return self.granted(lambda: self.grant(owner, need), need, self.pool_id, deadline)
 
-    async def grant(self, owner, num_prompt, max_tokens, need, deadline):
+    async def grant(self, owner, need):
         self.grants += 1
         await asyncio.sleep(0)  # a round trip
         if self.free < need:
@@ -90,28 +91,22 @@ def test_a_waiter_whose_deadline_passes_ends_with_deadline_exceeded_and_the_next
 
 
 
-class Waiting(RunStream):
-    """RunStream holding one allocation of 3 prompt pages (page size 16, 40-token prompt), waiting for its notice."""
+class Waiting(Notices):
+    """Notices with one allocation of 3 prompt pages (page size 16, 40-token prompt) waiting for its notice."""
 
     def __init__(self):
-        from types import SimpleNamespace
-        self.init_run()
-        self.epoch, self.pool_id, self.allocation_timeout_s = 7, "p", 5.0
-        self.pool = SimpleNamespace(page_size=16)
-        self.alloc = SimpleNamespace(epoch=7, pool_id="p", leases=[(4, 9), (5, 9), (6, 9), (7, 9)],
-                                     num_prompt_tokens=40, deadline=time.monotonic() + 5)
-        self.allocations = {b"o": self.alloc}
+        super().__init__(16, lambda: None)
+        self.alloc = Allocation(7, [(4, 9), (5, 9), (6, 9), (7, 9)], 40, 8, time.monotonic() + 5, "p")
+        self.allocations = Allocations()
+        self.allocations.add(b"o", self.alloc)
 
-    def blind_error(self):
-        return None
-
-    async def wait(self, notice=None, act=None):
-        fut = self.notices[b"o"] = asyncio.get_running_loop().create_future()
+    async def wait_for(self, notice=None, act=None):
+        fut = self.expect(b"o")
         if act is not None:
             asyncio.get_running_loop().call_later(0.05, act)
         if notice is not None:
             self.on_notice(notice)
-        return await self._notice(b"o", self.alloc, fut, None, DIGEST)
+        return await self.wait(b"o", self.alloc, fut, None, DIGEST, 5.0)
 
 
 DIGEST = prompt_digest([5, 6, 7])
@@ -127,20 +122,21 @@ def _notice(leases, epoch=7, digest=DIGEST):
                          ids=["a page left out", "a page too many", "another generation", "another epoch"])
 def test_a_notice_must_name_exactly_the_prompt_leases(leases, epoch):
     with pytest.raises(PdError) as e:
-        asyncio.run(Waiting().wait(_notice(leases, epoch)))
+        asyncio.run(Waiting().wait_for(_notice(leases, epoch)))
     assert (e.value.code, e.value.reason) == (grpc.StatusCode.DATA_LOSS, "NOTICE_MISMATCH")
 
 
 def test_the_matching_notice_is_returned_and_an_ended_allocation_or_lost_stream_ends_the_wait():
     ok = Waiting()
-    assert asyncio.run(ok.wait(_notice([(4, 9), (5, 9), (6, 9)]))).first_token == 3
+    assert asyncio.run(ok.wait_for(_notice([(4, 9), (5, 9), (6, 9)]))).first_token == 3
     revoked = Waiting()
-    with pytest.raises(PdError) as e:
-        asyncio.run(revoked.wait(act=lambda: revoked.allocations.clear()))  # what the revocation handler does
+    with pytest.raises(PdError) as e:  # what the revocation handler does
+        asyncio.run(revoked.wait_for(act=lambda: revoked.allocations.end(b"o", PdError(
+            grpc.StatusCode.DATA_LOSS, "REVOKED", "the broker revoked this request's leases: TEST"))))
     assert (e.value.code, e.value.reason) == (grpc.StatusCode.DATA_LOSS, "REVOKED")
     gap = Waiting()
     with pytest.raises(PdError) as e:
-        asyncio.run(gap.wait(act=lambda: gap.notices_lost("test gap")))
+        asyncio.run(gap.wait_for(act=lambda: gap.lost("test gap")))
     assert (e.value.code, e.value.reason) == (grpc.StatusCode.UNAVAILABLE, "NOTICE_LOST")
 
 
@@ -150,5 +146,5 @@ def test_a_notice_of_another_prompt_under_these_leases_is_refused():
     other = prompt_digest([5, 6, 8])
     assert other != DIGEST and prompt_digest([5, 6, 7]) == DIGEST
     with pytest.raises(PdError) as e:
-        asyncio.run(Waiting().wait(_notice([(4, 9), (5, 9), (6, 9)], digest=other)))
+        asyncio.run(Waiting().wait_for(_notice([(4, 9), (5, 9), (6, 9)], digest=other)))
     assert (e.value.code, e.value.reason) == (grpc.StatusCode.DATA_LOSS, "PROMPT_MISMATCH")
