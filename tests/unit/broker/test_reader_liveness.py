@@ -101,3 +101,55 @@ def test_revocation_log_numbers_replays_and_flags_a_gap():
     events, gap = log.since(1)  # seq 2 fell out of the log
     assert gap and [e.seq for e in events] == [3, 4, 5]
     assert log.since(9)[1]  # a cursor from elsewhere covers nothing known here
+
+
+def test_a_revoked_owners_pages_wait_for_its_readers_acknowledgement_however_long_its_step_runs():
+    """Issue 18, hole 2: decode's step may still write a revoked owner's pages (a stalled step thread while its
+    event loop renews). The pages leave quarantine lock_delay after the first KeepAlive that no longer lists the
+    owner, never before, however much time passes."""
+    table, clock = make()
+    table.grant("p", A, 2, 7)
+    table.grant("p", B, 2, 7)
+    clock.now += GRACE + 1
+    table.reader_keep_alive("p", [A, B])
+    table.revoke("p", A, "OPERATOR")
+    for _ in range(12):  # 48 s of a stalled step: decode keeps renewing, listing A
+        clock.now += 4.0
+        table.reader_keep_alive("p", [A, B])
+        table.sweep()
+        assert [table.page_info("p", p).state for p in (0, 1)] == [PageState.QUARANTINED] * 2
+    assert table.pool_state("p")["num_free"] == 4
+    table.reader_keep_alive("p", [B])  # the step returned: A is no longer listed
+    clock.now += LOCK_DELAY - 0.1
+    table.sweep()
+    assert table.pool_state("p")["num_quarantined"] == 2
+    clock.now += 0.2
+    table.sweep()
+    assert table.pool_state("p")["num_free"] == 6 and table.leases_of("p", B) == [(2, 2), (3, 2)]
+
+
+def test_a_keep_alive_that_may_predate_the_owners_grant_is_no_acknowledgement():
+    table, clock = make()
+    table.grant("p", A, 2, 7)
+    clock.now += GRACE - 1  # a KeepAlive built before decode sent A's Grant can still arrive now
+    table.revoke("p", A, "OPERATOR")
+    table.reader_keep_alive("p", [])
+    clock.now += LOCK_DELAY + 0.1
+    table.sweep()
+    assert table.pool_state("p")["num_quarantined"] == 2
+    clock.now += 1.5  # past the grace: this one was built after the Grant was sent
+    table.reader_keep_alive("p", [])
+    clock.now += LOCK_DELAY + 0.1
+    table.sweep()
+    assert table.pool_state("p")["num_free"] == 8
+
+
+def test_reader_expiry_acknowledges_for_a_pool_that_is_fenced_for_good():
+    table, clock = make()
+    table.grant("p", A, 2, 7)
+    table.revoke("p", A, "OPERATOR")
+    clock.now += READER_TTL + 0.1  # decode stopped renewing: the pool is fenced, nothing is granted from it again
+    table.sweep()
+    clock.now += LOCK_DELAY
+    table.sweep()
+    assert table.pool_state("p")["num_quarantined"] == 0
