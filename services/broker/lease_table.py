@@ -188,13 +188,14 @@ class LeaseTable(ReaderLiveness):
             if page.active_writer is None:
                 page.active_writer = (holder, page.generation)
                 pool.writing.add(page_id)
-        if pool.owners.get(owner):
+        held = bool(pool.owners.get(owner))
+        counts = self._end_leases(pool, owner)
+        event = pool.revocations.append(owner, self.epoch, reason)
+        if held:
             self._liveness[holder] = float("inf")  # held until the reader's acknowledgement
-            pool.unacked[owner] = (holder, pool.granted_at.get(owner, self._clock()))
+            pool.unacked[owner] = (holder, event.seq)
             if pool.reader_expiry <= self._clock():  # a fenced pool is never granted from again
                 self.acknowledge(pool, owner, pool.reader_expiry)
-        counts = self._end_leases(pool, owner)
-        pool.revocations.append(owner, self.epoch, reason)
         return counts
 
     def keep_alive_many(self, holder_ids: list[str], ttl_s: float) -> list[str]:

@@ -46,7 +46,7 @@ class PoolPages:
     granted_at: dict[bytes, float] = field(default_factory=dict)  # owner -> clock at its grant
     reader_expiry: float = float("inf")  # the pool's decode renews it; set at registration
     region: object = None  # where decode registered the pool's bytes (opaque here; a PoolRegion message)
-    # revoked owners whose pages wait for the reader's acknowledgement: owner -> (quarantine holder, grant time)
+    # revoked owners whose pages wait for the reader's acknowledgement: owner -> (quarantine holder, revocation seq)
     unacked: dict[bytes, tuple[str, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

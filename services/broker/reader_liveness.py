@@ -73,10 +73,12 @@ class ReaderLiveness:
     def renew_reader(self, pool: PoolPages) -> None:
         pool.reader_expiry = self._clock() + self.reader_ttl_s
 
-    def reader_keep_alive(self, pool_id: str, held_owners: Iterable[bytes]) -> list[bytes]:
+    def reader_keep_alive(self, pool_id: str, held_owners: Iterable[bytes], revocations_seen: int = 0) -> list[bytes]:
         """Renews the pool's reader and revokes the owners it does not hold; returns those owners.
         The grace (>= decode's RPC timeout) spares an owner whose Grant reply is still on its way: a
-        KeepAlive built before decode knew of the owner cannot arrive later than one RPC timeout."""
+        KeepAlive built before decode knew of the owner cannot arrive later than one RPC timeout.
+        revocations_seen: the seq of the last revocation decode had processed when it listed held_owners; a
+        revoked owner up to it that decode no longer holds is acknowledged (no step of it can still run)."""
         self.check_not_forgotten(pool_id)
         pool = self._pool(pool_id)
         if pool.reader_expiry <= self._clock():
@@ -90,11 +92,11 @@ class ReaderLiveness:
                  if owner not in held and now - pool.granted_at.get(owner, now) > self.reconcile_grace_s]
         for owner in stale:
             self.revoke(pool_id, owner, NOT_HELD)
-        # decode lists every owner a step may still write (the step in flight too): a revoked owner it no longer
-        # lists has stopped for good. Past the grace the list was built after decode sent the owner's Grant (an
-        # RPC takes at most its timeout <= the grace), so its absence is no stale view from before decode knew it.
-        for owner, (_, granted_at) in list(pool.unacked.items()):
-            if owner not in held and now - granted_at > self.reconcile_grace_s:
+        # decode lists every owner a step may still write (the step in flight too). It had processed the owner's
+        # revocation when it built this list (seq <= revocations_seen), so it knew of the owner: its absence is
+        # no stale view from before the Grant, and no step of it can run any more
+        for owner, (_, seq) in list(pool.unacked.items()):
+            if owner not in held and seq <= revocations_seen:
                 self.acknowledge(pool, owner)
         return stale
 

@@ -129,7 +129,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         # a pool this incarnation does not know (it restarted) or has fenced: NOT_FOUND, and decode
         # registers a new incarnation
         if request.pool_id:
-            stale = await self._call(context, self._table.reader_keep_alive, request.pool_id, request.held_owners)
+            stale = await self._call(context, self._table.reader_keep_alive, request.pool_id, request.held_owners,
+                                     request.revocations_seen)
             if stale:
                 log.warning("pool %s: revoked %d owners its decode no longer holds", request.pool_id, len(stale))
                 self._after_revoke(request.pool_id)

@@ -9,8 +9,9 @@ stepping and fails what runs (UNAVAILABLE), since a revocation it cannot hear fr
 lock_delay. Hence the start-up rule max_blind <= lock_delay / 2.
 
 The KeepAlive's owner list is also decode's acknowledgement of a revocation: it names every owner whose pages
-a step may still write (the step in flight included, however long it stalls), and the broker frees a revoked
-owner's pages only lock_delay after a KeepAlive that no longer names it (issue 18, hole 2).
+a step may still write (the step in flight included, however long it stalls), with the cursor of the revocations
+decode had processed, and the broker frees a revoked owner's pages only lock_delay after a KeepAlive that no
+longer names it and has seen its revocation (issue 18, hole 2).
 
 A move to another broker incarnation (a new epoch, or the pool fenced or forgotten here) may leave the old
 broker running, still accepting writes to the old pool until its reader record expires. So decode
@@ -118,11 +119,14 @@ class BrokerWatch:
                 pass
             self.epoch_changed.clear()
             try:
-                # built here, after every await: an owner whose step is still running is listed, so the
-                # broker keeps its revoked pages (hole 2)
+                # built in one step: every owner a step may still write is listed, the step in flight included,
+                # and every revocation up to the cursor was processed, so the broker may take a revoked owner
+                # missing here as stopped (hole 2)
+                epoch, seen = self.watch_cursor
                 resp = await self.broker.KeepAlive(broker_pb2.KeepAliveRequest(
                     holder_id=self.pool_id, ttl_ms=int(ttl_s * 1000), pool_id=self.pool_id,
-                    held_owners=sorted(self.holder.held_owners())), timeout=self.rpc_timeout_s)
+                    held_owners=sorted(self.holder.held_owners()),
+                    revocations_seen=seen if epoch == self.epoch else 0), timeout=self.rpc_timeout_s)
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.NOT_FOUND:
                     log.warning("broker unreachable (%s); running requests continue, new ones wait", e.code())

@@ -18,9 +18,8 @@ class LeaseMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = FakeClock()
         # the reader never expires here (reader liveness has its own tests: test_reader_liveness.py); its
-        # KeepAlive acknowledges revocations, with no grace
-        self.table = LeaseTable(LOCK_DELAY, TTL, self.clock, epoch=1, reader_ttl_s=float("inf"),
-                                reconcile_grace_s=0.0)
+        # KeepAlive acknowledges revocations
+        self.table = LeaseTable(LOCK_DELAY, TTL, self.clock, epoch=1, reader_ttl_s=float("inf"))
         self.table.register_pool("p", NUM_PAGES)
         self.held: dict[bytes, list[tuple[int, int]]] = {}
         self.writes: dict[int, tuple[str, int]] = {}  # page -> (writer, gen), LEASED or QUARANTINED
@@ -28,8 +27,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.max_gen = [0] * NUM_PAGES
         self.history: list[tuple[int, int]] = []  # every lease ever granted, for stale requests
         self.sealed: set[tuple[int, int]] = set()  # leases a write began on: never written again
-        self.granted_at: dict[bytes, float] = {}
-        self.unacked: dict[bytes, float] = {}  # revoked owners whose reader has not acknowledged -> grant time
+        self.unacked: dict[bytes, int] = {}  # revoked owners whose reader has not acknowledged -> revocation seq
 
     def held_pages(self) -> set[int]:
         return {p for leases in self.held.values() for p, _ in leases}
@@ -50,7 +48,6 @@ class LeaseMachine(RuleBasedStateMachine):
             assert gen > self.max_gen[page]
         self.held[owner] = leases
         self.history += leases
-        self.granted_at[owner] = self.clock.now
 
     @precondition(lambda self: self.held)
     @rule(writer=st.sampled_from(WRITERS), stale=st.booleans(), data=st.data())
@@ -108,17 +105,18 @@ class LeaseMachine(RuleBasedStateMachine):
                 self.writes[page] = (holder, gen)
         if leases:
             self.expiry[holder] = float("inf")
-            self.unacked[owner] = self.granted_at[owner]
+            self.unacked[owner] = self.table.last_seq("p")
 
     @rule(data=st.data())
     def reader_keep_alive(self, data):
-        # the reader lists what it holds, and some revoked owners whose step may still run
+        # the reader lists what it holds and some revoked owners whose step may still run, having seen the
+        # revocations up to some seq
         still = data.draw(st.lists(st.sampled_from(sorted(self.unacked) or [OWNERS[0]]), unique=True))
-        self.table.reader_keep_alive("p", [*self.held, *still])
-        for owner in [o for o, t in self.unacked.items() if o not in still and o not in self.held]:
-            if self.clock.now - self.unacked[owner] > 0.0:
-                del self.unacked[owner]
-                self.expiry[f"revoked/p/{owner.hex()}"] = self.clock.now
+        seen = data.draw(st.integers(0, self.table.last_seq("p")))
+        self.table.reader_keep_alive("p", [*self.held, *still], seen)
+        for owner in [o for o, seq in self.unacked.items() if o not in still and o not in self.held and seq <= seen]:
+            del self.unacked[owner]
+            self.expiry[f"revoked/p/{owner.hex()}"] = self.clock.now
 
     @rule(writer=st.sampled_from(WRITERS), ttl=st.sampled_from([0.5, 1.0, 3.0]))
     def keep_alive(self, writer, ttl):

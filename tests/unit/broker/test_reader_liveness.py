@@ -35,6 +35,7 @@ def test_an_unheld_owner_is_revoked_only_after_the_grace_and_through_quarantine(
     # A's pages are quarantined, not free: decode may still be mid-step on them
     assert [table.page_info("p", p).state for p in (0, 1)] == [PageState.QUARANTINED] * 2
     assert table.leases_of("p", B) == [(2, 2), (3, 2), (4, 2)] and table.leases_of("p", C) == [(5, 3)]
+    table.reader_keep_alive("p", [B, C], table.last_seq("p"))  # decode saw the revocation: no step of A runs
     clock.now += LOCK_DELAY - 0.1
     table.sweep()
     assert table.pool_state("p")["num_quarantined"] == 2
@@ -106,20 +107,19 @@ def test_revocation_log_numbers_replays_and_flags_a_gap():
 def test_a_revoked_owners_pages_wait_for_its_readers_acknowledgement_however_long_its_step_runs():
     """Issue 18, hole 2: decode's step may still write a revoked owner's pages (a stalled step thread while its
     event loop renews). The pages leave quarantine lock_delay after the first KeepAlive that no longer lists the
-    owner, never before, however much time passes."""
+    owner and has seen its revocation, never before, however much time passes."""
     table, clock = make()
     table.grant("p", A, 2, 7)
     table.grant("p", B, 2, 7)
-    clock.now += GRACE + 1
-    table.reader_keep_alive("p", [A, B])
     table.revoke("p", A, "OPERATOR")
+    seq = table.last_seq("p")
     for _ in range(12):  # 48 s of a stalled step: decode keeps renewing, listing A
         clock.now += 4.0
-        table.reader_keep_alive("p", [A, B])
+        table.reader_keep_alive("p", [A, B], seq)
         table.sweep()
         assert [table.page_info("p", p).state for p in (0, 1)] == [PageState.QUARANTINED] * 2
     assert table.pool_state("p")["num_free"] == 4
-    table.reader_keep_alive("p", [B])  # the step returned: A is no longer listed
+    table.reader_keep_alive("p", [B], seq)  # the step returned: A is no longer listed
     clock.now += LOCK_DELAY - 0.1
     table.sweep()
     assert table.pool_state("p")["num_quarantined"] == 2
@@ -128,17 +128,18 @@ def test_a_revoked_owners_pages_wait_for_its_readers_acknowledgement_however_lon
     assert table.pool_state("p")["num_free"] == 6 and table.leases_of("p", B) == [(2, 2), (3, 2)]
 
 
-def test_a_keep_alive_that_may_predate_the_owners_grant_is_no_acknowledgement():
+def test_a_keep_alive_built_before_decode_saw_the_revocation_is_no_acknowledgement():
+    """One that omits the owner but had not seen its revocation may come from before decode knew the owner (its
+    Grant still in flight): only a list built after the revocation was processed tells that no step runs."""
     table, clock = make()
     table.grant("p", A, 2, 7)
-    clock.now += GRACE - 1  # a KeepAlive built before decode sent A's Grant can still arrive now
     table.revoke("p", A, "OPERATOR")
-    table.reader_keep_alive("p", [])
+    seq = table.last_seq("p")
+    table.reader_keep_alive("p", [], seq - 1)
     clock.now += LOCK_DELAY + 0.1
     table.sweep()
     assert table.pool_state("p")["num_quarantined"] == 2
-    clock.now += 1.5  # past the grace: this one was built after the Grant was sent
-    table.reader_keep_alive("p", [])
+    table.reader_keep_alive("p", [], seq)
     clock.now += LOCK_DELAY + 0.1
     table.sweep()
     assert table.pool_state("p")["num_free"] == 8
