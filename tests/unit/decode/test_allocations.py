@@ -139,3 +139,37 @@ def test_after_a_stream_gap_the_recheck_fails_a_joining_request_whose_lease_is_g
     joining = seqs[b"j" * 16]
     assert joining.cancelled and (joining.err.code, joining.err.reason) == (grpc.StatusCode.DATA_LOSS, "REVOKED")
     assert not seqs[b"r" * 16].cancelled
+
+
+def test_decode_never_sends_a_release_for_an_owner_its_scheduler_still_steps(model_dir):
+    """Defence in depth for hole 1: were some path to release an owner that is still joining or running, the
+    broker would free its pages at once and re-grant them under the running step. Decode stops the sequence
+    instead; the scheduler releases it between steps."""
+    from pdserve.decode.servicer import DecodeServicer
+    from pdserve.engine.runner import ModelRunner
+
+    class Broker:
+        def __init__(self):
+            self.released = []
+
+        def Release(self, req, timeout):
+            self.released.append(req.owner)
+
+            async def answer():
+                return SimpleNamespace()
+            return answer()
+
+    async def main():
+        broker = Broker()
+        runner = ModelRunner(model_dir, num_pages=8, page_size=16, device="cpu")
+        servicer = DecodeServicer(runner, broker, "decode/d0/p", "session", 4096, "tiny")
+        owner = b"r" * 16
+        seq = Sequence(owner, 7, LEASES, expected_tags(owner, 7, LEASES), 5, SamplingParams(max_tokens=8),
+                       frozenset(), [1])
+        servicer.scheduler.join(seq)
+        await servicer.release(owner, 7, LEASES)
+        assert broker.released == [] and seq.cancelled and seq.err.reason == "RELEASE_WHILE_HELD"
+        servicer.scheduler.leave(owner)
+        await servicer.release(owner, 7, LEASES)
+        assert broker.released == [owner]
+    asyncio.run(main())
