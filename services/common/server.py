@@ -113,9 +113,10 @@ class Service:
     tls=None is plaintext with no authorisation: the gateway's public API, or an explicit --insecure."""
 
     def __init__(self, name: str, full_service_names: list[str], host: str, port: int, metrics_port: int, *,
-                 tls: TlsConfig | None, metrics_host: str = "127.0.0.1"):
+                 tls: TlsConfig | None, metrics_host: str = "127.0.0.1", guards: tuple = ()):
+        """guards: interceptors that refuse callers (the gateway's API key), outermost."""
         self.name = name
-        interceptors = [ErrorInterceptor()]
+        interceptors = [*guards, ErrorInterceptor()]
         if tls is not None:  # outermost: a refused caller reaches no handler and no other interceptor
             interceptors.insert(0, AuthInterceptor(name, full_service_names))
         self.server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
