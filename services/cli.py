@@ -42,9 +42,14 @@ def _up(args) -> int:
             allow_small=args.allow_pool_smaller_than_context, num_prefill=args.prefill_instances,
             num_decode=args.decode_instances, echo=True, tls_dir=tls_dir,
             extra=_up_extra(args))
-    except BaseException:
+    except BaseException as e:
         if not args.tls_dir:
             shutil.rmtree(tls_dir, ignore_errors=True)
+        if isinstance(e, launcher.StartFailed):  # its output is above; the last line says who refused and why
+            code = e.proc.popen.returncode
+            print(f"pdserve up: {e.proc.name} {'did not start' if code is None else f'exited with {code}'}: "
+                  f"{e.last_line}", file=sys.stderr)
+            return 1
         raise
     gw = procs["gateway"][0]
     print(f"\npdserve is up: gateway gRPC {gw.target}, OpenAI HTTP 127.0.0.1:{gw.http_port}; try "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import grpc
@@ -39,6 +40,9 @@ def add_arguments(g) -> None:
                    help="the prompt's log-probabilities with this many top tokens (0..20); with --json")
     g.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole request, seconds")
     g.add_argument("--gateway", default=f"127.0.0.1:{config.GATEWAY_PORT}")
+    g.add_argument("--api-key", default=None,
+                   help="the gateway's API key, sent as `authorization: Bearer KEY`; default: env PDSERVE_API_KEY "
+                        "(preferred: a command line is visible to every local user)")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
@@ -62,7 +66,11 @@ def _logprobs(msgs) -> list[dict]:
     return [{"logprob": m.logprob, "top": [[t, lp] for t, lp in zip(m.top_token_ids, m.top_logprobs)]} for m in msgs]
 
 
-def generate(stub, req, on_text=None, timeout: float = 300.0) -> dict:
+def api_key_metadata(key: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {key}"),) if key else ()
+
+
+def generate(stub, req, on_text=None, timeout: float = 300.0, api_key: str | None = None) -> dict:
     """Runs one Generate call; returns the --json result (or its error object)."""
     ids: list[int] = []
     text = []
@@ -71,7 +79,7 @@ def generate(stub, req, on_text=None, timeout: float = 300.0) -> dict:
     finish = None
     prompt_tokens = 0
     try:
-        for r in stub.Generate(req, timeout=timeout):
+        for r in stub.Generate(req, timeout=timeout, metadata=api_key_metadata(api_key)):
             ids.extend(r.token_ids)
             text.append(r.text)
             lps.extend(_logprobs(r.logprobs))
@@ -92,21 +100,30 @@ def generate(stub, req, on_text=None, timeout: float = 300.0) -> dict:
     return {**out, **extra}
 
 
+def _hint(err: dict, key: str | None) -> str:
+    if err["reason"] != "API_KEY":
+        return ""
+    return " (no API key given: set PDSERVE_API_KEY or pass --api-key)" if not key else \
+        " (the key given was refused)"
+
+
 def main(args) -> int:
+    key = args.api_key if args.api_key is not None else os.environ.get("PDSERVE_API_KEY")
     req = build_request(args.prompt or "", args.prompt_token_ids, args.max_tokens, args.temperature, args.ignore_eos,
                         args.frequency_penalty, args.presence_penalty, args.stop, args.stop_token_ids,
                         **{name: getattr(args, name) for name in OPTIONAL})
     with grpc.insecure_channel(args.gateway) as ch:
         stub = gateway_pb2_grpc.GatewayStub(ch)
         if args.json:
-            out = generate(stub, req, timeout=args.timeout)
+            out = generate(stub, req, timeout=args.timeout, api_key=key)
             out.pop("token_ids", None) if "error" in out else None
             print(json.dumps(out))
             return 2 if "error" in out else 0
-        out = generate(stub, req, on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()), timeout=args.timeout)
+        out = generate(stub, req, on_text=lambda t: (sys.stdout.write(t), sys.stdout.flush()), timeout=args.timeout,
+                       api_key=key)
         print()
         if "error" in out:
             e = out["error"]
-            print(f"error: {e['code']} {e['reason']}: {e['message']}", file=sys.stderr)
+            print(f"error: {e['code']} {e['reason']}: {e['message']}{_hint(e, key)}", file=sys.stderr)
             return 2
         return 0

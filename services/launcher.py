@@ -98,17 +98,27 @@ def launch(name: str, args: list[str], env: dict | None = None, echo: bool = Fal
     return proc
 
 
+class StartFailed(RuntimeError):
+    """A service that exited or hung before its ready line; `last_line` is its own last word (a refusal's reason)."""
+
+    def __init__(self, message: str, proc: Proc):
+        super().__init__(message)
+        self.proc = proc
+        self.last_line = next((line.strip() for line in reversed(proc.lines) if line.strip()), "")
+
+
 def wait_ready(proc: Proc, timeout: float = 120.0) -> Proc:
     name, popen = proc.name, proc.popen
     deadline = time.monotonic() + timeout
     while not proc.ready.wait(0.1):
         if time.monotonic() > deadline:
             stop(proc)
-            raise RuntimeError(f"{name} not ready after {timeout:.0f}s:\n{''.join(proc.lines[-40:])}")
+            raise StartFailed(f"{name} not ready after {timeout:.0f}s:\n{''.join(proc.lines[-40:])}", proc)
     if not proc.port:
         popen.wait(5)
         stop(proc)  # closes its lifeline
-        raise RuntimeError(f"{name} exited with {popen.returncode} before it was ready:\n{''.join(proc.lines[-40:])}")
+        raise StartFailed(f"{name} exited with {popen.returncode} before it was ready:\n{''.join(proc.lines[-40:])}",
+                          proc)
     return proc
 
 

@@ -99,8 +99,8 @@ class LeaseTable(ReaderLiveness):
         # it acked a failure, so a write still landing later than that could hit a page granted again
         if not 0 < max_landing_s <= self.lock_delay_s:
             raise LeaseError("FAILED_PRECONDITION", "LANDING_BOUND_EXCEEDS_LOCK_DELAY",
-                             f"writer {writer_id}: a posted write may land up to {max_landing_s:.3f}s after its call "
-                             f"returned; the broker's lock_delay is {self.lock_delay_s:.3f}s (needs 0 < bound <= "
+                             f"writer {writer_id}: a posted write may land up to {max_landing_s:.3f}s after it was "
+                             f"posted; the broker's lock_delay is {self.lock_delay_s:.3f}s (needs 0 < bound <= "
                              f"lock_delay)")
         leases = list(leases)
         pool = self._pool(pool_id, epoch)

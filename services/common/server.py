@@ -90,15 +90,33 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
+class _Refused(Exception):
+    """A SystemExit of start-up work, carried as a plain error: raised in a task of its own, asyncio lets a
+    SystemExit escape the event loop at once, before the server is stopped, and the loop closes under it (the
+    server's clean-up then prints a `RuntimeError: Event loop is closed` traceback after the message)."""
+
+    def __init__(self, exit: SystemExit):
+        super().__init__(str(exit))
+        self.exit = exit
+
+
+async def _refusal_as_error(work: Awaitable):
+    try:
+        return await work
+    except SystemExit as e:
+        raise _Refused(e) from None
+
+
 class Service:
     """One gRPC server with stock health (NOT_SERVING until ready), reflection and a /metrics port.
     With tls, the port demands a client certificate and every call is authorised by its identity (authz.py);
     tls=None is plaintext with no authorisation: the gateway's public API, or an explicit --insecure."""
 
     def __init__(self, name: str, full_service_names: list[str], host: str, port: int, metrics_port: int, *,
-                 tls: TlsConfig | None, metrics_host: str = "127.0.0.1"):
+                 tls: TlsConfig | None, metrics_host: str = "127.0.0.1", guards: tuple = ()):
+        """guards: interceptors that refuse callers (the gateway's API key), outermost."""
         self.name = name
-        interceptors = [ErrorInterceptor()]
+        interceptors = [*guards, ErrorInterceptor()]
         if tls is not None:  # outermost: a refused caller reaches no handler and no other interceptor
             interceptors.insert(0, AuthInterceptor(name, full_service_names))
         self.server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
@@ -142,14 +160,19 @@ class Service:
 
     async def starting(self, work: Awaitable):
         """Runs start-up work (model load, registration) unless a stop signal comes first; then the process
-        exits 0 at once: a model load in a thread cannot be cancelled, and there is nothing to drain yet."""
-        task = asyncio.ensure_future(work)
+        exits 0 at once: a model load in a thread cannot be cancelled, and there is nothing to drain yet.
+        A refusal (SystemExit: a short pool, a broken timing bound) stops the server, then exits with its one
+        line."""
+        task = asyncio.ensure_future(_refusal_as_error(work))
         stop = asyncio.ensure_future(self._stop.wait())
         await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
         if task.done():
             stop.cancel()
-            if task.exception() is not None:  # e.g. a refused checkpoint: stopped here, not torn down by the GC
+            err = task.exception()
+            if err is not None:  # e.g. a refused checkpoint: stopped here, not torn down by the GC
                 await self.server.stop(0)
+            if isinstance(err, _Refused):
+                raise err.exit from None
             return task.result()
         log.info("%s: stopped during start-up; exiting", self.name)
         logging.shutdown()

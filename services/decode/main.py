@@ -33,8 +33,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allocation-queue-timeout", type=float, default=30.0,
                    help="seconds a request waits for KV pages before RESOURCE_EXHAUSTED (QUEUE_TIMEOUT)")
     p.add_argument("--checksum-sweep-pages", type=int, default=8,
-                   help="prompt pages of the running batch whose CRC-32C is re-checked before each step, in rotation "
-                        "(every prompt page at least once every E * ceil(prompt pages / N) steps); 0 turns it off")
+                   help="N: prompt pages of the running batch whose CRC-32C is re-checked before every E-th step "
+                        "(--checksum-sweep-every), in rotation: every prompt page at least once every E * ceil(P / N) "
+                        "steps, P the batch's prompt pages; 0 turns it off")
     p.add_argument("--checksum-sweep-every", type=int, default=8,
                    help="the sweep runs before every E-th step: its cost, mostly fixed per call, divided by E")
     p.add_argument("--max-blind", type=float, default=1.0,

@@ -18,6 +18,7 @@ from ..common.unsafe import check_unsafe
 from ..engine.chat import ChatTemplate, ChatTemplateError
 from ..engine.tokenizer import load_tokenizer
 from ..common.drain import settle
+from .api_key import ApiKeyInterceptor
 from .backends import Backends
 from .discovery import Discovery
 from .drain import drain
@@ -168,7 +169,7 @@ async def serve(args) -> None:
     servicer.concurrency = concurrency
     svc = Service("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
                   args.host, args.port, args.metrics_port, tls=None,  # public API: plaintext by design
-                  metrics_host=args.metrics_host)
+                  metrics_host=args.metrics_host, guards=(ApiKeyInterceptor(key),) if key else ())
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, svc.server)
     health = Health(svc, servicer, backends)
     backends.on_change = health.on_change

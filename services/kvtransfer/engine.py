@@ -56,7 +56,10 @@ def _pin_ports(port: int) -> tuple[int, int]:
 
 
 def landing_bound_s(timeout_s: float, nbytes: int, slack_s: float) -> float:
-    """The longest a write posted in one batch call of nbytes can still land after the call returned."""
+    """L: the longest from a write's post to its last byte landing, for batch calls of at most nbytes. A call
+    starts its timer before it posts anything (a retry inside the call keeps the first timer) and gives up
+    timeout_s + 1 ns per byte of its batch after that start; a task still in flight when it returns lands within
+    slack_s. So every byte lands within L of its post; prefill/writelease.py says why L <= lock_delay suffices."""
     return timeout_s + nbytes * 1e-9 + slack_s
 
 

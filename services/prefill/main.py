@@ -31,13 +31,25 @@ def _at_least_one(text: str) -> int:
     return int(text)
 
 
+def _mooncake_timeout(text: str) -> int:
+    """Whole seconds >= 5, checked with the other flags: the timing bound is checked before the engine starts."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be whole seconds, got {text!r}") from None
+    if value < MOONCAKE_MIN_TIMEOUT_S:
+        raise argparse.ArgumentTypeError(f"must be >= {MOONCAKE_MIN_TIMEOUT_S} (Mooncake raises anything lower to "
+                                         f"{MOONCAKE_MIN_TIMEOUT_S}), got {value}")
+    return value
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, "prefill", config.PREFILL_PORT, config.DEFAULT_PREFILL_POOL_TOKENS)
     p.add_argument("--writer-ttl", type=float, default=5.0, help="liveness lease of one write, seconds")
     p.add_argument("--transfer-timeout", type=float, default=30.0,
                    help="bound on one request's KV transfer as the caller sees it; a write still running then is "
                         "acknowledged (as failed) once its transport call returns")
-    p.add_argument("--mooncake-timeout", type=int, default=MOONCAKE_MIN_TIMEOUT_S,
+    p.add_argument("--mooncake-timeout", type=_mooncake_timeout, default=MOONCAKE_MIN_TIMEOUT_S,
                    help="Mooncake's own transfer timeout (MC_TRANSFER_TIMEOUT), whole seconds >= 5; set explicitly")
     p.add_argument("--drain-timeout", type=float, default=10.0,
                    help="on SIGTERM, seconds in-flight Prefill calls get to finish; past it they fail UNAVAILABLE "
@@ -48,8 +60,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="prompts waiting for or in a forward pass; one more is refused with RESOURCE_EXHAUSTED "
                         "(PREFILL_QUEUE_FULL)")
     p.add_argument("--landing-slack", type=float, default=1.0,
-                   help="seconds added to Mooncake's timeout + 1 ns/byte to bound how late a posted write can land; "
-                        "the sum must not exceed the broker's --lock-delay (checked at start-up)")
+                   help="seconds a task still in flight when its batch call returns may take to land; with Mooncake's "
+                        "timeout + 1 ns/byte of the largest batch call it bounds how long after it was posted a write "
+                        "can land, which must not exceed the broker's --lock-delay (checked at start-up)")
 
 
 async def serve(args) -> None:
@@ -68,7 +81,8 @@ async def serve(args) -> None:
 
 
 async def _start(args, tls) -> PrefillServicer:
-    """Loads the model (in a thread: the server answers health meanwhile) and checks the timing bound."""
+    """Loads the model (in a thread: the server answers health meanwhile), checks the timing bound with the broker,
+    then starts the transfer engine: a refused start opens no transfer port."""
     num_pages = args.pool_tokens // args.page_size
     set_threads(args.threads, args.switch_interval_ms)
     runner = await asyncio.to_thread(ModelRunner, args.model, num_pages, args.page_size, args.kv_dtype, args.device)
@@ -77,19 +91,17 @@ async def _start(args, tls) -> PrefillServicer:
     init_metrics("prefill", [pool_name])
     max_prompt = check_pool_capacity("prefill", pool_name, num_pages * args.page_size, context_length,
                                      args.allow_pool_smaller_than_context)
-    transfer = TransferEngine(args.host, args.protocol, timeout_s=args.mooncake_timeout, port=args.transfer_port)
-    worker = PrefillWorker(runner, transfer, checksums=not args.no_transfer_checksum)
     channel = secure_channel(args.broker, tls, GRPC_OPTIONS)
     broker = broker_pb2_grpc.BrokerStub(channel)
     # the broker lets a prefill name only writer ids under its own identity
     writer_prefix = f"{own_identity(tls, 'prefill')}/{os.getpid()}-{secrets.token_hex(4)}"
-    # the largest batch call is the data write of a whole pool: Mooncake allows it timeout + 1 ns per byte
-    max_landing = landing_bound_s(transfer.timeout_s, runner.pool.data_nbytes, args.landing_slack)
-    leases = WriteLeases(broker, writer_prefix, max_landing, writer_ttl_s=args.writer_ttl)
-    servicer = PrefillServicer(worker, leases, context_length, max_prompt,
-                               os.path.basename(os.path.normpath(args.model)), transfer_timeout_s=args.transfer_timeout,
-                               max_batch_tokens=args.prefill_max_batch_tokens, queue_limit=args.prefill_queue_limit)
-    while True:  # SERVING only once the broker's lock_delay covers the longest a posted write can still land
+    # the largest batch call is the data write of a whole pool
+    nbytes = runner.pool.data_nbytes
+    max_landing = landing_bound_s(args.mooncake_timeout, nbytes, args.landing_slack)
+    terms = (f"Mooncake timeout {args.mooncake_timeout}s + 1 ns/byte of the largest batch call ({nbytes} bytes, "
+             f"the pool's data) + --landing-slack {args.landing_slack:.3f}s")
+    leases = WriteLeases(broker, writer_prefix, max_landing, writer_ttl_s=args.writer_ttl, landing_terms=terms)
+    while True:  # SERVING only once the broker's lock_delay covers the longest from a post to its landing
         try:
             lock_delay = await leases.check_bounds()
             break
@@ -98,9 +110,13 @@ async def _start(args, tls) -> PrefillServicer:
         except Exception as e:  # noqa: BLE001
             log.warning("asking broker %s for its lock_delay failed (%s); retrying", args.broker, e)
             await asyncio.sleep(0.5)
-    log.info("timing bound holds: a posted write lands within %.3fs <= broker lock_delay %.3fs",
-             max_landing, lock_delay)
-    return servicer
+    log.info("timing bound holds: a posted write lands within %.3fs after it was posted (%s) <= broker lock_delay "
+             "%.3fs", max_landing, terms, lock_delay)
+    transfer = TransferEngine(args.host, args.protocol, timeout_s=args.mooncake_timeout, port=args.transfer_port)
+    worker = PrefillWorker(runner, transfer, checksums=not args.no_transfer_checksum)
+    return PrefillServicer(worker, leases, context_length, max_prompt,
+                           os.path.basename(os.path.normpath(args.model)), transfer_timeout_s=args.transfer_timeout,
+                           max_batch_tokens=args.prefill_max_batch_tokens, queue_limit=args.prefill_queue_limit)
 
 
 def main(args) -> None:

@@ -24,13 +24,29 @@ class TimingBoundError(RuntimeError):
 
 
 class WriteLeases:
+    """The lease protocol's one timing inequality, stated from the post:
+
+        L = Mooncake timeout + 1 ns x bytes of the largest batch call + landing slack  <=  lock_delay
+
+    where L (max_landing_s, landing_bound_s) bounds the time from a write's post to its last byte landing. It is
+    checked at start-up (check_bounds) and by the broker on every BeginWrite. Why it suffices, on both ways the broker
+    frees a page that a write may still hit:
+    - liveness expiry: a write is posted only while this process's view of its liveness has liveness_margin_s or
+      more left (check_alive), and that view runs from the *send* of the BeginWrite or renewal, before the broker
+      received it, so it ends no later than the broker's expiry E: the last post is before E, and it lands by
+      E + L <= E + lock_delay, the first moment the broker may free the page;
+    - failed acknowledgement: EndWrite(success=false) is sent after the batch call returned, so after every post of
+      the write: it lands by ack + L <= ack + lock_delay."""
+
     def __init__(self, broker, writer_prefix: str, max_landing_s: float, rpc_timeout_s: float = 10.0,
-                 writer_ttl_s: float = 5.0, liveness_margin_s: float = 1.0):
+                 writer_ttl_s: float = 5.0, liveness_margin_s: float = 1.0,
+                 landing_terms: str = "Mooncake timeout + 1 ns/byte of the largest batch call + --landing-slack"):
         if not 0 < liveness_margin_s < writer_ttl_s:
             raise ValueError(f"liveness margin {liveness_margin_s}s must be in (0, writer ttl {writer_ttl_s}s)")
         self.broker = broker
         self.writer_prefix = writer_prefix
         self.max_landing_s = max_landing_s
+        self.landing_terms = landing_terms
         # the start-up check and every BeginWrite use the same whole milliseconds, so a bound that passes the one
         # can never be refused by the other
         self.max_landing_ms = math.ceil(max_landing_s * 1000)
@@ -40,17 +56,18 @@ class WriteLeases:
         self.renewals = Renewals(self)
 
     async def check_bounds(self) -> float:
-        """At start-up: the broker must hold a page at least as long as a posted write can still land after its
-        call returned (max_landing <= lock_delay); returns lock_delay. Raises TimingBoundError with the numbers."""
+        """At start-up: L <= lock_delay (the class docstring says why), in the whole milliseconds every BeginWrite
+        declares; returns lock_delay. Raises TimingBoundError with both numbers."""
         resp = await call(self.broker.KeepAlive(broker_pb2.KeepAliveRequest(
             holder_id=f"{self.writer_prefix}/startup", ttl_ms=1000), timeout=self.rpc_timeout_s), "broker KeepAlive")
         lock_delay = resp.lock_delay_ms / 1000
         if self.max_landing_ms > resp.lock_delay_ms:
             raise TimingBoundError(
-                f"a write this prefill posts may land up to {self.max_landing_s:.3f}s after its call returned "
-                f"(Mooncake timeout + 1 ns/byte of the pool + slack), but the broker frees a page {lock_delay:.3f}s "
-                f"after a failed write's ack or its writer's liveness expiry (lock_delay): raise the broker's "
-                f"--lock-delay to at least {self.max_landing_s:.3f} or lower prefill's --mooncake-timeout")
+                f"a write this prefill posts may land up to {self.max_landing_s:.3f}s after it was posted "
+                f"({self.landing_terms}), but the broker may free its page {lock_delay:.3f}s after the writer's "
+                f"liveness expiry or a failed write's ack (lock_delay): raise the broker's --lock-delay to at least "
+                f"{self.max_landing_ms / 1000:.3f}, or lower prefill's --mooncake-timeout, --landing-slack or "
+                f"--pool-tokens")
         return lock_delay
 
     async def begin(self, pool_id: str, owner: bytes, epoch: int, leases_pb, writer_id: str,

@@ -34,16 +34,36 @@ def test_prefill_refuses_to_start_when_its_landing_bound_exceeds_the_brokers_loc
                            timeout=120)
         err = r.stderr + r.stdout
         assert r.returncode != 0 and "PDSERVE_READY" not in r.stdout, err
-        m = re.search(r"refusing to start: a write this prefill posts may land up to ([0-9.]+)s after its call "
-                      r"returned .* \(lock_delay\)", err)
-        assert m and 6.0 < float(m.group(1)) < 6.1, err
-        assert "5.500s" in err and "--lock-delay to at least" in err, err
+        # one line, the last, and nothing after it: no traceback of the event loop closing under the server
+        assert "Traceback" not in err and "Event loop is closed" not in err, err
+        last = r.stderr.strip().splitlines()[-1]
+        m = re.fullmatch(r"prefill: refusing to start: a write this prefill posts may land up to ([0-9.]+)s after "
+                         r"it was posted \(Mooncake timeout 5s \+ 1 ns/byte of the largest batch call \((\d+) bytes, "
+                         r"the pool's data\) \+ --landing-slack 1\.000s\), but the broker may free its page 5\.500s "
+                         r"after .* \(lock_delay\): raise the broker's --lock-delay to at least ([0-9.]+), .*", last)
+        assert m and 6.0 < float(m.group(1)) < 6.1 and m.group(1) == m.group(3), last
+        assert m.group(1) == f"{5 + int(m.group(2)) * 1e-9 + 1.0:.3f}", last
         # the same prefill with less slack fits under the bound and serves
         ok = launcher.start("prefill", [*prefill, "--landing-slack", "0.3"])
         try:
-            assert any(re.search(r"a posted write lands within 5\.[0-9]+s <= broker lock_delay 5\.500s", line)
-                       for line in ok.lines), "".join(ok.lines[-20:])
+            assert any(re.search(r"a posted write lands within 5\.[0-9]+s after it was posted \(.*\) <= broker "
+                                 r"lock_delay 5\.500s", line) for line in ok.lines), "".join(ok.lines[-20:])
         finally:
             launcher.stop(ok)
     finally:
         launcher.stop(broker)
+
+
+def test_up_ends_a_refused_start_with_one_line_and_no_traceback(tmp_path, model_dir):
+    """A service of `pdserve up` that refuses to start (here prefill: its pool is under the context) stops the
+    stack, and `up` ends with one line naming the service and its reason."""
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "up", "--model", model_dir, "--free-ports",
+                        "--prefill-pool-tokens", "1024", "--tls-dir", str(tmp_path / "tls")],
+                       capture_output=True, text=True, timeout=180)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and "pdserve is up" not in out, out
+    assert "Traceback" not in out and "Event loop is closed" not in out, out
+    assert r.stderr.strip().splitlines() == [
+        "pdserve up: prefill0 exited with 1: prefill: KV pool prefill-0 holds 1024 tokens but the context length "
+        "is 4096 (3072 short); refusing to start. Grow the pool, lower --context-length, or pass "
+        "--allow-pool-smaller-than-context to serve with admission capped at the pool."], r.stderr

@@ -123,7 +123,8 @@ class HttpServer:
 def add_http_args(p: argparse.ArgumentParser) -> None:
     d = Limits()
     p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on the HTTP API except /health; default: env "
+                   help="require `Authorization: Bearer KEY` on the HTTP API except /health, and as gRPC metadata "
+                        "`authorization: Bearer KEY` on the gRPC API except health and reflection; default: env "
                         "PDSERVE_API_KEY, else no key")
     p.add_argument("--http-max-body-bytes", type=int, default=d.max_body_bytes,
                    help="largest request body, counted as it arrives (Content-Length or chunked); larger: 413")
