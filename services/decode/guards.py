@@ -18,7 +18,7 @@ from .verify import step_tag_mismatches
 
 if TYPE_CHECKING:
     from ..engine.kv_pool import KVPool
-    from .scheduler import Sequence
+    from .sequence import Sequence
 
 log = logging.getLogger(__name__)
 

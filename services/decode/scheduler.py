@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 import grpc
@@ -30,52 +29,15 @@ from ..common.tasks import spawn
 from ..common.faults import FAULTS
 from ..common.metrics import FORWARD_SECONDS, LEASE_VIOLATIONS, SAMPLING_FAILURES, TIMEOUTS
 from ..engine.runner import ModelRunner
-from ..engine.sampler import SamplingError, SamplingParams, TokenLogprobs, logprobs, sample
+from ..engine.sampler import SamplingError, TokenLogprobs, logprobs, sample
 from ..engine.tags import OWNER_LO, make_tag
-from .sweep import ChecksumSweep, PromptRecord
 from .guards import StepGuards
+from .sequence import Sequence, raise_if_ended
+from .sweep import ChecksumSweep
+
+__all__ = ["Scheduler", "Sequence", "raise_if_ended"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(eq=False)
-class Sequence:
-    owner: bytes
-    epoch: int
-    leases: list[tuple[int, int]]
-    expected: torch.Tensor          # [num_leases, 5] ownership words each page's tag must carry
-    num_prompt_tokens: int
-    sampling: SamplingParams
-    eos_token_ids: frozenset[int]   # every end-of-sequence id of the checkpoint (Llama 3.x has three)
-    generated: list[int]            # generated[0] is prefill's first token
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    pages: list[int] = field(init=False)  # physical pages in request order, read every step
-    page_ids: torch.Tensor = field(init=False)  # the same, as a tensor for the per-step check
-    cancelled: bool = False
-    err: PdError | None = None  # why it was cancelled, when the request must end with an error
-    done: bool = False
-    prompt: PromptRecord | None = None  # prompt pages and their verified checksums, for the sweep
-    # only when repetition_penalty counts them; a tensor, so a long prompt is not converted again at every step
-    prompt_token_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
-
-    @property
-    def position(self) -> int:
-        """Position of the token fed in the next step (the last generated one)."""
-        return self.num_prompt_tokens + len(self.generated) - 1
-
-    def __post_init__(self) -> None:
-        self.pages = [p for p, _ in self.leases]
-        self.page_ids = torch.tensor(self.pages, dtype=torch.int64)
-
-    def is_stopped(self) -> bool:
-        """Ended by its last token: end-of-sequence (unless ignore_eos) or one of its stop tokens."""
-        last = self.generated[-1]
-        if not self.sampling.ignore_eos and last in self.eos_token_ids:
-            return True
-        return last in self.sampling.stop_token_ids
-
-    def is_finished(self) -> bool:
-        return self.is_stopped() or len(self.generated) >= self.sampling.max_tokens
 
 
 class Scheduler:
@@ -255,11 +217,3 @@ class Scheduler:
                 seq.events.put_nowait((tok, finished, lp))
                 if finished:
                     self._end(seq, None)
-
-
-def raise_if_ended(seq: Sequence) -> None:
-    """A sequence marked while it was joining ends before any (further) token is sent."""
-    if seq.err is not None:
-        raise seq.err
-    if seq.cancelled:
-        raise PdError(grpc.StatusCode.CANCELLED, "RELEASED", "the request was released before decoding began")
