@@ -1,8 +1,10 @@
 """Per-method authorisation by the peer's certificate identity (ROLE/NAME in the CN; see tls.py, pki.py).
 
-One table says which roles may call which method; one function says which resources an identity may
-name (by prefix, so the broker keeps no extra state). A method missing from the table is refused:
-a new RPC is closed until someone decides who may call it.
+POLICY says which roles may call which method. FIELDS says, for every field of every broker request and each
+role that may send it, whose id the field may carry: the caller's own (by prefix), none, any owner of the
+caller's own pool, any (the lease table decides by the leases), or anything (operators). A method missing from
+POLICY, and a broker method or request field missing from FIELDS, is refused to everyone: a new RPC or proto
+field is closed until someone decides whose ids it may carry.
 """
 from __future__ import annotations
 
@@ -41,12 +43,10 @@ POLICY: dict[str, frozenset[str]] = {
     "/grpc.reflection.v1alpha.ServerReflection/*": ANY,
     "/grpc.reflection.v1.ServerReflection/*": ANY,
 }
-# request fields that name something a role owns: its own ids all start with "ROLE/NAME/"
-OWNED_FIELDS = {"decode": ("pool_id", "holder_id"), "prefill": ("writer_id", "holder_id")}
-
 NO_IDENTITY, BAD_IDENTITY = "NO_PEER_IDENTITY", "BAD_PEER_IDENTITY"
 ROLE, RESOURCE, UNLISTED = "ROLE_NOT_ALLOWED", "NOT_OWN_RESOURCE", "METHOD_NOT_IN_POLICY"
-REASONS = (NO_IDENTITY, BAD_IDENTITY, ROLE, RESOURCE, UNLISTED)
+FIELD_UNLISTED = "FIELD_NOT_IN_POLICY"
+REASONS = (NO_IDENTITY, BAD_IDENTITY, ROLE, RESOURCE, UNLISTED, FIELD_UNLISTED)
 DENIALS = Counter("pdserve_auth_denials_total", "Calls refused by mutual-TLS authorisation",
                   ["service", "method", "reason"])
 
@@ -72,22 +72,128 @@ def check_call(method: str, cn: str | None) -> tuple[str, str] | None:
     return None
 
 
-# fields that may be left empty, naming nothing: KeepAlive's pool_id is set only on a reader's renewal
-OPTIONAL_FIELDS = {("KeepAlive", "pool_id")}
+# What a field's values may be, per caller role (FIELDS).
+OWN = "own"                    # the caller's own ids: each starts with its identity + "/" (pool, writer, holder ids)
+OWN_OR_EMPTY = "own or empty"  # the same, or left empty
+EMPTY = "empty"                # left empty: this role names nothing there
+# owner ids are made by the gateway and carry no prefix: such a field acts only on the owner's leases inside the
+# request's pool_id, which must then be the caller's own, so an owner of someone else's pool is out of reach
+IN_OWN_POOL = "in own pool"
+# a prefill writes into any decode's pool, so these are not the caller's: the lease table acts on them only for an
+# owner that holds current leases of exactly the pages named (BeginWrite), or on pages whose active write is this
+# writer id's own BeginWrite (EndWrite); knowing a pool's or an owner's id grants nothing
+BY_LEASE = "by lease"
+ANYTHING = "anything"          # operators act on any pool and owner
+NO_ID = "no id"                # counts, epochs, pages, checksums, free text: no pool, holder, writer or owner
+
+BROKER = "/pdserve.v1.Broker/"
+_LEASES = {"leases.page": NO_ID, "leases.generation": NO_ID}
+FIELDS: dict[str, dict[str, str | dict[str, str]]] = {
+    BROKER + "RegisterPool": {
+        "pool_id": {"decode": OWN}, "num_pages": NO_ID, "quarantined_pages": NO_ID,
+        # where the pool's bytes live: an address, not an id (the broker cannot tell whose memory it is)
+        **{f"region.{n}": NO_ID for n in ("transfer_session", "data_base", "tag_base")},
+        **{f"region.layout.{n}": NO_ID for n in ("num_layers", "num_kv_heads", "head_dim", "page_size", "dtype",
+                                                  "page_nbytes", "tag_nbytes")}},
+    BROKER + "Grant": {"pool_id": {"decode": OWN}, "owner": {"decode": IN_OWN_POOL}, "num_pages": NO_ID,
+                       "epoch": NO_ID},
+    BROKER + "BeginWrite": {"pool_id": {"prefill": BY_LEASE}, "owner": {"prefill": BY_LEASE}, "epoch": NO_ID,
+                            **_LEASES, "writer_id": {"prefill": OWN}, "max_landing_ms": NO_ID,
+                            "writer_ttl_ms": NO_ID},
+    BROKER + "EndWrite": {"pool_id": {"prefill": BY_LEASE}, "owner": {"prefill": BY_LEASE}, "epoch": NO_ID,
+                          **_LEASES, "writer_id": {"prefill": OWN}, "success": NO_ID, "nothing_posted": NO_ID,
+                          **{f"coverage.{n}": NO_ID for n in ("num_tokens", "num_pages", "checksums")},
+                          "first_token": NO_ID, "prompt_digest": NO_ID},
+    BROKER + "Validate": {"pool_id": {"decode": OWN}, "owner": {"decode": IN_OWN_POOL}, "epoch": NO_ID, **_LEASES},
+    BROKER + "Release": {"pool_id": {"decode": OWN}, "owner": {"decode": IN_OWN_POOL}, "epoch": NO_ID},
+    # the broker's own holders (revoked/..., failed/..., earlier-epoch/...) start with no role: no caller's own;
+    # renewing one would keep its pages in quarantine for as long as the caller liked
+    BROKER + "KeepAlive": {
+        "holder_id": {"decode": OWN, "prefill": OWN}, "ttl_ms": NO_ID,
+        # reconciliation revokes pool_id's owners missing from held_owners, and the renewal keeps pool_id from
+        # being fenced: both are for the pool's own decode alone. held_owners is not checked against the leases
+        # held: an honest decode lists owners whose Grant or Release is still in flight
+        "pool_id": {"decode": OWN_OR_EMPTY, "prefill": EMPTY},
+        "held_owners": {"decode": IN_OWN_POOL, "prefill": EMPTY},
+        "more_holder_ids": {"decode": EMPTY, "prefill": OWN}},
+    BROKER + "WatchRevocations": {"pool_id": {"decode": OWN}, "after_seq": NO_ID, "epoch": NO_ID},
+    BROKER + "Revoke": {"pool_id": {"operator": ANYTHING}, "owner": {"operator": ANYTHING}, "reason": NO_ID},
+    BROKER + "GetPoolState": {"pool_id": {"decode": OWN, "operator": ANYTHING}},
+}
+
+
+def field_paths(descriptor, prefix: str = "", seen: tuple[str, ...] = ()) -> list[str]:
+    """Every leaf field of a message, message fields spelled out ('region.layout.dtype'). A message type that
+    contains itself stops at the repeat, whose path no rule names."""
+    paths = []
+    for f in descriptor.fields:
+        if f.message_type is None or f.message_type.full_name in seen:
+            paths.append(prefix + f.name)
+        else:
+            paths += field_paths(f.message_type, f"{prefix}{f.name}.", (*seen, descriptor.full_name))
+    return paths
+
+
+_plans: dict[tuple[str, str, str], list | str] = {}  # (method, message, role) -> checks to run, or why refused
+_FREE = (NO_ID, BY_LEASE, ANYTHING)
+
+
+def _plan(method: str, descriptor, role: str) -> list[tuple[str, str | None, bool]] | str:
+    """(field, rule, is repeated) for each field whose rule restricts the role, or the refusal when the request
+    has a field no rule names. Worked out once per method, message type and role."""
+    key = (method, descriptor.full_name, role)
+    if key not in _plans:
+        rules = FIELDS.get(method)
+        unnamed = [p for p in field_paths(descriptor) if p not in (rules or {})]
+        if rules is None:
+            _plans[key] = f"{method} has no field rules in the authorisation policy; refused for every caller"
+        elif unnamed:
+            _plans[key] = (f"{method}: field {', '.join(unnamed)} of {descriptor.full_name} has no rule in the "
+                           "authorisation policy; refused for every caller")
+        else:
+            _plans[key] = [(f, rule, descriptor.fields_by_name[f].is_repeated) for f, by_role in rules.items()
+                           if by_role != NO_ID and (rule := by_role.get(role)) not in _FREE]
+    return _plans[key]
 
 
 def check_resource(method: str, cn: str, request) -> tuple[str, str] | None:
-    """A decode names only its own pools (and KeepAlive holders), a prefill only its own writer ids."""
-    fields = OWNED_FIELDS.get(cn.partition("/")[0], ())
-    present = getattr(getattr(request, "DESCRIPTOR", None), "fields_by_name", {})
-    for name in fields:
-        if name in present:
-            value = getattr(request, name)
-            if not value and (method.rsplit("/", 1)[-1], name) in OPTIONAL_FIELDS:
-                continue
-            if not value.startswith(cn + "/"):
-                return RESOURCE, f"{method}: {cn} may only name a {name} that starts with {cn + '/'!r}, not {value!r}"
+    """None when every field of a broker request carries only ids the caller may name (FIELDS), else the denial."""
+    if not method.startswith(BROKER):
+        return None  # the other services' callers are the gateway and operators, who may name any id
+    plan = _plan(method, request.DESCRIPTOR, cn.partition("/")[0])
+    if isinstance(plan, str):
+        return FIELD_UNLISTED, plan
+    for field, rule, is_repeated in plan:
+        value = getattr(request, field)
+        problem = _problem(rule, cn, field, value if is_repeated else (value,), request)
+        if problem is not None:
+            return RESOURCE, f"{method}: {cn} {problem}"
     return None
+
+
+def _problem(rule: str | None, cn: str, field: str, values, request) -> str | None:
+    """What is wrong with a field's values under a restricting rule (None: no rule for the caller's role)."""
+    mine = cn + "/"
+    if rule == OWN:
+        bad = [v for v in values if not v.startswith(mine)]
+        return f"may only name a {field} that starts with {mine!r}, not {_show(bad)}" if bad else None
+    if rule == OWN_OR_EMPTY:
+        bad = [v for v in values if v and not v.startswith(mine)]
+        return f"may only name a {field} that starts with {mine!r}, not {_show(bad)}" if bad else None
+    if rule == EMPTY:
+        bad = [v for v in values if v]
+        return f"must leave {field} empty (its role names none there), not {_show(bad)}" if bad else None
+    if rule == IN_OWN_POOL:
+        if not values or request.pool_id.startswith(mine):
+            return None
+        return (f"may name {field} {_show([v for v in values if v])} only in a pool of its own (a pool_id starting "
+                f"with {mine!r}), not in {request.pool_id!r}")
+    return f"may not send {field} at all (no rule for its role), not {_show(list(values))}"
+
+
+def _show(values: list) -> str:
+    shown = ", ".join(v.hex() if isinstance(v, bytes) else repr(v) for v in values[:4])
+    return shown + (f" and {len(values) - 4} more" if len(values) > 4 else "")
 
 
 def _peer_cn(context) -> str | None:

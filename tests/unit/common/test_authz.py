@@ -3,7 +3,7 @@ import pytest
 
 from pdserve.common import authz
 from pdserve.common.pki import parse_identity
-from pdserve.common.proto import broker_pb2 as pb
+from pdserve.common.proto import broker_pb2 as pb, common_pb2
 
 BROKER = "/pdserve.v1.Broker/"
 
@@ -91,3 +91,211 @@ def test_operators_and_gateways_name_anything():
     req = pb.RevokeRequest(pool_id="decode/d3/x")
     assert authz.check_resource(BROKER + "Revoke", "operator/o", req) is None
     assert authz.check_resource(BROKER + "GetPoolState", "operator/o", pb.GetPoolStateRequest(pool_id="z")) is None
+
+
+# --- the field table: every field of every broker request, whose id it may carry -------------------------------
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Broker"]
+D0, P0 = "decode/d0", "prefill/p0"
+POOL = "decode/d0/127.0.0.1-1-2-ab"
+# string and bytes fields judged to name no pool, holder, writer or owner: anything added here needs a reason
+NOT_IDS = {("RegisterPool", "region.transfer_session"),  # an address; prefill writes only where it was registered
+           ("RegisterPool", "region.layout.dtype"), ("EndWrite", "prompt_digest"), ("Revoke", "reason")}
+
+
+def _leaf_types(descriptor, prefix=""):
+    for f in descriptor.fields:
+        if f.message_type is None:
+            yield prefix + f.name, f
+        else:
+            yield from _leaf_types(f.message_type, f"{prefix}{f.name}.")
+
+
+@pytest.mark.parametrize("method", sorted(SERVICE.methods_by_name))
+def test_the_table_names_every_field_of_every_broker_request(method):
+    rules = authz.FIELDS[BROKER + method]
+    leaves = dict(_leaf_types(SERVICE.methods_by_name[method].input_type))
+    assert set(leaves) - set(rules) == set(), "fields without a rule"
+    assert set(rules) - set(leaves) == set(), "rules of fields the request does not have"
+    assert set(authz.field_paths(SERVICE.methods_by_name[method].input_type)) == set(leaves)
+    for path, f in leaves.items():
+        rule = rules[path]
+        if rule == authz.NO_ID:
+            is_text = f.type in (f.TYPE_STRING, f.TYPE_BYTES)
+            assert not is_text or (method, path) in NOT_IDS, f"{method}.{path} may name someone: give it a rule"
+            continue
+        # every role the method admits has a rule, no other role has one, and the check reads the field directly
+        assert set(rule) == authz.allowed_roles(BROKER + method), (method, path)
+        assert "." not in path and f.type in (f.TYPE_STRING, f.TYPE_BYTES), (method, path)
+        for role, kind in rule.items():
+            if kind in (authz.OWN, authz.OWN_OR_EMPTY):
+                assert f.type == f.TYPE_STRING, (method, path)
+            if kind == authz.IN_OWN_POOL:  # confined to pool_id only if pool_id itself is the caller's own
+                assert rules["pool_id"][role] in (authz.OWN, authz.OWN_OR_EMPTY), (method, path, role)
+
+
+def test_no_broker_request_field_outside_the_table_gets_through(monkeypatch):
+    # a proto field added without a rule: every call of the method is refused until the table names it
+    ka = pb.KeepAliveRequest(holder_id="prefill/p0/w", ttl_ms=1000)
+    assert authz.check_resource(BROKER + "KeepAlive", P0, ka) is None
+    monkeypatch.setitem(authz.FIELDS, BROKER + "KeepAlive",
+                        {k: v for k, v in authz.FIELDS[BROKER + "KeepAlive"].items() if k != "more_holder_ids"})
+    monkeypatch.setattr(authz, "_plans", {})
+    reason, message = authz.check_resource(BROKER + "KeepAlive", P0, ka)
+    assert reason == authz.FIELD_UNLISTED and "more_holder_ids" in message and "KeepAliveRequest" in message
+    # a request of another shape than the table's, and a broker method with no field rules
+    reason, message = authz.check_resource(BROKER + "GetPoolState", "operator/o", pb.GrantRequest(pool_id=POOL))
+    assert reason == authz.FIELD_UNLISTED and "owner, num_pages, epoch" in message
+    reason, message = authz.check_resource(BROKER + "Drain", "operator/o", pb.WatchRevocationsRequest())
+    assert reason == authz.FIELD_UNLISTED and "Drain has no field rules" in message
+    assert authz.FIELD_UNLISTED in authz.REASONS  # its denial series exists at 0 from start-up
+
+
+def test_a_role_the_field_table_does_not_name_is_refused_even_if_the_method_table_let_it_in():
+    req = pb.BeginWriteRequest(pool_id=POOL, owner=bytes(16), writer_id="decode/d0/w")
+    reason, message = authz.check_resource(BROKER + "BeginWrite", D0, req)
+    assert reason == authz.RESOURCE and "may not send pool_id at all" in message and repr(POOL) in message
+
+
+def test_a_message_that_contains_itself_is_walked_to_the_repeat():
+    from google.protobuf import struct_pb2  # Struct -> Value -> Struct, ListValue -> Value
+    assert authz.field_paths(struct_pb2.Struct.DESCRIPTOR) == [
+        "fields.key", "fields.value.null_value", "fields.value.number_value", "fields.value.string_value",
+        "fields.value.bool_value", "fields.value.struct_value", "fields.value.list_value.values"]
+
+
+# the id-bearing fields and whose ids they carry, written out from the issue independently of FIELDS
+OWN, EMPTY, IN_POOL, LEASE_, ANYTHING = "own", "empty", "in own pool", "by lease", "anything"
+EXPECTED_IDS = {
+    ("RegisterPool", "pool_id"): {"decode": OWN},
+    ("Grant", "pool_id"): {"decode": OWN}, ("Grant", "owner"): {"decode": IN_POOL},
+    ("Validate", "pool_id"): {"decode": OWN}, ("Validate", "owner"): {"decode": IN_POOL},
+    ("Release", "pool_id"): {"decode": OWN}, ("Release", "owner"): {"decode": IN_POOL},
+    ("WatchRevocations", "pool_id"): {"decode": OWN},
+    ("GetPoolState", "pool_id"): {"decode": OWN, "operator": ANYTHING},
+    ("BeginWrite", "pool_id"): {"prefill": LEASE_}, ("BeginWrite", "owner"): {"prefill": LEASE_},
+    ("BeginWrite", "writer_id"): {"prefill": OWN},
+    ("EndWrite", "pool_id"): {"prefill": LEASE_}, ("EndWrite", "owner"): {"prefill": LEASE_},
+    ("EndWrite", "writer_id"): {"prefill": OWN},
+    ("KeepAlive", "holder_id"): {"decode": OWN, "prefill": OWN},
+    ("KeepAlive", "more_holder_ids"): {"decode": EMPTY, "prefill": OWN},
+    ("KeepAlive", "pool_id"): {"decode": "own or empty", "prefill": EMPTY},
+    ("KeepAlive", "held_owners"): {"decode": IN_POOL, "prefill": EMPTY},
+    ("Revoke", "pool_id"): {"operator": ANYTHING}, ("Revoke", "owner"): {"operator": ANYTHING},
+}
+
+
+def test_the_id_fields_carry_exactly_the_ids_the_issue_names():
+    got = {(m.rsplit("/", 1)[1], f): rule for m, rules in authz.FIELDS.items() for f, rule in rules.items()
+           if rule != authz.NO_ID}
+    assert got == EXPECTED_IDS
+
+
+OWNER = bytes(range(16))
+LEASE = [common_pb2.PageLease(page=1, generation=3)]
+# what the services send (decode/watch.py, servicer.py; prefill/writelease.py): each must still pass. The first
+# request of each (method, caller) is also the template of its hostile variants below.
+HONEST = [
+    ("RegisterPool", D0, pb.RegisterPoolRequest(pool_id=POOL, num_pages=4, region=pb.PoolRegion(
+        transfer_session="127.0.0.1:9", data_base=1, tag_base=2))),
+    ("Grant", D0, pb.GrantRequest(pool_id=POOL, owner=OWNER, num_pages=2, epoch=5)),
+    ("Validate", D0, pb.ValidateRequest(pool_id=POOL, owner=OWNER, epoch=5, leases=LEASE)),
+    ("Release", D0, pb.ReleaseRequest(pool_id=POOL, owner=OWNER, epoch=5)),
+    ("WatchRevocations", D0, pb.WatchRevocationsRequest(pool_id=POOL, after_seq=3, epoch=5)),
+    ("GetPoolState", D0, pb.GetPoolStateRequest(pool_id=POOL)),
+    ("KeepAlive", D0, pb.KeepAliveRequest(holder_id=POOL, ttl_ms=1000, pool_id=POOL, held_owners=[OWNER, b"o" * 16])),
+    ("KeepAlive", D0, pb.KeepAliveRequest(holder_id=POOL, ttl_ms=1000, pool_id=POOL)),  # holds nothing: all revoked
+    ("KeepAlive", P0, pb.KeepAliveRequest(holder_id="prefill/p0/9-ab/00", ttl_ms=1000,
+                                          more_holder_ids=["prefill/p0/9-ab/01", "prefill/p0/9-ab/02"])),
+    ("KeepAlive", P0, pb.KeepAliveRequest(holder_id="prefill/p0/9-ab/startup", ttl_ms=1000)),
+    # a prefill writes into any decode's pool: the lease table decides by the leases
+    ("BeginWrite", P0, pb.BeginWriteRequest(pool_id="decode/d7/x", owner=OWNER, epoch=5, leases=LEASE,
+                                            writer_id="prefill/p0/9-ab/00", max_landing_ms=1, writer_ttl_ms=1)),
+    ("EndWrite", P0, pb.EndWriteRequest(pool_id="decode/d7/x", owner=OWNER, epoch=5, leases=LEASE,
+                                        writer_id="prefill/p0/9-ab/00", success=True, prompt_digest=b"d" * 32,
+                                        coverage=common_pb2.Coverage(num_tokens=3, num_pages=1, checksums=[7]))),
+    ("Revoke", "operator/o", pb.RevokeRequest(pool_id="decode/d3/x", owner=OWNER, reason="OPERATOR")),
+    ("GetPoolState", "operator/o", pb.GetPoolStateRequest(pool_id="decode/d3/x")),
+]
+
+
+@pytest.mark.parametrize("method,cn,request_", HONEST, ids=[f"{m}-{cn}" for m, cn, _ in HONEST])
+def test_what_the_services_send_passes(method, cn, request_):
+    assert authz.check_call(BROKER + method, cn) is None
+    assert authz.check_resource(BROKER + method, cn, request_) is None
+
+
+def _foreign(cn: str) -> list[str]:
+    """Ids no caller may name as its own: another instance's, a look-alike prefix, the bare identity, none, and the
+    broker's own holders (a revoke, a failed write, an earlier epoch), which keep pages in quarantine while renewed."""
+    other = "decode/d1" if cn == D0 else "prefill/p1"
+    return [f"{other}/9-ab/00", cn + "0/x", cn, "", f"revoked/{POOL}/{OWNER.hex()}", "failed/prefill/p0/9-ab/00",
+            f"earlier-epoch/{POOL}"]
+
+
+def _with(template, field: str, value):
+    req = type(template)()
+    req.CopyFrom(template)
+    if req.DESCRIPTOR.fields_by_name[field].is_repeated:
+        getattr(req, field).append(value)
+    else:
+        setattr(req, field, value)
+    return req
+
+
+def _shown(value) -> str:
+    return value.hex() if isinstance(value, bytes) else repr(value)
+
+
+def _hostile():
+    """(method, caller, request, field refused, value shown): each honest template with one field turned hostile."""
+    cases, templates = [], {}
+    for method, cn, req in HONEST:
+        templates.setdefault((method, cn), req)
+    for (method, cn), honest in templates.items():
+        role = cn.partition("/")[0]
+        for (of, field), by_role in EXPECTED_IDS.items():
+            if of != method or role not in by_role:
+                continue
+            rule = by_role[role]
+            if rule in (OWN, "own or empty"):
+                bad = [v for v in _foreign(cn) if v or rule == OWN]
+            elif rule == EMPTY and field == "held_owners":
+                bad = [OWNER]
+            elif rule == EMPTY:  # even an id of the caller's own: this role names none there
+                bad = [v for v in (POOL, "decode/d1/x", cn + "/9-ab/01", *_foreign(cn)) if v]
+            elif rule == IN_POOL and field == "held_owners":  # they would reconcile a pool named nowhere
+                cases.append((method, cn, _with(honest, "pool_id", ""), field, _shown(honest.held_owners[0])))
+                continue
+            else:  # an owner acts only in pool_id (its hostile cases are pool_id's), or the lease table decides
+                continue
+            cases += [(method, cn, _with(honest, field, value), field, _shown(value)) for value in bad]
+    return cases
+
+
+HOSTILE = _hostile()
+
+
+@pytest.mark.parametrize("method,cn,request_,field,shown", HOSTILE,
+                         ids=[f"{m}-{cn}-{f}-{i}" for i, (m, cn, _, f, _) in enumerate(HOSTILE)])
+def test_a_field_naming_what_is_not_the_callers_is_refused(method, cn, request_, field, shown):
+    assert authz.check_call(BROKER + method, cn) is None
+    reason, message = authz.check_resource(BROKER + method, cn, request_)
+    assert reason == authz.RESOURCE
+    assert f"{BROKER}{method}: {cn} " in message and f" {field} " in message and shown in message, message
+
+
+def test_every_field_a_caller_may_not_fill_freely_has_hostile_cases():
+    covered = {(m, cn.partition("/")[0]) for m, cn, *_ in HOSTILE}
+    for (method, field), by_role in EXPECTED_IDS.items():
+        for role, rule in by_role.items():
+            assert rule in (LEASE_, ANYTHING) or (method, role) in covered, (method, field, role)
+    fields = {(m, cn.partition("/")[0], f) for m, cn, _, f, _ in HOSTILE}
+    assert {("KeepAlive", "prefill", f) for f in ("pool_id", "held_owners", "more_holder_ids", "holder_id")} <= fields
+    assert {("KeepAlive", "decode", f) for f in ("pool_id", "held_owners", "more_holder_ids", "holder_id")} <= fields
+
+
+def test_long_lists_are_shown_with_a_count():
+    req = pb.KeepAliveRequest(holder_id="prefill/p0/w", more_holder_ids=[f"revoked/x/{i}" for i in range(9)])
+    message = authz.check_resource(BROKER + "KeepAlive", P0, req)[1]
+    assert "'revoked/x/3' and 5 more" in message and "revoked/x/4" not in message
