@@ -115,7 +115,9 @@ FIELDS: dict[str, dict[str, str | dict[str, str]]] = {
         # held: an honest decode lists owners whose Grant or Release is still in flight
         "pool_id": {"decode": OWN_OR_EMPTY, "prefill": EMPTY},
         "held_owners": {"decode": IN_OWN_POOL, "prefill": EMPTY},
-        "more_holder_ids": {"decode": EMPTY, "prefill": OWN}},
+        "more_holder_ids": {"decode": EMPTY, "prefill": OWN},
+        # a cursor: it acknowledges revocations of pool_id's owners only, and only with a pool_id of the caller's
+        "revocations_seen": NO_ID},
     BROKER + "WatchRevocations": {"pool_id": {"decode": OWN}, "after_seq": NO_ID, "epoch": NO_ID},
     BROKER + "Revoke": {"pool_id": {"operator": ANYTHING}, "owner": {"operator": ANYTHING}, "reason": NO_ID},
     BROKER + "GetPoolState": {"pool_id": {"decode": OWN, "operator": ANYTHING}},

@@ -327,6 +327,9 @@ def test_no_caller_renews_another_writer_or_the_brokers_own_holders(pki):
                        await outcome(d0.KeepAlive(pb.KeepAliveRequest(
                            holder_id=POOL, ttl_ms=10_000, pool_id=POOL, more_holder_ids=holders)))]
             hostile += [await outcome(p0.KeepAlive(pb.KeepAliveRequest(holder_id=h, ttl_ms=10_000))) for h in holders]
+            # the pool's own decode acknowledges the revocation (it holds nothing): lock_delay starts for those pages
+            await d0.KeepAlive(pb.KeepAliveRequest(holder_id=POOL, ttl_ms=10_000, pool_id=POOL,
+                                                   revocations_seen=table.last_seq(POOL)))
             clock.now += 3.1  # every holder is past its liveness (1 s at most) plus lock_delay (2 s)
             assert table.sweep() == 5
             state = await d0.GetPoolState(pb.GetPoolStateRequest(pool_id=POOL))
