@@ -284,7 +284,9 @@ def test_no_prefill_or_decode_renews_another_writer_or_the_brokers_own_holders(l
     denied, hostile = lone.denials("KeepAlive"), []
     deadline = time.monotonic() + 60
     while True:
-        d9.KeepAlive(pb.KeepAliveRequest(holder_id=pool, ttl_ms=1000, pool_id=pool), timeout=5)  # its own reader
+        # its own reader, holding nothing and past every revocation: it acknowledges the revoked owner
+        d9.KeepAlive(pb.KeepAliveRequest(holder_id=pool, ttl_ms=1000, pool_id=pool, revocations_seen=1 << 62),
+                     timeout=5)
         hostile.append(_outcome(lambda: p0.KeepAlive(pb.KeepAliveRequest(
             holder_id="prefill/prefill0/h", ttl_ms=10_000, more_holder_ids=holders), timeout=5)))
         hostile.append(_outcome(lambda: d9.KeepAlive(pb.KeepAliveRequest(
