@@ -1,10 +1,18 @@
 """Runs a rendered Deployment's pod as local processes, taking everything from the manifest: the init
 containers' and the container's command, args and env, its ports, volumes and probes. What a kubelet and a
 cluster would supply is mapped onto this machine: Service DNS names (in HOST:PORT) and the pod IP become
-127.0.0.1, each volume mount becomes a folder of the pod's own, and `pdserve` is this checkout's CLI."""
+127.0.0.1, each volume mount becomes a folder of the pod's own, its cert-manager csi volume a certificate
+issued for the pod's own name by a local CA, and `pdserve` is this checkout's CLI.
+
+Two replicas of one Deployment cannot share a port here as they would in two network namespaces: a pod
+given `ports_here` listens on those ports instead (give_own_ports picks free ones), the flags that set them
+are rewritten or added, and pods that reach it through a Service name find it through `peers`."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -12,11 +20,33 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
+import uuid
 from dataclasses import dataclass, field
 
 from tests.conftest import ROOT
+from tests.deploy import csi
 
 LOOPBACK = "127.0.0.1"
+# the flag that sets each named container port; Mooncake's data port is always --transfer-port + 1
+PORT_FLAGS = {"grpc": "--port", "metrics": "--metrics-port", "http": "--http-port", "mooncake": "--transfer-port"}
+FOLLOWS = {"mooncake-data": ("mooncake", 1)}
+# the characters Kubernetes puts in generated names (pod-template-hash and the pod's own suffix)
+_NAME_CHARS = "bcdfghjklmnpqrstvwxz2456789"
+
+
+def replica_names(deployment: dict, n: int, seed: int = 0) -> list[str]:
+    """Names a ReplicaSet of this Deployment gives n pods: NAME-<template hash>-<5 random>, the hash shared
+    (one template), the suffix each pod's own."""
+    digest = hashlib.sha256(json.dumps(deployment["spec"]["template"], sort_keys=True).encode()).digest()
+    template_hash = "".join(_NAME_CHARS[b % len(_NAME_CHARS)] for b in digest[:10])
+    rng = random.Random(seed)
+    names: list[str] = []
+    while len(names) < n:
+        name = f"{deployment['metadata']['name']}-{template_hash}-{''.join(rng.choices(_NAME_CHARS, k=5))}"
+        if name not in names:
+            names.append(name)
+    return names
 
 
 def port_free(port: int) -> bool:
@@ -35,8 +65,16 @@ class LocalPod:
     deployment: dict
     root: str
     service_names: list[str]
-    secrets: dict[str, str] = field(default_factory=dict)  # secretName -> folder with its files
+    pod_name: str = ""  # metadata.name, ${POD_NAME} of its csi volume; default: the first of replica_names
+    issuers: dict[str, str] = field(default_factory=dict)  # cert-manager Issuer name -> folder with ca.crt, ca.key
+    ports_here: dict[int, int] = field(default_factory=dict)  # containerPort -> the port it has on this machine
+    peers: dict[str, "LocalPod"] = field(default_factory=dict)  # Service name -> the pod behind it
+    namespace: str = "pdserve"
+    uid: str = field(default_factory=lambda: str(uuid.uuid4()))
     proc: subprocess.Popen | None = None
+
+    def __post_init__(self):
+        self.pod_name = self.pod_name or replica_names(self.deployment, 1)[0]
 
     @property
     def name(self) -> str:
@@ -51,22 +89,50 @@ class LocalPod:
         return self.spec["containers"][0]
 
     def ports(self) -> dict[str, int]:
+        """The container's ports by name, as the manifest declares them."""
         return {p["name"]: p["containerPort"] for p in self.container["ports"]}
+
+    def port(self, name: str) -> int:
+        """Where the named port listens on this machine."""
+        number = self.ports()[name]
+        return self.ports_here.get(number, number)
+
+    def variables(self) -> dict[str, str]:
+        return csi.pod_variables(self.pod_name, self.namespace, self.uid,
+                                 self.spec.get("serviceAccountName", "default"))
 
     def volume_dir(self, name: str) -> str:
         vol = next(v for v in self.spec["volumes"] if v["name"] == name)
-        if "secret" in vol:
-            secret = vol["secret"]["secretName"]
-            assert secret in self.secrets, f"{self.name} mounts Secret {secret}, which the test did not provide"
-            return self.secrets[secret]
-        assert "emptyDir" in vol, f"{self.name}: volume {vol} is neither an emptyDir nor a Secret"
         path = os.path.join(self.root, "volumes", name)
+        if "csi" in vol:
+            return self._csi_volume(vol, path)
+        assert "emptyDir" in vol, f"{self.name}: volume {vol} is neither an emptyDir nor a cert-manager csi volume"
         os.makedirs(path, exist_ok=True)
+        return path
+
+    def _csi_volume(self, vol: dict, path: str) -> str:
+        """What cert-manager's csi-driver mounts: a key and a certificate issued for this pod by the Issuer the
+        volume names, and that Issuer's CA. Issued once per pod, as the driver does at the pod's start. Besides
+        the names the volume asks for, the certificate carries localhost and 127.0.0.1, the addresses Service
+        names become here."""
+        if os.path.isdir(path):
+            return path
+        from pdserve.common.pki import issue
+        req = csi.request_for(vol, self.variables())
+        group, kind, issuer = req.issuer
+        assert (group, kind) == ("cert-manager.io", "Issuer") and issuer in self.issuers, \
+            f"{self.name}: volume {vol['name']} asks {kind} {issuer!r}, which the test did not provide"
+        files = issue(self.issuers[issuer], req.common_name, req.dns_names)
+        os.makedirs(path)
+        for src, key in ((files.cert, "cert"), (files.key, "key"), (files.ca, "ca")):
+            shutil.copy(src, os.path.join(path, req.files[key]))
+            os.chmod(os.path.join(path, req.files[key]), 0o440)
         return path
 
     def env(self, container: dict) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("PDSERVE_ENABLE_FAULTS", "PDSERVE_FAULTS", "POD_IP")}
-        env["PYTHONPATH"] = ROOT
+        # the caller's own entries stay behind it: a checkout whose pdserve is found through PYTHONPATH
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH", "")) if p)
         for e in container.get("env", []):
             if "value" in e:
                 env[e["name"]] = e["value"]
@@ -76,23 +142,43 @@ class LocalPod:
                 raise AssertionError(f"{self.name}: env {e} has a source this test does not model")
         return env
 
-    def argv(self, container: dict, words: list[str]) -> list[str]:
-        """A manifest command line as this machine runs it."""
+    def _service_address(self, m: re.Match) -> str:
+        peer, port = self.peers.get(m.group(1)), int(m.group(2))
+        # every Service here exposes a container port under its own number
+        return f"{LOOPBACK}:{peer.ports_here.get(port, port) if peer else port}"
+
+    def _own_ports(self, words: list[str], serve: bool) -> list[str]:
+        """The flags that set a declared port, moved to ports_here; the service's own command also gets the
+        flags it left at their defaults."""
+        out, flags = list(words), set(PORT_FLAGS.values())
+        for i in range(1, len(out)):
+            if out[i - 1] in flags and out[i].isdigit() and int(out[i]) in self.ports_here:
+                out[i] = str(self.ports_here[int(out[i])])
+        if serve:
+            declared = self.ports()
+            out += [x for name, flag in PORT_FLAGS.items() if name in declared and flag not in out
+                    for x in (flag, str(self.port(name)))]
+        return out
+
+    def argv(self, container: dict, words: list[str], serve: bool = False) -> list[str]:
+        """A manifest command line as this machine runs it (serve: the service's own command)."""
         env = self.env(container)
         mounts = sorted(((m["mountPath"], self.volume_dir(m["name"])) for m in container.get("volumeMounts", [])),
                         key=lambda m: -len(m[0]))
         hosts = re.compile(r"\b(" + "|".join(map(re.escape, sorted(self.service_names, key=len, reverse=True)))
-                           + r")(?=:\d+\b)")
+                           + r"):(\d+)\b")
         out = []
         for w in words:
             w = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], w)  # the kubelet's $(VAR) expansion
-            w = hosts.sub(LOOPBACK, w)
+            w = hosts.sub(self._service_address, w)
             for path, local in mounts:
                 if w == path or w.startswith(path + "/"):
                     w = local + w[len(path):]
                     break
             out.append(w)
         assert out[0] == "pdserve", f"{self.name}: command {out} does not run pdserve"
+        if self.ports_here:
+            out = self._own_ports(out, serve)
         return [sys.executable, "-u", "-m", "pdserve.cli", *out[1:]]
 
     def run_init_containers(self) -> None:
@@ -103,13 +189,26 @@ class LocalPod:
 
     def start(self) -> None:
         c = self.container
+        os.makedirs(self.root, exist_ok=True)
         log = open(os.path.join(self.root, "log.txt"), "w")
-        self.proc = subprocess.Popen(self.argv(c, c["command"] + c.get("args", [])), env=self.env(c),
+        self.proc = subprocess.Popen(self.argv(c, c["command"] + c.get("args", []), serve=True), env=self.env(c),
                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def log(self, tail: int = 3000) -> str:
         with open(os.path.join(self.root, "log.txt")) as f:
             return f.read()[-tail:]
+
+    def metric(self, name: str, labels: dict | None = None) -> float:
+        """The sum of the series of one metric that carry these labels, from the pod's metrics port; KeyError
+        when there is none (a counter must exist from start-up)."""
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{self.port('metrics')}/metrics", timeout=10) as r:
+            text = r.read().decode()
+        want = [f'{k}="{v}"' for k, v in (labels or {}).items()]
+        values = [float(m.group(3)) for m in re.finditer(r"^(\w+)(?:\{(.*)\})? (\S+)$", text, re.M)
+                  if m.group(1) == name and all(w in (m.group(2) or "").split(",") for w in want)]
+        if not values:
+            raise KeyError(f"{self.pod_name} exports no {name} with {labels}")
+        return sum(values)
 
     def probe(self, kind: str) -> subprocess.CompletedProcess:
         p = self.container[kind]
@@ -151,16 +250,20 @@ class LocalPod:
             return None
 
 
-def provide_secrets(pods: list[LocalPod], pki_dir: str) -> None:
-    """Each pod's TLS Secret from a throwaway CA, for the identity docs/kubernetes.md tells operators to
-    issue: CN ROLE/pdserve-ROLE (make_pki adds the SAN pdserve-ROLE)."""
-    from pdserve.common.pki import make_pki
-    for pod in pods:
-        role = pod.name.removeprefix("pdserve-")
-        files = make_pki(pki_dir, [f"{role}/{pod.name}"])[f"{role}/{pod.name}"]
-        secret = next(v["secret"]["secretName"] for v in pod.spec["volumes"] if "secret" in v)
-        folder = os.path.join(pod.root, "secret")
-        os.makedirs(folder, exist_ok=True)
-        for src, dst in ((files.cert, "tls.crt"), (files.key, "tls.key"), (files.ca, "ca.crt")):
-            shutil.copy(src, os.path.join(folder, dst))
-        pod.secrets[secret] = folder
+def give_own_ports(pod: LocalPod) -> None:
+    """Free ports on this machine for each of the pod's declared ports, as its own network namespace would
+    have them; Mooncake's pair consecutive and below the kernel's ephemeral range, as --transfer-port needs."""
+    declared = pod.ports()
+    for name, number in declared.items():
+        if name in FOLLOWS or name == "mooncake":
+            continue
+        with socket.socket() as s:
+            s.bind((LOOPBACK, 0))
+            pod.ports_here[number] = s.getsockname()[1]
+    if "mooncake" in declared:
+        rng = random.Random()
+        base = next(p for p in (rng.randrange(20000, 32000) for _ in range(1000)) if port_free(p) and port_free(p + 1))
+        pod.ports_here[declared["mooncake"]] = base
+    for name, (after, offset) in FOLLOWS.items():
+        if name in declared:
+            pod.ports_here[declared[name]] = pod.ports_here[declared[after]] + offset

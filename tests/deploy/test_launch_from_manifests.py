@@ -16,7 +16,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import ROOT
-from tests.deploy.pods import LOOPBACK, LocalPod, port_free, provide_secrets
+from tests.deploy.pods import LOOPBACK, LocalPod, port_free
 from tests.deploy.render import by_kind, render
 from tests.integration.helpers import prompt
 
@@ -37,12 +37,13 @@ def pods(tmp_path_factory):
     deployments = by_kind(objs, "Deployment")
     names = list(by_kind(objs, "Service"))
     root = tmp_path_factory.mktemp("pods")
-    pods = {r: LocalPod(deployments[f"pdserve-{r}"], str(root / r), names) for r in ORDER}
+    # the CA behind the Issuer each pod's csi volume names: every pod gets a certificate for its own name
+    issuers = {"pdserve-ca": str(root / "ca")}
+    pods = {r: LocalPod(deployments[f"pdserve-{r}"], str(root / r), names, issuers=issuers) for r in ORDER}
     busy = [f"{port} ({p.name} {name})" for p in pods.values() for name, port in p.ports().items()
             if not port_free(port)]
     assert not busy, (f"ports the manifests use are taken: {', '.join(busy)}. Stop whatever holds them "
                       "(`make run` / `pdserve up` use the same defaults) and run again.")
-    provide_secrets(list(pods.values()), str(root / "ca"))
     try:
         for r in ORDER:
             pods[r].run_init_containers()
@@ -70,6 +71,12 @@ def test_every_probe_passes_once_started(pods):
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             out = p.probe(kind)
             assert out.returncode == 0 and out.stdout.strip() == "SERVING", (p.name, kind, out.stdout, out.stderr)
+
+
+def test_each_pod_serves_as_the_identity_its_csi_volume_names(pods):
+    """CN ROLE/<pod name>, from the certificate the pod's csi volume asked for: its pools and writer ids are its own."""
+    for r, p in pods.items():
+        assert f"mutual TLS as {r}/{p.pod_name}" in p.log(tail=1 << 30), p.log()
 
 
 def test_grpc_requests_through_the_gateway_pass_the_oracle(pods, oracle):

@@ -144,7 +144,7 @@ def test_volumes_are_defined_and_claims_exist(overlay):
         for v in volumes.values():
             if "persistentVolumeClaim" in v:
                 assert v["persistentVolumeClaim"]["claimName"] in claims, v
-        role = w["metadata"]["name"].removeprefix("pdserve-")
-        assert volumes["tls"]["secret"]["secretName"] == f"pdserve-{role}-tls"
+        # the certificate is the pod's own (its attributes: test_pod_identity.py)
+        assert volumes["tls"]["csi"]["driver"] == "csi.cert-manager.io"
         tls = [m for m in containers(w)[0]["volumeMounts"] if m["name"] == "tls"]
         assert tls == [{"name": "tls", "mountPath": "/etc/pdserve/tls", "readOnly": True}]
