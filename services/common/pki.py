@@ -1,8 +1,8 @@
 """A throwaway development PKI: one CA and one certificate per identity, as PEM files in one directory.
 
 `make run`, the launcher and the tests make one per stack so the default path always runs mutual TLS.
-A production deployment brings its own CA (deploy/k8s gives every pod its own certificate, CN ROLE/POD_NAME, through cert-manager's csi-driver); nothing here is
-meant to protect keys at rest beyond file modes.
+A production deployment brings its own CA (deploy/k8s gives every pod its own certificate, CN ROLE/POD_NAME,
+through cert-manager's csi-driver); nothing here is meant to protect keys at rest beyond file modes.
 """
 from __future__ import annotations
 
