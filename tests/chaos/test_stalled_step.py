@@ -13,13 +13,16 @@ from pdserve.common.errors import from_rpc_error
 from pdserve.common.proto import broker_pb2, decode_pb2
 from tests.chaos.conftest import CHAOS_EXTRA
 from tests.chaos.test_failures import drained, wait_for
-from tests.integration.helpers import allocate, collect, decode_stream, prefill, prompt
+from tests.integration.helpers import allocate, collect, decode_stream, generate_when_served, prefill, prompt
 
 LOCK_DELAY = float(CHAOS_EXTRA["broker"][CHAOS_EXTRA["broker"].index("--lock-delay") + 1])
 STALL_MS = int((LOCK_DELAY + 2.5) * 1000)
 
 
 def test_no_page_is_granted_again_while_a_stalled_step_may_write_it(chaos, oracle):
+    # an earlier schedule's broker restart may have moved decode to a new pool incarnation, served only after the
+    # old broker's fence
+    assert "error" not in generate_when_served(chaos, [7, 8, 9], 2, timeout=60)
     wait_for(lambda: drained(chaos), 20, "an idle pool")
     canaries = chaos.metric("decode", "pdserve_canary_hits_total")
     victims = []
