@@ -44,16 +44,12 @@ def _argv(broker, model_dir, service: str, flags: list[str]) -> list[str]:
             *_tls(tls, f"{service}/{service}0"), *flags]
 
 
-def test_services_whose_flags_check_accepts_start(broker, model_dir, capsys):
-    argvs = [_argv(broker, model_dir, "prefill", ["--landing-slack", "0.3"]), _argv(broker, model_dir, "decode", [])]
-    assert [_check(argv, capsys) for argv in argvs] == [(0, None), (0, None)]
-    procs = [launcher.launch(argv[0], argv) for argv in argvs]  # loaded side by side
-    try:
-        for p in procs:
-            launcher.wait_ready(p)  # raises unless it reaches its ready line
-    finally:
-        for p in procs:
-            launcher.stop(p)
+def test_a_prefill_whose_flags_check_accepts_starts(broker, model_dir, capsys):
+    """Against this broker's lock_delay of 5.5 s, less landing slack fits (5.334 s) where the default does not
+    (below); test_incident_scale.py starts a whole stack check accepted, with the default lock_delay."""
+    argv = _argv(broker, model_dir, "prefill", ["--landing-slack", "0.3"])
+    assert _check(argv, capsys) == (0, None)
+    launcher.stop(launcher.start("prefill", argv))  # raises unless it reaches its ready line
 
 
 def _own_last_line(stderr: str) -> str:

@@ -15,6 +15,7 @@ import urllib.request
 
 import pytest
 
+from pdserve import cli
 from pdserve.common.pki import issue
 from pdserve.engine.tags import TAG_NBYTES
 from tests.integration.helpers import prompt
@@ -29,17 +30,27 @@ BF16 = {"prefill": ["--kv-dtype", "bfloat16"], "decode": ["--kv-dtype", "bfloat1
 BF16_TOLERANCE = 0.5
 
 
-def test_the_incidents_prefill_pool_refuses_to_start_naming_both_numbers(tmp_path, model_dir):
+def _check(argv: list[str], capsys) -> tuple[int, str | None]:
+    """`pdserve check ARGV...` in this process: its exit status and the refusal it printed first."""
+    capsys.readouterr()
+    rc = cli.main(["check", *argv])
+    out = capsys.readouterr().out
+    return rc, next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("  exits with:")), None)
+
+
+def test_the_incidents_prefill_pool_refuses_to_start_naming_both_numbers(tmp_path, model_dir, capsys):
     f = issue(str(tmp_path), "prefill/p0")
-    r = subprocess.run([sys.executable, "-m", "pdserve.cli", "prefill", "--model", model_dir, "--port", "0",
-                        "--metrics-port", "0", "--broker", "127.0.0.1:1", "--context-length", str(CONTEXT),
-                        "--pool-tokens", str(INCIDENT_POOL), "--kv-dtype", "bfloat16", "--tls-cert", f.cert,
-                        "--tls-key", f.key, "--tls-ca", f.ca], capture_output=True, text=True, timeout=120)
+    argv = ["prefill", "--model", model_dir, "--port", "0", "--metrics-port", "0", "--broker", "127.0.0.1:1",
+            "--context-length", str(CONTEXT), "--pool-tokens", str(INCIDENT_POOL), "--kv-dtype", "bfloat16",
+            "--tls-cert", f.cert, "--tls-key", f.key, "--tls-ca", f.ca]
+    r = subprocess.run([sys.executable, "-m", "pdserve.cli", *argv], capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "PDSERVE_READY" not in r.stdout and "Traceback" not in r.stderr, r.stderr
-    assert r.stderr.strip().splitlines()[-1] == (
+    last = r.stderr.strip().splitlines()[-1]
+    assert last == (
         "prefill: KV pool holds 681280 tokens but the context length is 1048576 (367296 short); refusing to start. "
         "Grow the pool, lower --context-length, or pass --allow-pool-smaller-than-context to serve with admission "
         "capped at the pool."), r.stderr
+    assert _check(argv, capsys) == (1, last)  # what `pdserve check` said of the same command line
 
 
 UNIT = 65536  # two bf16 pages of the tiny model: a prompt's write goes out in many batch calls
@@ -94,7 +105,10 @@ def test_a_write_of_many_unit_sized_calls_lands_whole_and_verified(short, oracle
     assert short.metric("prefill", "pdserve_kv_transfer_bytes_total") - before == pages * (32768 + TAG_NBYTES)
 
 
-def test_pools_twice_the_context_start_with_the_default_lock_delay_and_serve(model_dir, oracle):
+def test_pools_twice_the_context_start_with_the_default_lock_delay_and_serve(model_dir, oracle, capsys):
+    # `pdserve check` with the stack flags `pdserve up` takes accepts them, and the stack they start serves
+    assert _check(["--model", model_dir, "--context-length", str(CONTEXT), "--prefill-pool-tokens", str(FIX_POOL),
+                   "--decode-pool-tokens", str(FIX_POOL), "--kv-dtype", "bfloat16"], capsys) == (0, None)
     s = Stack(model_dir, context_length=CONTEXT, prefill_pool_tokens=FIX_POOL, decode_pool_tokens=FIX_POOL,
               extra=BF16)
     try:
