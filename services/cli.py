@@ -184,6 +184,15 @@ def build_parser(argv: list[str], load_all: bool = False) -> argparse.ArgumentPa
     add_tls_args(h, "the probe's channel")
     h.set_defaults(fn=_health)
 
+    k = sub.add_parser("check", help="print what each service would do with these flags, and the refusal it would "
+                                     "exit with, without allocating anything (exit 1 when any would refuse)")
+    if load_all or (argv and argv[0] == "check"):  # as for the services: only when it runs
+        from . import check
+        k.usage = check.USAGE
+        k.description = check.DESCRIPTION
+        check.add_args(k)
+        k.set_defaults(fn=check.main)
+
     b = sub.add_parser("bench", help="benchmarks side by side (see bench/)")
     b.add_argument("--quick", action="store_true")
     b.set_defaults(fn=lambda a: __import__("pdserve.bench.run", fromlist=["main"]).main(a))

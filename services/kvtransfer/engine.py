@@ -24,6 +24,9 @@ MOONCAKE_MIN_TIMEOUT_S = 5
 # TCP writes were reported complete before the peer had them until 0.3.12.post1 (Mooncake #2850): below it a
 # "success" is no proof that the bytes are there.
 MOONCAKE_MIN_VERSION = (0, 3, 12, 1)
+# the most bytes one batch call may cover (--max-write-bytes): 32 MiB add 34 ms to the landing bound and move in
+# ~30 ms on loopback, so a call costs little more than one of a whole prompt's pages would
+DEFAULT_MAX_WRITE_BYTES = 32 << 20
 
 
 # Mooncake opens two listening ports, both drawn at random from [MC_MIN_RPC_PORT, MC_MAX_RPC_PORT] (default
@@ -56,10 +59,12 @@ def _pin_ports(port: int) -> tuple[int, int]:
 
 
 def landing_bound_s(timeout_s: float, nbytes: int, slack_s: float) -> float:
-    """L: the longest from a write's post to its last byte landing, for batch calls of at most nbytes. A call
+    """L: the longest from a batch call's post to its last byte landing, for calls of at most nbytes. A call
     starts its timer before it posts anything (a retry inside the call keeps the first timer) and gives up
     timeout_s + 1 ns per byte of its batch after that start; a task still in flight when it returns lands within
-    slack_s. So every byte lands within L of its post; prefill/writelease.py says why L <= lock_delay suffices."""
+    slack_s. So every byte lands within L of the post of its own call; a write of many calls takes longer, but
+    each call is posted only after its own liveness check (prefill/worker.py), and prefill/writelease.py says why
+    L <= lock_delay then suffices."""
     return timeout_s + nbytes * 1e-9 + slack_s
 
 
@@ -110,13 +115,42 @@ def coalesce(src_pages: list[int], dst_pages: list[int], src_base: int, dst_base
     return runs
 
 
+def split_calls(runs: list[Run], max_bytes: int, stride: int) -> list[list[Run]]:
+    """The runs, in order, as batch calls of at most max_bytes each; a run that does not fit in what is left of a
+    call is cut at a multiple of stride (a page, a tag), so no page is split across calls. Raises ValueError when
+    one stride exceeds max_bytes."""
+    if stride > max_bytes:
+        raise ValueError(f"one page of {stride} bytes does not fit in a write unit of {max_bytes} bytes")
+    calls: list[list[Run]] = []
+    batch: list[Run] = []
+    room = max_bytes
+    for run in runs:
+        done = 0
+        while done < run.nbytes:
+            if room < stride:
+                calls.append(batch)
+                batch, room = [], max_bytes
+            take = min(run.nbytes - done, room // stride * stride)
+            batch.append(Run(run.src + done, run.dst + done, take))
+            done += take
+            room -= take
+    if batch:
+        calls.append(batch)
+    return calls
+
+
 class TransferEngine:
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
-                 timeout_s: int = MOONCAKE_MIN_TIMEOUT_S, port: int = 0):
-        """port: 0 lets Mooncake pick its ports; else it listens on port and port + 1 (transfer_ports)."""
+                 timeout_s: int = MOONCAKE_MIN_TIMEOUT_S, port: int = 0,
+                 max_write_bytes: int = DEFAULT_MAX_WRITE_BYTES):
+        """port: 0 lets Mooncake pick its ports; else it listens on port and port + 1 (transfer_ports).
+        max_write_bytes: the most one write() may cover, the unit the landing bound is computed from."""
         if int(timeout_s) != timeout_s or timeout_s < MOONCAKE_MIN_TIMEOUT_S:
             raise ValueError(f"Mooncake transfer timeout {timeout_s}s: must be whole seconds >= "
                              f"{MOONCAKE_MIN_TIMEOUT_S} (Mooncake raises anything lower to {MOONCAKE_MIN_TIMEOUT_S})")
+        if max_write_bytes < 1:
+            raise ValueError(f"write unit of {max_write_bytes} bytes: must be >= 1")
+        self.max_write_bytes = max_write_bytes
         self.version = check_mooncake_version()
         pair = _pin_ports(port) if port else None
         try:
@@ -151,9 +185,14 @@ class TransferEngine:
         self._engine.unregister_memory(ptr)
 
     def write(self, session: str, runs: list[Run], stage: str) -> int:
-        """Writes every run to `session` and waits; returns bytes moved. Raises TransferError."""
+        """Writes every run to `session` in one batch call and waits; returns bytes moved. Raises TransferError,
+        or ValueError before posting anything when the runs exceed the write unit (the declared landing bound
+        would not cover them)."""
         if not runs:
             return 0
+        if (nbytes := sum(r.nbytes for r in runs)) > self.max_write_bytes:
+            raise ValueError(f"a batch call of {len(runs)} runs ({nbytes} bytes) exceeds the write unit of "
+                             f"{self.max_write_bytes} bytes that the landing bound is computed from")
         if stage == "data" and (arg := FAULTS.fire("transfer.fail_then_land")) is not None:
             # as Mooncake does: the call reports failure while a task of its batch still runs and lands later,
             # reading the source pages as they are then

@@ -15,8 +15,9 @@ from ..common.proto import broker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
 from ..common.tls import own_identity, secure_channel, tls_from_args
 from ..common.unsafe import check_unsafe
+from ..check import prefill_plan, read_model_config
 from ..engine.runner import ModelRunner, set_threads
-from ..kvtransfer.engine import MOONCAKE_MIN_TIMEOUT_S, TransferEngine, landing_bound_s
+from ..kvtransfer.engine import DEFAULT_MAX_WRITE_BYTES, MOONCAKE_MIN_TIMEOUT_S, TransferEngine
 from .drain import drain
 from .servicer import PrefillServicer
 from .worker import PrefillWorker
@@ -63,6 +64,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a task still in flight when its batch call returns may take to land; with Mooncake's "
                         "timeout + 1 ns/byte of the largest batch call it bounds how long after it was posted a write "
                         "can land, which must not exceed the broker's --lock-delay (checked at start-up)")
+    p.add_argument("--max-write-bytes", type=_at_least_one, default=DEFAULT_MAX_WRITE_BYTES,
+                   help="the write unit: no Mooncake batch call covers more bytes (a write is cut into calls at page "
+                        "boundaries; one page must fit). The landing bound grows with it, not with the pool")
 
 
 async def serve(args) -> None:
@@ -81,8 +85,13 @@ async def serve(args) -> None:
 
 
 async def _start(args, tls) -> PrefillServicer:
-    """Loads the model (in a thread: the server answers health meanwhile), checks the timing bound with the broker,
-    then starts the transfer engine: a refused start opens no transfer port."""
+    """Refuses what config.json alone shows to be wrong before anything is allocated (the checks `pdserve check`
+    prints), loads the model (in a thread: the server answers health meanwhile), checks the timing bound with the
+    broker, then starts the transfer engine: a refused start opens no transfer port."""
+    cfg = await asyncio.to_thread(read_model_config, args.model)
+    plan = prefill_plan(args, cfg)
+    if plan.refusals:
+        raise SystemExit(plan.refusals[0])
     num_pages = args.pool_tokens // args.page_size
     set_threads(args.threads, args.switch_interval_ms)
     runner = await asyncio.to_thread(ModelRunner, args.model, num_pages, args.page_size, args.kv_dtype, args.device)
@@ -91,15 +100,13 @@ async def _start(args, tls) -> PrefillServicer:
     init_metrics("prefill", [pool_name])
     max_prompt = check_pool_capacity("prefill", pool_name, num_pages * args.page_size, context_length,
                                      args.allow_pool_smaller_than_context)
+    log.info("prefill pool: %s", "; ".join(f"{k} {v}" for k, v in plan.facts))
     channel = secure_channel(args.broker, tls, GRPC_OPTIONS)
     broker = broker_pb2_grpc.BrokerStub(channel)
     # the broker lets a prefill name only writer ids under its own identity
     writer_prefix = f"{own_identity(tls, 'prefill')}/{os.getpid()}-{secrets.token_hex(4)}"
-    # the largest batch call is the data write of a whole pool
-    nbytes = runner.pool.data_nbytes
-    max_landing = landing_bound_s(args.mooncake_timeout, nbytes, args.landing_slack)
-    terms = (f"Mooncake timeout {args.mooncake_timeout}s + 1 ns/byte of the largest batch call ({nbytes} bytes, "
-             f"the pool's data) + --landing-slack {args.landing_slack:.3f}s")
+    # the largest batch call is one write unit, whatever the pool's size (worker.py cuts every write into them)
+    max_landing, terms = plan.max_landing_s, plan.landing_terms
     leases = WriteLeases(broker, writer_prefix, max_landing, writer_ttl_s=args.writer_ttl, landing_terms=terms)
     while True:  # SERVING only once the broker's lock_delay covers the longest from a post to its landing
         try:
@@ -112,8 +119,10 @@ async def _start(args, tls) -> PrefillServicer:
             await asyncio.sleep(0.5)
     log.info("timing bound holds: a posted write lands within %.3fs after it was posted (%s) <= broker lock_delay "
              "%.3fs", max_landing, terms, lock_delay)
-    transfer = TransferEngine(args.host, args.protocol, timeout_s=args.mooncake_timeout, port=args.transfer_port)
-    worker = PrefillWorker(runner, transfer, checksums=not args.no_transfer_checksum)
+    transfer = TransferEngine(args.host, args.protocol, timeout_s=args.mooncake_timeout, port=args.transfer_port,
+                              max_write_bytes=args.max_write_bytes)
+    worker = PrefillWorker(runner, transfer, checksums=not args.no_transfer_checksum,
+                           max_write_bytes=args.max_write_bytes)
     return PrefillServicer(worker, leases, context_length, max_prompt,
                            os.path.basename(os.path.normpath(args.model)), transfer_timeout_s=args.transfer_timeout,
                            max_batch_tokens=args.prefill_max_batch_tokens, queue_limit=args.prefill_queue_limit)

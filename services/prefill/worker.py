@@ -1,7 +1,9 @@
 """Prefill worker: prompt forward pass into the local pool, then one-sided writes into a decode pool.
 
 Data first, tags second: a tag is the writer's claim that the bytes before it are complete, so it
-must never land before them. No gRPC here.
+must never land before them. Each goes out in batch calls of at most the write unit, one after the
+other (a call returns before the next is posted), every call behind its own liveness check: the
+landing bound holds per call, from that call's post. No gRPC here.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from ..engine.page_allocator import PageAllocator
 from ..engine.runner import Chunk, ModelRunner
 from ..engine.sampler import SamplingParams, TokenLogprobs, logprobs, sample_one
 from ..engine.tags import TAG_NBYTES, make_tags
-from ..kvtransfer.engine import TransferEngine, coalesce
+from ..kvtransfer.engine import DEFAULT_MAX_WRITE_BYTES, Run, TransferEngine, coalesce, split_calls
 
 log = logging.getLogger(__name__)
 
@@ -68,11 +70,16 @@ class Written:
 
 
 class PrefillWorker:
-    def __init__(self, runner: ModelRunner, transfer: TransferEngine, checksums: bool = True):
+    def __init__(self, runner: ModelRunner, transfer: TransferEngine, checksums: bool = True,
+                 max_write_bytes: int = DEFAULT_MAX_WRITE_BYTES):
         self.runner = runner
         # the transfer checksum is the one guard an operator may switch off (--no-transfer-checksum)
         self.checksums = checksums
         self.pool = runner.pool
+        if self.pool.page_nbytes > max_write_bytes:
+            raise ValueError(f"one KV page of {self.pool.page_nbytes} bytes does not fit in the write unit of "
+                             f"{max_write_bytes} bytes")
+        self.max_write_bytes = max_write_bytes
         self.transfer = transfer
         self.alloc = PageAllocator(self.pool.num_pages)
         transfer.register(self.pool.data_ptr, self.pool.data_nbytes)
@@ -129,18 +136,27 @@ class PrefillWorker:
             self.pool.kv[local_pages[k]].view(torch.uint8).view(-1)[123] ^= 0x10
         src = [local_pages[i] for i in idx]
         dst = [target.leases[i][0] for i in idx]
-        check_alive("data")
-        if progress is not None:
-            progress.posted = True
-        moved = self.transfer.write(target.session, coalesce(src, dst, self.pool.data_ptr, target.data_base,
-                                                             self.pool.page_nbytes), stage="data")
+        data = coalesce(src, dst, self.pool.data_ptr, target.data_base, self.pool.page_nbytes)
+        moved = self._post(target.session, data, self.pool.page_nbytes, "data", check_alive, progress)
         if (arg := FAULTS.fire("prefill.slow_transfer")) is not None:
             time.sleep(int(arg or 5000) / 1000)
         if FAULTS.fire("prefill.crash_mid_transfer") is not None:
             log.error("fault prefill.crash_mid_transfer: exiting between data and tag writes")
             os._exit(137)
         if FAULTS.fire("prefill.skip_tags") is None:
-            check_alive("tags")
-            moved += self.transfer.write(target.session, coalesce(src, dst, self.pool.tag_ptr, target.tag_base,
-                                                                  TAG_NBYTES), stage="tags")
+            tags = coalesce(src, dst, self.pool.tag_ptr, target.tag_base, TAG_NBYTES)
+            moved += self._post(target.session, tags, TAG_NBYTES, "tags", check_alive, progress)
         return Written(num_tokens, n, checksums, moved, time.perf_counter() - start)
+
+    def _post(self, session: str, runs: list[Run], stride: int, stage: str, check_alive: Callable[[str], None],
+              progress: Progress | None) -> int:
+        """One batch call per write unit, in order. The liveness check comes before every call, not once per
+        write: a write of many calls outlasts the landing bound, but each call lands within it from its own post,
+        and that post is inside the liveness lease."""
+        moved = 0
+        for batch in split_calls(runs, self.max_write_bytes, stride):
+            check_alive(stage)
+            if progress is not None:
+                progress.posted = True
+            moved += self.transfer.write(session, batch, stage=stage)
+        return moved

@@ -23,20 +23,40 @@ class TimingBoundError(RuntimeError):
     """The broker would free a page before a write this prefill posted can have landed."""
 
 
+def landing_bound_error(max_landing_s: float, lock_delay_ms: int, terms: str) -> str | None:
+    """The start-up refusal (without its "prefill: refusing to start: ") when L > lock_delay, else None; in the
+    whole milliseconds every BeginWrite declares. `pdserve check` prints the same."""
+    max_landing_ms = math.ceil(max_landing_s * 1000)
+    if max_landing_ms <= lock_delay_ms:
+        return None
+    return (f"a write this prefill posts may land up to {max_landing_s:.3f}s after it was posted ({terms}), but "
+            f"the broker may free its page {lock_delay_ms / 1000:.3f}s after the writer's liveness expiry or a "
+            f"failed write's ack (lock_delay): raise the broker's --lock-delay to at least "
+            f"{max_landing_ms / 1000:.3f}, or lower prefill's --mooncake-timeout, --landing-slack or "
+            f"--max-write-bytes")
+
+
+def landing_terms(timeout_s: int, max_write_bytes: int, slack_s: float) -> str:
+    return (f"Mooncake timeout {timeout_s}s + 1 ns/byte of the largest batch call ({max_write_bytes} bytes, "
+            f"--max-write-bytes) + --landing-slack {slack_s:.3f}s")
+
+
 class WriteLeases:
     """The lease protocol's one timing inequality, stated from the post:
 
         L = Mooncake timeout + 1 ns x bytes of the largest batch call + landing slack  <=  lock_delay
 
-    where L (max_landing_s, landing_bound_s) bounds the time from a write's post to its last byte landing. It is
-    checked at start-up (check_bounds) and by the broker on every BeginWrite. Why it suffices, on both ways the broker
-    frees a page that a write may still hit:
-    - liveness expiry: a write is posted only while this process's view of its liveness has liveness_margin_s or
-      more left (check_alive), and that view runs from the *send* of the BeginWrite or renewal, before the broker
-      received it, so it ends no later than the broker's expiry E: the last post is before E, and it lands by
-      E + L <= E + lock_delay, the first moment the broker may free the page;
-    - failed acknowledgement: EndWrite(success=false) is sent after the batch call returned, so after every post of
-      the write: it lands by ack + L <= ack + lock_delay."""
+    where L (max_landing_s, landing_bound_s) bounds the time from a batch call's post to its last byte landing, and
+    the largest batch call is the write unit (--max-write-bytes: the worker cuts a write into calls of at most it),
+    never the pool. It is checked at start-up (check_bounds) and by the broker on every BeginWrite. L bounds each
+    call, not a whole write of many calls; why that suffices, on both ways the broker frees a page that a write may
+    still hit:
+    - liveness expiry: every call is posted only while this process's view of its liveness has liveness_margin_s or
+      more left (check_alive, before each call), and that view runs from the *send* of the BeginWrite or renewal,
+      before the broker received it, so it ends no later than the broker's expiry E: the last call is posted before
+      E, and it lands by E + L <= E + lock_delay, the first moment the broker may free the page;
+    - failed acknowledgement: EndWrite(success=false) is sent after the last call of the write returned, so after
+      every post of every call: each lands by its post + L < ack + L <= ack + lock_delay."""
 
     def __init__(self, broker, writer_prefix: str, max_landing_s: float, rpc_timeout_s: float = 10.0,
                  writer_ttl_s: float = 5.0, liveness_margin_s: float = 1.0,
@@ -60,15 +80,9 @@ class WriteLeases:
         declares; returns lock_delay. Raises TimingBoundError with both numbers."""
         resp = await call(self.broker.KeepAlive(broker_pb2.KeepAliveRequest(
             holder_id=f"{self.writer_prefix}/startup", ttl_ms=1000), timeout=self.rpc_timeout_s), "broker KeepAlive")
-        lock_delay = resp.lock_delay_ms / 1000
-        if self.max_landing_ms > resp.lock_delay_ms:
-            raise TimingBoundError(
-                f"a write this prefill posts may land up to {self.max_landing_s:.3f}s after it was posted "
-                f"({self.landing_terms}), but the broker may free its page {lock_delay:.3f}s after the writer's "
-                f"liveness expiry or a failed write's ack (lock_delay): raise the broker's --lock-delay to at least "
-                f"{self.max_landing_ms / 1000:.3f}, or lower prefill's --mooncake-timeout, --landing-slack or "
-                f"--pool-tokens")
-        return lock_delay
+        if (err := landing_bound_error(self.max_landing_s, resp.lock_delay_ms, self.landing_terms)) is not None:
+            raise TimingBoundError(err)
+        return resp.lock_delay_ms / 1000
 
     async def begin(self, pool_id: str, owner: bytes, epoch: int, leases_pb, writer_id: str,
                     deadline: float | None = None):

@@ -41,6 +41,7 @@ def parse(monkeypatch, argv: list[str]):
     for name in cli.SERVICES:
         monkeypatch.setattr(f"pdserve.{name}.main.main", record)
     monkeypatch.setattr(cli, "_health", record)
+    monkeypatch.setattr("pdserve.check.main", record)
     monkeypatch.setattr("pdserve.engine.make_model.make_model", lambda *a: seen.append(a) or "")
     err = io.StringIO()
     try:

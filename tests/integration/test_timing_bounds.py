@@ -29,7 +29,7 @@ def test_prefill_refuses_to_start_when_its_landing_bound_exceeds_the_brokers_loc
     prefill = ["prefill", "--model", model_dir, "--port", "0", "--metrics-port", "0", "--pool-tokens", "4096",
                "--broker", broker.target, *tls_args(tmp_path, "prefill/p0")]
     try:
-        # default slack 1 s: 5 s Mooncake timeout + 1 ns/byte of the pool + 1 s > 5.5 s
+        # default slack 1 s: 5 s Mooncake timeout + 1 ns/byte of the 32 MiB write unit + 1 s > 5.5 s
         r = subprocess.run([sys.executable, "-m", "pdserve.cli", *prefill], capture_output=True, text=True,
                            timeout=120)
         err = r.stderr + r.stdout
@@ -39,10 +39,10 @@ def test_prefill_refuses_to_start_when_its_landing_bound_exceeds_the_brokers_loc
         last = r.stderr.strip().splitlines()[-1]
         m = re.fullmatch(r"prefill: refusing to start: a write this prefill posts may land up to ([0-9.]+)s after "
                          r"it was posted \(Mooncake timeout 5s \+ 1 ns/byte of the largest batch call \((\d+) bytes, "
-                         r"the pool's data\) \+ --landing-slack 1\.000s\), but the broker may free its page 5\.500s "
+                         r"--max-write-bytes\) \+ --landing-slack 1\.000s\), but the broker may free its page 5\.500s "
                          r"after .* \(lock_delay\): raise the broker's --lock-delay to at least ([0-9.]+), .*", last)
         assert m and 6.0 < float(m.group(1)) < 6.1 and m.group(1) == m.group(3), last
-        assert m.group(1) == f"{5 + int(m.group(2)) * 1e-9 + 1.0:.3f}", last
+        assert m.group(1) == f"{5 + int(m.group(2)) * 1e-9 + 1.0:.3f}" and m.group(2) == str(32 << 20), last
         # the same prefill with less slack fits under the bound and serves
         ok = launcher.start("prefill", [*prefill, "--landing-slack", "0.3"])
         try:
@@ -64,6 +64,6 @@ def test_up_ends_a_refused_start_with_one_line_and_no_traceback(tmp_path, model_
     assert r.returncode == 1 and "pdserve is up" not in out, out
     assert "Traceback" not in out and "Event loop is closed" not in out, out
     assert r.stderr.strip().splitlines() == [
-        "pdserve up: prefill0 exited with 1: prefill: KV pool prefill-0 holds 1024 tokens but the context length "
+        "pdserve up: prefill0 exited with 1: prefill: KV pool holds 1024 tokens but the context length "
         "is 4096 (3072 short); refusing to start. Grow the pool, lower --context-length, or pass "
         "--allow-pool-smaller-than-context to serve with admission capped at the pool."], r.stderr
