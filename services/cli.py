@@ -165,8 +165,8 @@ def build_parser(argv: list[str], load_all: bool = False) -> argparse.ArgumentPa
                    help="dtype of the written tensors (default: the preset's, float32 but for long's bfloat16)")
 
     def _make(a):
-        from .engine.make_model import make_model
-        print(make_model(a.out, a.preset, a.seed, a.arch, a.dtype))
+        from .engine.make_model import PRESET_DTYPES, make_model
+        print(make_model(a.out, a.preset, a.seed, a.arch, a.dtype or PRESET_DTYPES.get(a.preset, "float32")))
         return 0
     m.set_defaults(fn=_make)
 
