@@ -116,8 +116,9 @@ def pool_size(args, service: str = "engine"):
     if args.gpu_memory_utilization:
         device = args.device or pick_device().type
         if not str(device).startswith("cuda"):
-            raise SystemExit(f"{service}: --gpu-memory-utilization {args.gpu_memory_utilization} needs a CUDA device, this "
-                             f"service runs on {device}: size the pool with --pool-tokens or --kv-cache-memory")
+            raise SystemExit(f"{service}: --gpu-memory-utilization {args.gpu_memory_utilization} needs a CUDA "
+                             f"device, this service runs on {device}: size the pool with --pool-tokens or "
+                             "--kv-cache-memory")
         return PoolSize(gpu_memory_utilization=args.gpu_memory_utilization)
     if args.kv_cache_memory:
         return PoolSize(memory_bytes=args.kv_cache_memory)

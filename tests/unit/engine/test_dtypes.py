@@ -105,10 +105,10 @@ def test_bf16_served_tokens_pass_the_float32_reference(long_dir):
     served = ModelRunner(long_dir, 64, PS, device="cpu")
     reference = ModelRunner(long_dir, 64, PS, dtype="float32", device="cpu")
     pages = list(range(63, -1, -2)) + list(range(0, 64, 2))  # scattered, not in order
-    for seed in range(4):
+    for seed in range(2):
         g = torch.Generator().manual_seed(seed)
-        prompt = torch.randint(2, 512, (40 + 70 * seed,), generator=g).tolist()
-        response = _greedy(served, prompt, 24, pages)
+        prompt = torch.randint(2, 512, (40 + 210 * seed,), generator=g).tolist()
+        response = _greedy(served, prompt, 16, pages)
         assert len(set(response)) > 1
         check_bf16(reference, prompt, response)
         # the tolerance still tells foreign context apart: the same tokens after another prompt are refused

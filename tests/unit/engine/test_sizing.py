@@ -2,7 +2,6 @@
 import argparse
 
 import pytest
-import torch
 
 from pdserve.common.cli_args import add_engine_args, pool_size
 from pdserve.engine.config import ModelConfig
@@ -92,6 +91,6 @@ def test_the_flags_pick_one_size(capsys):
         with pytest.raises(SystemExit):
             _parse(argv)
         assert said in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="engine: --gpu-memory-utilization 0.9 needs a CUDA device, this service runs on "
-                                         "cpu: size the pool with --pool-tokens or --kv-cache-memory"):
+    with pytest.raises(SystemExit, match="engine: --gpu-memory-utilization 0.9 needs a CUDA device, this service "
+                                         "runs on cpu: size the pool with --pool-tokens or --kv-cache-memory"):
         pool_size(_parse(["--gpu-memory-utilization", "0.9", "--device", "cpu"]))
