@@ -42,8 +42,8 @@ def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_to
     p.add_argument("--context-length", type=int, default=0, help="default: the model's max_position_embeddings")
     p.add_argument("--page-size", type=int, default=config.DEFAULT_PAGE_SIZE)
     size = p.add_mutually_exclusive_group()  # one of them decides the pool; --pool-tokens when none is given
-    size.add_argument("--pool-tokens", type=int, default=pool_tokens, help=f"KV pool size in tokens (default "
-                      f"{pool_tokens}, unless --kv-cache-memory or --gpu-memory-utilization is given)")
+    size.add_argument("--pool-tokens", type=int, default=pool_tokens, help="KV pool size in tokens (what decides "
+                      "unless --kv-cache-memory or --gpu-memory-utilization is given)")
     size.add_argument("--kv-cache-memory", type=_bytes, default=0, metavar="BYTES",
                       help="KV pool size as memory, e.g. 4GiB, 512MiB, 2GB: as many whole pages as fit (the page "
                            "data; the tags beside it take 32 bytes a page on the host)")
@@ -66,11 +66,11 @@ def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_to
                    help="UNSAFE, needs --allow-unsafe no-transfer-checksum: skip the CRC-32C of transferred pages (tags "
                         "are still checked, the bytes are not); prefill and decode must agree")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
-                   help="dtype of the weights (default auto: the checkpoint's, config.json torch_dtype, else the "
+                   help="dtype of the weights; auto: the checkpoint's (config.json torch_dtype, else the "
                         "tensors' own)")
     kv = p.add_mutually_exclusive_group()
     kv.add_argument("--kv-cache-dtype", default="auto", choices=DTYPE_CHOICES,
-                    help="dtype of the KV pool (default auto: the weights' dtype)")
+                    help="dtype of the KV pool; auto: the weights' dtype")
     kv.add_argument("--kv-dtype", dest="kv_dtype_alias", default=None, choices=DTYPE_CHOICES[1:],
                     help="DEPRECATED alias of --kv-cache-dtype: sets the KV pool's dtype only (it once set the "
                          "weights' too; use --dtype for those)")
