@@ -43,16 +43,64 @@ def read_model_config(model: str) -> ModelConfig:
     return ModelConfig.from_dir(os.path.dirname(model) if os.path.isfile(model) else model)
 
 
+def kv_dtype_of(args, cfg: ModelConfig) -> str:
+    """The KV pool's dtype as the service resolves it (--kv-cache-dtype or its alias; 'auto': the weights', which
+    follow --dtype, else config.json's torch_dtype, else the dtype the tensors are stored in)."""
+    from .engine.dtypes import kv_dtype, weight_dtype
+    requested = getattr(args, "kv_dtype_alias", None) or getattr(args, "kv_cache_dtype", "auto")
+    if requested != "auto":
+        return requested
+    return kv_dtype(requested, weight_dtype(getattr(args, "dtype", "auto"), cfg.torch_dtype, _file_dtypes(args.model)))
+
+
+def _file_dtypes(model: str) -> set[str]:
+    """The dtypes of the checkpoint's tensors, from the safetensors headers (none when only config.json is given)."""
+    import json
+    import struct
+    from .engine.dtypes import SAFETENSORS_FLOATS
+    from .engine.loader import _weight_files
+    found: set[str] = set()
+    if os.path.isfile(model):
+        return found
+    try:
+        files = _weight_files(model)
+    except FileNotFoundError:
+        return found
+    for path in files:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        found |= {SAFETENSORS_FLOATS.get(t["dtype"], t["dtype"]) for k, t in header.items() if k != "__metadata__"}
+    return found
+
+
+def _pool_tokens(args, cfg: ModelConfig, kv: str) -> int | None:
+    """Tokens the pool holds, as the service sizes it; None when the device decides (--gpu-memory-utilization)."""
+    from .engine.sizing import pool_tokens_for
+    if getattr(args, "gpu_memory_utilization", None):
+        return None
+    if getattr(args, "kv_cache_memory", None):
+        return pool_tokens_for(args.kv_cache_memory, cfg, kv, args.page_size)
+    return args.pool_tokens // args.page_size * args.page_size
+
+
 def _engine_plan(service: str, args, cfg: ModelConfig) -> Plan:
     plan = Plan(service)
-    per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, args.kv_dtype)
-    num_pages = args.pool_tokens // args.page_size
-    pool_tokens = num_pages * args.page_size
+    kv = kv_dtype_of(args, cfg)
+    per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv)
     context = args.context_length or cfg.max_position_embeddings
+    pool_tokens = _pool_tokens(args, cfg, kv)
+    plan.facts.append(("KV per token", f"{per_token} bytes ({cfg.num_hidden_layers} layers x 2 x "
+                                       f"{cfg.num_key_value_heads} KV heads x {cfg.head_dim} x {DTYPE_BYTES[kv]} bytes "
+                                       f"of {kv})"))
+    if pool_tokens is None:
+        plan.facts.append(("pool", f"--gpu-memory-utilization {args.gpu_memory_utilization}: sized at start-up from "
+                                   "the device memory left after the weights; the capacity check runs then"))
+        plan.max_prompt = context
+        return plan
     plan.facts += [
-        ("KV per token", f"{per_token} bytes ({cfg.num_hidden_layers} layers x 2 x {cfg.num_key_value_heads} KV "
-                         f"heads x {cfg.head_dim} x {DTYPE_BYTES[args.kv_dtype]} bytes of {args.kv_dtype})"),
-        ("pool", f"{pool_tokens} tokens = {num_pages} pages of {args.page_size}, {pool_tokens * per_token} bytes"),
+        ("pool", f"{pool_tokens} tokens = {pool_tokens // args.page_size} pages of {args.page_size}, "
+                 f"{pool_tokens * per_token} bytes"),
         ("context", f"{context} tokens; pool/context {pool_tokens / context:.3f}"),
     ]
     cap = pool_capacity(service, pool_tokens, context, args.allow_pool_smaller_than_context)
@@ -70,7 +118,8 @@ def prefill_plan(args, cfg: ModelConfig, lock_delay_ms: int | None = None) -> Pl
     from .prefill.writelease import landing_bound_error, landing_terms
 
     plan = _engine_plan("prefill", args, cfg)
-    per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, args.kv_dtype)
+    kv = kv_dtype_of(args, cfg)
+    per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv)
     if (refusal := write_unit_refusal(args.page_size, per_token, args.max_write_bytes)) is not None:
         plan.refusals.append(refusal)
     plan.max_landing_s = landing_bound_s(args.mooncake_timeout, args.max_write_bytes, args.landing_slack)
@@ -142,7 +191,8 @@ def service_plan(service: str, argv: list[str], lock_delay_s: float) -> Plan:
 
 def stack_argv(args) -> dict[str, list[str]]:
     """The flags `pdserve up` would give each service for these stack flags (services/launcher.py)."""
-    common = ["--model", args.model, "--page-size", str(args.page_size), "--kv-dtype", args.kv_dtype]
+    common = ["--model", args.model, "--page-size", str(args.page_size), "--dtype", args.dtype]
+    common += ["--kv-dtype", args.kv_dtype_alias] if args.kv_dtype_alias else ["--kv-cache-dtype", args.kv_cache_dtype]
     if args.context_length:
         common += ["--context-length", str(args.context_length)]
     if args.allow_pool_smaller_than_context:
@@ -164,7 +214,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-pool-tokens", type=int, default=config.DEFAULT_PREFILL_POOL_TOKENS)
     p.add_argument("--decode-pool-tokens", type=int, default=config.DEFAULT_DECODE_POOL_TOKENS)
     p.add_argument("--allow-pool-smaller-than-context", action="store_true")
-    p.add_argument("--kv-dtype", default="float32", choices=sorted(DTYPE_BYTES))
+    p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPE_BYTES)])
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *sorted(DTYPE_BYTES)])
+    kv.add_argument("--kv-dtype", dest="kv_dtype_alias", default=None, choices=sorted(DTYPE_BYTES),
+                    help="deprecated alias of --kv-cache-dtype")
     p.add_argument("--mooncake-timeout", type=int, default=MOONCAKE_MIN_TIMEOUT_S)
     p.add_argument("--landing-slack", type=float, default=1.0)
     p.add_argument("--max-write-bytes", type=int, default=DEFAULT_MAX_WRITE_BYTES)
@@ -186,7 +240,8 @@ def format_plan(plan: Plan) -> list[str]:
 
 
 STACK_FLAGS = ("model", "context_length", "page_size", "prefill_pool_tokens", "decode_pool_tokens",
-               "allow_pool_smaller_than_context", "kv_dtype", "mooncake_timeout", "landing_slack", "max_write_bytes",
+               "allow_pool_smaller_than_context", "dtype", "kv_cache_dtype", "kv_dtype_alias", "mooncake_timeout",
+               "landing_slack", "max_write_bytes",
                "max_blind")
 
 

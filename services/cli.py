@@ -18,7 +18,9 @@ SERVICES = ("broker", "prefill", "decode", "gateway")
 def _up_extra(args) -> dict[str, list[str]]:
     """The flags `up` passes on to the services it starts (an HTTP API key goes by the environment,
     PDSERVE_API_KEY, which the gateway inherits: a command line is visible to every local user)."""
-    engine = ["--kv-dtype", args.kv_dtype]
+    engine = ["--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype]
+    if args.kv_dtype_alias is not None:  # the deprecated spelling, passed on as given: the services warn
+        engine = ["--dtype", args.dtype, "--kv-dtype", args.kv_dtype_alias]
     return {"prefill": engine, "decode": engine, "gateway": ["--byte-tokenizer"] * args.byte_tokenizer}
 
 
@@ -132,8 +134,13 @@ def build_parser(argv: list[str], load_all: bool = False) -> argparse.ArgumentPa
     up.add_argument("--allow-pool-smaller-than-context", action="store_true")
     up.add_argument("--prefill-instances", type=int, default=1)
     up.add_argument("--decode-instances", type=int, default=1)
-    up.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                    help="dtype of the weights and the KV pools of prefill and decode")
+    up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="dtype of the weights of prefill and decode (default auto: the checkpoint's)")
+    kv = up.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="dtype of the KV pools of prefill and decode (default auto: the weights' dtype)")
+    kv.add_argument("--kv-dtype", dest="kv_dtype_alias", default=None, choices=["float32", "bfloat16", "float16"],
+                    help="DEPRECATED alias of --kv-cache-dtype (the KV pools only; --dtype sets the weights)")
     up.add_argument("--byte-tokenizer", action="store_true",
                     help="encode text as UTF-8 bytes (ids 0..255) instead of the checkpoint's tokenizer.json")
     up.add_argument("--free-ports", action="store_true",
@@ -150,14 +157,16 @@ def build_parser(argv: list[str], load_all: bool = False) -> argparse.ArgumentPa
     m.add_argument("--out", default=config.DEFAULT_MODEL)
     m.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"],
                    help="model family (its model_type)")
-    m.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    m.add_argument("--preset", default="tiny", choices=["tiny", "small", "long"],
+                   help="tiny (4,096-token context), small (~107M parameters) or long (tiny dimensions, a "
+                        "1,048,576-token context, bfloat16)")
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                   help="dtype of the written tensors")
+    m.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the written tensors (default: the preset's, float32 but for long's bfloat16)")
 
     def _make(a):
-        from .engine.make_model import make_model
-        print(make_model(a.out, a.preset, a.seed, a.arch, a.dtype))
+        from .engine.make_model import PRESET_DTYPES, make_model
+        print(make_model(a.out, a.preset, a.seed, a.arch, a.dtype or PRESET_DTYPES.get(a.preset, "float32")))
         return 0
     m.set_defaults(fn=_make)
 

@@ -180,6 +180,9 @@ def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0
         f = make_pki(tls_dir, [f"{role}/{role}{i}"])[f"{role}/{role}{i}"]
         return ["--tls-cert", f.cert, "--tls-key", f.key, "--tls-ca", f.ca]
     common = ["--model", model, "--page-size", str(page_size)]
+
+    def pool(tokens: int) -> list[str]:  # 0: the extra flags size the pool (--kv-cache-memory, a fraction)
+        return ["--pool-tokens", str(tokens)] if tokens else []
     if context_length:
         common += ["--context-length", str(context_length)]
     if allow_small:
@@ -192,13 +195,13 @@ def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0
         for i in range(num_prefill):
             procs["prefill"].append(launch(f"prefill{i}", ["prefill", *ports("prefill", i), *tls("prefill", i),
                                                           "--broker", broker.target,
-                                                          *common, "--pool-tokens", str(prefill_pool_tokens),
+                                                          *common, *pool(prefill_pool_tokens),
                                                           *extra.get("prefill", [])], env, echo=echo,
                                            log_path=log(f"prefill{i}")))
         for i in range(num_decode):
             procs["decode"].append(launch(f"decode{i}", ["decode", *ports("decode", i), *tls("decode", i),
                                                         "--broker", broker.target,
-                                                        *common, "--pool-tokens", str(decode_pool_tokens),
+                                                        *common, *pool(decode_pool_tokens),
                                                         *extra.get("decode", [])], env, echo=echo,
                                           log_path=log(f"decode{i}")))
         for p in [*procs["prefill"], *procs["decode"]]:  # they depend on the broker only: loaded side by side

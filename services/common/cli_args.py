@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from . import config
 from .tls import add_tls_args
 from .unsafe import add_unsafe_args
+
+log = logging.getLogger(__name__)
+DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
 
 
 def add_service_args(p: argparse.ArgumentParser) -> None:
@@ -37,7 +41,15 @@ def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_to
     p.add_argument("--model", default=config.DEFAULT_MODEL)
     p.add_argument("--context-length", type=int, default=0, help="default: the model's max_position_embeddings")
     p.add_argument("--page-size", type=int, default=config.DEFAULT_PAGE_SIZE)
-    p.add_argument("--pool-tokens", type=int, default=pool_tokens)
+    size = p.add_mutually_exclusive_group()  # one of them decides the pool; --pool-tokens when none is given
+    size.add_argument("--pool-tokens", type=int, default=pool_tokens, help="KV pool size in tokens (what decides "
+                      "unless --kv-cache-memory or --gpu-memory-utilization is given)")
+    size.add_argument("--kv-cache-memory", type=_bytes, default=0, metavar="BYTES",
+                      help="KV pool size as memory, e.g. 4GiB, 512MiB, 2GB: as many whole pages as fit (the page "
+                           "data; the tags beside it take 32 bytes a page on the host)")
+    size.add_argument("--gpu-memory-utilization", type=_fraction, default=0.0, metavar="F",
+                      help="CUDA only: the KV pool takes this fraction (0 < F <= 1) of the device memory left once the "
+                           "weights are loaded; refused on CPU")
     p.add_argument("--allow-pool-smaller-than-context", action="store_true",
                    help="serve with admission capped at the pool (the shortfall is exported for an alert)")
     p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
@@ -53,5 +65,61 @@ def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_to
     p.add_argument("--no-transfer-checksum", action="store_true",
                    help="UNSAFE, needs --allow-unsafe no-transfer-checksum: skip the CRC-32C of transferred pages (tags "
                         "are still checked, the bytes are not); prefill and decode must agree")
-    p.add_argument("--kv-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="dtype of the weights; auto: the checkpoint's (config.json torch_dtype, else the "
+                        "tensors' own)")
+    kv = p.add_mutually_exclusive_group()
+    kv.add_argument("--kv-cache-dtype", default="auto", choices=DTYPE_CHOICES,
+                    help="dtype of the KV pool; auto: the weights' dtype")
+    kv.add_argument("--kv-dtype", dest="kv_dtype_alias", default=None, choices=DTYPE_CHOICES[1:],
+                    help="DEPRECATED alias of --kv-cache-dtype: sets the KV pool's dtype only (it once set the "
+                         "weights' too; use --dtype for those)")
     add_tls_args(p)
+
+
+def _bytes(text: str) -> int:
+    from ..engine.sizing import parse_bytes
+    try:
+        value = parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be > 0 bytes, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a fraction in (0, 1], got {value}")
+    return value
+
+
+def engine_dtypes(args) -> tuple[str, str]:
+    """(weights, KV pool) as requested, 'auto' resolved by the runner; the deprecated alias warns, once, here."""
+    kv = args.kv_cache_dtype
+    if args.kv_dtype_alias is not None:
+        log.warning("--kv-dtype is deprecated: it is --kv-cache-dtype %s and sets only the KV pool's dtype; the "
+                    "weights follow --dtype (%s)", args.kv_dtype_alias, args.dtype)
+        kv = args.kv_dtype_alias
+    return args.dtype, kv
+
+
+def pool_size(args, service: str = "engine"):
+    """The PoolSize the flags ask for: a memory budget or a fraction when given, else --pool-tokens. A fraction
+    off CUDA is refused here, with one line, before the model loads."""
+    from ..engine.runner import pick_device
+    from ..engine.sizing import PoolSize
+    if args.gpu_memory_utilization:
+        device = args.device or pick_device().type
+        if not str(device).startswith("cuda"):
+            raise SystemExit(f"{service}: --gpu-memory-utilization {args.gpu_memory_utilization} needs a CUDA "
+                             f"device, this service runs on {device}: size the pool with --pool-tokens or "
+                             "--kv-cache-memory")
+        return PoolSize(gpu_memory_utilization=args.gpu_memory_utilization)
+    if args.kv_cache_memory:
+        return PoolSize(memory_bytes=args.kv_cache_memory)
+    return PoolSize(tokens=args.pool_tokens)

@@ -9,13 +9,14 @@ import secrets
 
 from ..common import config
 from ..common.capacity import check_pool_capacity
-from ..common.cli_args import add_engine_args
+from ..common.cli_args import add_engine_args, engine_dtypes, pool_size
 from ..common.metrics import init_metrics
 from ..common.proto import broker_pb2_grpc, decode_pb2, decode_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
 from ..common.tls import own_identity, secure_channel, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..engine.runner import ModelRunner, set_threads
+from ..engine.sizing import PoolSizeError
 from ..kvtransfer.engine import TransferEngine
 from .drain import drain
 from .servicer import DecodeServicer
@@ -76,14 +77,20 @@ async def serve(args) -> None:
 
 async def _start(args, tls) -> DecodeServicer:
     """Loads the model (in a thread: the server answers health meanwhile) and registers the pool."""
-    num_pages = args.pool_tokens // args.page_size
     set_threads(args.threads, args.switch_interval_ms)
-    runner = await asyncio.to_thread(ModelRunner, args.model, num_pages, args.page_size, args.kv_dtype, args.device)
+    dtype, kv_dtype = engine_dtypes(args)
+    size = pool_size(args, "decode")
+    try:
+        runner = await asyncio.to_thread(ModelRunner, args.model, size, args.page_size, dtype, args.device, kv_dtype)
+    except PoolSizeError as e:
+        raise SystemExit(f"decode: refusing to start: {e}") from None
+    num_pages = runner.pool.num_pages
     if args.checksum_sweep_pages == 0 or args.no_transfer_checksum:
         log.warning("checksum sweep OFF (%s): a late write of page data alone into a running request's prompt "
                     "page will not be detected", "--checksum-sweep-pages 0" if args.checksum_sweep_pages == 0
                     else "--no-transfer-checksum leaves no verified checksum to compare with")
     context_length = args.context_length or runner.config.max_position_embeddings
+    log.info("%s", runner.describe(context_length))
     # unique per incarnation: a restarted decode never inherits leases of its predecessor; under its own
     # identity, because the broker lets a decode name only pools that start with it
     pool_id = f"{own_identity(tls, 'decode')}/{args.host}-{args.port}-{os.getpid()}-{secrets.token_hex(4)}"

@@ -41,6 +41,8 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     moe_layers: tuple[int, ...] = ()
+    # config.json's torch_dtype: what the weights are served in unless --dtype says otherwise (None: not stated)
+    torch_dtype: str | None = None
     name: str = "model"
     path: str = ""
     extra: dict = field(default_factory=dict)

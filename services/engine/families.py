@@ -111,7 +111,7 @@ def read_config(raw: dict) -> dict:
         # Qwen2 always has q/k/v biases and none on o_proj; Llama's and Qwen3's attention_bias covers all four
         qkv_bias=family == "qwen2" or attention_bias, o_bias=attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=family in ("qwen3", "qwen3_moe"),
-        sliding_window=_window(raw, family))
+        sliding_window=_window(raw, family), torch_dtype=raw.get("torch_dtype") or raw.get("dtype"))
     if family == "qwen3_moe":
         kw.update(_experts(raw))
     return kw

@@ -10,9 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from .config import ModelConfig
+from .dtypes import DTYPES
 from .tags import TAG_NBYTES, TAG_WORDS, page_checksum, page_checksums
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(slots=True)
@@ -29,8 +28,7 @@ class PoolLayout:
 
     @property
     def page_nbytes(self) -> int:
-        elem = torch.empty((), dtype=self.torch_dtype).element_size()
-        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * elem
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * self.torch_dtype.itemsize
 
     @classmethod
     def for_model(cls, cfg: ModelConfig, page_size: int, dtype: str) -> "PoolLayout":

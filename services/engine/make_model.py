@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from .config import ModelConfig
 from .families import ARCHITECTURES, read_config
-from .kv_pool import DTYPES
+from .dtypes import DTYPES
 from .make_tokenizer import VOCAB_SIZE, write_tokenizer
 from .model import CausalLM
 
@@ -25,7 +25,12 @@ PRESETS = {
     # ~107M parameters: for benchmarks
     "small": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=9, num_attention_heads=16,
                   num_key_value_heads=8, max_position_embeddings=4096),
+    # the incident's scale at tiny cost: a 1,048,576-token context (2,048 bytes of bf16 KV a token)
+    "long": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=4, max_position_embeddings=1_048_576),
 }
+# the dtype a preset is written in unless one is named
+PRESET_DTYPES = {"long": "bfloat16"}
 # what each family adds to the Llama config, so its own tensors and keys are exercised
 FAMILY_KEYS = {
     "llama": dict(attention_bias=False, mlp_bias=False),
@@ -36,7 +41,7 @@ FAMILY_KEYS = {
     "qwen3_moe": dict(attention_bias=False, head_dim=64, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
                       decoder_sparse_step=1, mlp_only_layers=[0]),
 }
-MOE_INTERMEDIATE = {"tiny": 128, "small": 704}
+MOE_INTERMEDIATE = {"tiny": 128, "small": 704, "long": 128}
 
 
 def _config(arch: str, preset: str, dtype: str) -> dict:
@@ -49,9 +54,10 @@ def _config(arch: str, preset: str, dtype: str) -> dict:
     return dict(raw, **PRESETS[preset], **FAMILY_KEYS[arch], **moe)
 
 
-def make_model(out: str, preset: str = "tiny", seed: int = 0, arch: str = "llama", dtype: str = "float32") -> str:
+def make_model(out: str, preset: str = "tiny", seed: int = 0, arch: str = "llama", dtype: str | None = None) -> str:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    dtype = dtype or PRESET_DTYPES.get(preset, "float32")
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {sorted(ARCHITECTURES)}")
     if dtype not in DTYPES:

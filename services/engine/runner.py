@@ -8,9 +8,11 @@ from typing import NamedTuple
 import torch
 
 from .context import AttentionContext, reset_context, set_context
-from .kv_pool import DTYPES, KVPool, PoolLayout
-from .loader import load_model
+from .dtypes import kv_dtype as pick_kv_dtype
+from .kv_pool import KVPool, PoolLayout
+from .loader import load_model, weight_nbytes
 from .paged_attention import prepare_paged_decode
+from .sizing import PoolSize, kv_bytes_per_token
 
 
 def set_threads(n: int = 0, switch_interval_ms: float | None = None) -> None:
@@ -27,6 +29,13 @@ def pick_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def free_device_bytes(device: torch.device) -> int | None:
+    """What a CUDA device has left now (after the weights, and after whatever else runs on it); None elsewhere."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]
+
+
 class Chunk(NamedTuple):
     """The next tokens of one prompt in a packed prefill pass: token_ids sit at positions start.. of the prompt,
     whose KV lives in pages (from the prompt's first page); start > 0 continues after an earlier chunk."""
@@ -37,18 +46,36 @@ class Chunk(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str, num_pages: int, page_size: int, dtype: str = "float32",
-                 device: torch.device | str | None = None):
+    def __init__(self, model_dir: str, num_pages: int | PoolSize, page_size: int, dtype: str = "auto",
+                 device: torch.device | str | None = None, kv_dtype: str = "auto"):
+        """dtype: the weights' ('auto': the checkpoint's); kv_dtype: the pool's ('auto': the weights').
+        num_pages: a count, or a PoolSize resolved once the weights are on the device (a memory budget, or a
+        fraction of what the device has left after them)."""
         self.device = torch.device(device) if device is not None else pick_device()
-        self.model = load_model(model_dir, self.device, DTYPES[dtype])
+        self.model = load_model(model_dir, self.device, dtype)
         self.config = self.model.config
-        self.layout = PoolLayout.for_model(self.config, page_size, dtype)
+        self.dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        self.kv_dtype = pick_kv_dtype(kv_dtype, self.dtype)
+        self.weight_nbytes = weight_nbytes(self.model)
+        self.pool_source = f"{num_pages} pages"
+        if isinstance(num_pages, PoolSize):
+            self.pool_source = num_pages.source
+            num_pages = num_pages.num_pages(self.config, self.kv_dtype, page_size, free_device_bytes(self.device))
+        self.layout = PoolLayout.for_model(self.config, page_size, self.kv_dtype)
         self.pool = KVPool(self.layout, num_pages, self.device)
         self.model.bind_kv_pool(self.pool.kv)
 
     @property
     def page_size(self) -> int:
         return self.layout.page_size
+
+    def describe(self, context_length: int) -> str:
+        """The start-up line: what the weights and the pool take, and how the pool compares with the context."""
+        per_token = kv_bytes_per_token(self.config, self.kv_dtype)
+        return (f"weights {self.weight_nbytes} bytes in {self.dtype} on {self.device}; KV pool {self.pool.num_tokens} "
+                f"tokens ({self.pool.num_pages} pages of {self.page_size}, {self.kv_dtype}, {per_token} bytes/token, "
+                f"{self.pool.data_nbytes / 2**20:.1f} MiB; from {self.pool_source}), pool/context "
+                f"{self.pool.num_tokens / context_length:.4g} of a {context_length}-token context")
 
     def _check_window(self, last_position: int) -> None:
         """Past a sliding window attention would differ from the full attention computed here: refuse."""

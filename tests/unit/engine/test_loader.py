@@ -187,3 +187,95 @@ def test_config_rejects_other_architectures_and_bad_heads(model_dir, tmp_path):
     with pytest.raises(ValueError, match="multiple"):
         ModelConfig(vocab_size=8, hidden_size=24, intermediate_size=8, num_hidden_layers=1,
                     num_attention_heads=6, num_key_value_heads=4, max_position_embeddings=8)
+
+
+def test_shards_load_one_tensor_at_a_time(model_dir, state, tmp_path, monkeypatch):
+    """A bf16 sharded checkpoint served in float32: every tensor read from the files is converted, so a read
+    tensor still alive is a host copy beside the weights. The old loader read every shard, then converted:
+    all of them were alive at once (3x the checkpoint at the peak, counting the converted weights)."""
+    import weakref
+
+    import safetensors.torch
+
+    from pdserve.engine import loader
+    out = str(tmp_path)
+    _copy_config(model_dir, out, torch_dtype="bfloat16")
+    shards = _write_sharded({k: v.to(torch.bfloat16) for k, v in state.items()}, out)
+    read, peak = [], [0]
+
+    def note(t):
+        peak[0] = max(peak[0], 1 + sum(r() is not None for r in read))
+        read.append(weakref.ref(t))
+        return t
+
+    class Handle:
+        def __init__(self, h):
+            self.h = h
+
+        def __getattr__(self, name):
+            return getattr(self.h, name)
+
+        def get_tensor(self, name):
+            return note(self.h.get_tensor(name))
+
+    class Opened:  # safe_open as a context manager whose handle counts the tensors it hands out
+        def __init__(self, *a, **kw):
+            self.cm = safetensors.safe_open(*a, **kw)
+
+        def __enter__(self):
+            return Handle(self.cm.__enter__())
+
+        def __exit__(self, *exc):
+            return self.cm.__exit__(*exc)
+
+    def load_file(*a, **kw):
+        return {k: note(v) for k, v in safetensors.torch.load_file(*a, **kw).items()}
+    monkeypatch.setattr(loader, "safe_open", Opened, raising=False)
+    monkeypatch.setattr(loader, "load_file", load_file, raising=False)
+    m = load_model(out, dtype=torch.float32)
+    assert len(read) == len(state) > max(len(v) for v in shards.values()) > 1  # every tensor was counted
+    assert peak[0] == 1  # the old loader: 39, every tensor of both shards
+    assert m.lm_head.weight.dtype == torch.float32
+    assert torch.equal(m.lm_head.weight, state["lm_head.weight"].to(torch.bfloat16).float())
+
+
+def test_auto_keeps_the_files_dtype_without_a_torch_dtype(model_dir, state, tmp_path):
+    raw = _copy_config(model_dir, str(tmp_path))
+    del raw["torch_dtype"]
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(raw, f)
+    save_file({k: v.to(torch.float16) for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    assert load_model(str(tmp_path)).lm_head.weight.dtype == torch.float16
+    save_file({k: v.to(torch.float16 if "layers.1." in k else torch.bfloat16) for k, v in state.items()},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"no torch_dtype and the tensors are stored in \['bfloat16', 'float16'\]"):
+        load_model(str(tmp_path))
+    assert load_model(str(tmp_path), dtype="bfloat16").lm_head.weight.dtype == torch.bfloat16
+
+
+def test_float8_tensors_are_refused_not_converted(model_dir, state, tmp_path):
+    """float8 is a quantized checkpoint (its scales in other tensors): converting it as if it were the weight
+    would serve wrong logits. The old loader converted it, since torch counts float8 as floating point."""
+    _copy_config(model_dir, str(tmp_path))
+    name = "model.layers.0.mlp.down_proj.weight"
+    save_file({k: v.to(torch.float8_e4m3fn) if k == name else v for k, v in state.items()},
+              str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"1 tensors are not floating point .quantized checkpoints are "
+                                         f"unsupported.: {name}"):
+        load_model(str(tmp_path))
+
+
+def test_rope_at_a_million_positions_is_transformers(tmp_path):
+    """The long preset's last position rotates as transformers rotates it (the same float32 product), and one
+    step's tables are [T, D] for its T tokens: nothing the size of the context is built."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from pdserve.engine.rope import RotaryEmbedding
+    positions = torch.tensor([0, 1, 4095, 524_287, 1_048_574, 1_048_575])
+    ours = RotaryEmbedding(32, 10000.0)(positions)
+    hf = LlamaRotaryEmbedding(LlamaConfig(hidden_size=256, num_attention_heads=8, max_position_embeddings=1_048_576))
+    theirs = hf(torch.zeros(1, dtype=torch.float32), positions[None])
+    for a, b in zip(ours, theirs):
+        assert a.shape == (len(positions), 32)
+        assert torch.equal(a, b[0])

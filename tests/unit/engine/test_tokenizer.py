@@ -155,9 +155,12 @@ def test_up_passes_byte_tokenizer_and_dtype_to_the_services(hf_dir, monkeypatch)
         seen.update(kw)
         raise KeyboardInterrupt  # stop `up` here: nothing is started
     monkeypatch.setattr(launcher, "start_stack", start_stack)
-    f32, bf16 = ["--kv-dtype", "float32"], ["--kv-dtype", "bfloat16"]
-    for argv, extra in ((["--byte-tokenizer"], {"prefill": f32, "decode": f32, "gateway": ["--byte-tokenizer"]}),
-                        (["--kv-dtype", "bfloat16"], {"prefill": bf16, "decode": bf16, "gateway": []})):
+    auto, bf16 = ["--dtype", "auto", "--kv-cache-dtype", "auto"], ["--dtype", "float32", "--kv-cache-dtype", "bfloat16"]
+    alias = ["--dtype", "auto", "--kv-dtype", "bfloat16"]  # the deprecated spelling reaches the services, which warn
+    for argv, extra in ((["--byte-tokenizer"], {"prefill": auto, "decode": auto, "gateway": ["--byte-tokenizer"]}),
+                        (["--dtype", "float32", "--kv-cache-dtype", "bfloat16"],
+                         {"prefill": bf16, "decode": bf16, "gateway": []}),
+                        (["--kv-dtype", "bfloat16"], {"prefill": alias, "decode": alias, "gateway": []})):
         with pytest.raises(KeyboardInterrupt):
             cli.main(["up", "--model", hf_dir, *argv])
         assert seen["extra"] == extra
