@@ -47,13 +47,16 @@ def test_every_page_read_is_scored_once_by_its_owner():
 
 
 def test_rows_do_not_depend_on_where_the_pages_lie():
-    """The same tables a million page ids further, or spread 1,000 ids apart: as many rows as pages read,
-    or (joined runs) at most twice as many, never the span of the ids."""
+    """The same tables a million page ids further, or spread 1,000 or 11 ids apart: as many rows as pages
+    read, or (joined runs) at most twice as many, never the span of the ids."""
     read = sum(map(len, TABLES))
     assert _prepare(TABLES, shift=1 << 20).num_rows == _prepare(TABLES).num_rows <= 2 * read
     spread = [[1000 * (10 * b + i) for i in range(10)] for b in range(3)]
     pd = _prepare(spread)
     assert pd.num_rows == 30 and pd.runs == []
+    # gaps short enough for one call but longer than the pages between them: not worth reading
+    pd = _prepare([[11 * i for i in range(20)]])
+    assert pd.num_rows == 20 and pd.runs == []
 
 
 def test_page_in_two_sequences_is_refused():
@@ -79,3 +82,46 @@ def test_other_heads_scores_do_not_shift_the_softmax():
         for h in range(kvh * g):
             w = torch.softmax(kv[0, :, h // g] @ q[b, h] * D ** -0.5, 0)
             assert (out[b, h] - w @ kv[1, :, h // g]).abs().max().item() < 1e-4, f"sequence {b} head {h}"
+
+
+@pytest.mark.parametrize("tables", [[list(range(7, 17))], [[7, 8, 9]], TABLES,
+                                    [[200 * (10 * b + i) for i in range(10)] for b in range(3)]],
+                         ids=["one-range", "short-range", "joined-and-packed", "spread"])
+def test_every_layout_equals_plain_attention(tables):
+    """In-place runs, joined runs with nobody's rows inside, packed pages and tails: outputs equal plain
+    attention over each sequence's tokens, with NaN in every page and slot the step must not read."""
+    kvh, g, D = 2, 2, 8
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.full((6000, 2, PS, kvh, D), float("nan"))
+    positions = [len(t) * PS - 1 - 3 * b for b, t in enumerate(tables)]
+    kvs = []
+    for t, n in zip(tables, positions):
+        kvs.append(torch.randn(2, n + 1, kvh, D, generator=gen))
+        for i, page in enumerate(t):
+            cache[page, :, :min(PS, n + 1 - i * PS)] = kvs[-1][:, i * PS:(i + 1) * PS]
+    q = torch.randn(len(tables), kvh * g, D, generator=gen)
+    P = max(map(len, tables))
+    table = torch.tensor([t + [0] * (P - len(t)) for t in tables])
+    out = paged_decode_attention(q, cache, prepare_paged_decode(table, torch.tensor(positions), PS, kvh, kvh * g))
+    for b, kv in enumerate(kvs):
+        w = torch.softmax(torch.einsum("shd,hgd->hgs", kv[0], q[b].view(kvh, g, D)) * D ** -0.5, -1)
+        ref = torch.einsum("hgs,shd->hgd", w, kv[1]).reshape(kvh * g, D)
+        assert (out[b] - ref).abs().max().item() < 1e-5, f"sequence {b}"
+
+
+def test_other_heads_values_get_exactly_zero_weight():
+    """A KV head's weight for another group's query head is exactly 0, not e^-80: values of 1e36 in KV head 1
+    (finite, as a bf16 or float32 pool may hold) leave group 0's outputs those of plain attention."""
+    ps, kvh, g, D = 4, 2, 2, 8
+    gen = torch.Generator().manual_seed(2)
+    cache = torch.randn(12, 2, ps, kvh, D, generator=gen)
+    cache[:, 1, :, 1] = 1e36
+    q = torch.randn(2, kvh * g, D, generator=gen)
+    tables, positions = [[3, 4, 5, 9], [7, 2, 8, 0]], [13, 9]
+    out = paged_decode_attention(q, cache, prepare_paged_decode(torch.tensor(tables), torch.tensor(positions), ps,
+                                                                kvh, kvh * g))
+    for b, (t, n) in enumerate(zip(tables, positions)):
+        kv = cache[t].transpose(0, 1).reshape(2, -1, kvh, D)[:, :n + 1]
+        for h in range(g):
+            w = torch.softmax(kv[0, :, 0] @ q[b, h] * D ** -0.5, 0)
+            assert (out[b, h] - w @ kv[1, :, 0]).abs().max().item() < 1e-4, f"sequence {b} head {h}"
