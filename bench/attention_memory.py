@@ -42,6 +42,29 @@ def step_bytes(pages: list[int], num_pages: int, pages_per_seq: int, heads: int,
     return prepared.bytes + attended.bytes, pd.num_rows
 
 
+HEADER = ("| shape (heads, KV heads, D, dtype) | pool tokens | contiguous rows | contiguous MiB | scattered rows "
+          "| scattered MiB | scattered / contiguous | scattered bytes per page read |\n|---|---|---|---|---|---|---|---|")
+
+
+def table(pools: list[int], batch: int = 64, pages_per_seq: int = 3, shapes: tuple[str, ...] = tuple(SHAPES)
+          ) -> list[str]:
+    """The report's Markdown lines, one row per shape and pool size (in pages of PAGE_SIZE tokens)."""
+    read = batch * pages_per_seq
+    lines = [f"## Decode attention's bytes per step: {batch} sequences of {pages_per_seq} pages ({read} pages "
+             "read), contiguous against scattered ids\n", HEADER]
+    for name in shapes:
+        shape = SHAPES[name]
+        for num_pages in pools:
+            cont, cont_rows = step_bytes(list(range(read)), num_pages, pages_per_seq, *shape)
+            scat, scat_rows = step_bytes(random.Random(0).sample(range(num_pages), read), num_pages, pages_per_seq,
+                                         *shape)
+            h, kvh, d, dt = shape
+            lines.append(f"| {name} ({h}, {kvh}, {d}, {str(dt).removeprefix('torch.')}) | {num_pages * PAGE_SIZE:,} "
+                         f"| {cont_rows} | {cont / 2**20:.2f} | {scat_rows} | {scat / 2**20:.2f} | {scat / cont:.2f} "
+                         f"| {scat / read:,.0f} |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m pdserve.bench.attention_memory")
     ap.add_argument("--pools", default="65536,100000", help="pool sizes in pages of 16 tokens")
@@ -49,21 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pages-per-seq", type=int, default=3)
     ap.add_argument("--shapes", default=",".join(SHAPES))
     args = ap.parse_args(argv)
-    read = args.batch * args.pages_per_seq
-    print(f"# Decode attention's bytes per step: {args.batch} sequences of {args.pages_per_seq} pages "
-          f"({read} pages read)\n")
-    print("| shape (heads, KV heads, D, dtype) | pool tokens | contiguous rows | contiguous MiB | scattered rows "
-          "| scattered MiB | scattered / contiguous | scattered bytes per page read |\n|---|---|---|---|---|---|---|---|")
-    for name in args.shapes.split(","):
-        shape = SHAPES[name]
-        for num_pages in (int(p) for p in args.pools.split(",")):
-            cont, cont_rows = step_bytes(list(range(read)), num_pages, args.pages_per_seq, *shape)
-            scat, scat_rows = step_bytes(random.Random(0).sample(range(num_pages), read), num_pages,
-                                         args.pages_per_seq, *shape)
-            h, kvh, d, dt = shape
-            print(f"| {name} ({h}, {kvh}, {d}, {str(dt).removeprefix('torch.')}) | {num_pages * PAGE_SIZE:,} | "
-                  f"{cont_rows} | {cont / 2**20:.2f} | {scat_rows} | {scat / 2**20:.2f} | {scat / cont:.2f} | "
-                  f"{scat / read:,.0f} |", flush=True)
+    print("\n".join(table([int(p) for p in args.pools.split(",")], args.batch, args.pages_per_seq,
+                          args.shapes.split(","))))
 
 
 if __name__ == "__main__":
