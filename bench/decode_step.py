@@ -6,7 +6,8 @@ in the same run as the best of BW_REPS `torch.sum` passes over a BW_BYTES float3
 count the step runs with. The weights are every parameter but the embedding table (of which a step reads B
 rows); the KV is what the B sequences attend: (position + 1) tokens each. The pool is filled with random
 values, not a prefill (the step's cost does not depend on them), and each sequence's pages are granted
-lowest id first, as the broker grants them. Times are the best of --reps steps, before and after interleaved:
+lowest id first, as the broker grants them (--layout scattered: drawn at random from a pool twice the size,
+as a pool looks after a load peak). Times are the best of --reps steps, before and after interleaved:
 on a shared machine other work only adds, so the best is the closest to the code's own cost; the run prints
 the load average.
 """
@@ -16,6 +17,7 @@ import argparse
 import json
 import contextlib
 import os
+import random
 import time
 
 import torch
@@ -23,6 +25,7 @@ import torch
 from pdserve.engine.config import ModelConfig
 from pdserve.engine.kv_pool import PoolLayout
 
+from .attention_memory import table as attention_memory_table
 from .decode_step_legacy import legacy_decode
 from .run_common import MODELS, RESULTS, ensure_model
 
@@ -78,8 +81,15 @@ def _runner(path: str, num_pages: int, device: torch.device):
     return runner
 
 
+def _tables(batch: int, pages_per_seq: int, scattered: bool) -> tuple[int, list[list[int]]]:
+    """(pool pages, each sequence's page ids)."""
+    num_pages = batch * pages_per_seq * (2 if scattered else 1)
+    ids = random.Random(0).sample(range(num_pages), batch * pages_per_seq) if scattered else range(num_pages)
+    return num_pages, [list(ids[b * pages_per_seq:(b + 1) * pages_per_seq]) for b in range(batch)]
+
+
 def measure(preset: str, batches: list[int], contexts: list[int], reps: int, bw: float, max_pool_gib: float,
-            device: torch.device) -> list[dict]:
+            device: torch.device, scattered: bool = False) -> list[dict]:
     path = ensure_model(preset)
     cfg = ModelConfig.from_dir(path)
     page_nbytes = PoolLayout.for_model(cfg, PAGE_SIZE, "float32").page_nbytes
@@ -87,13 +97,13 @@ def measure(preset: str, batches: list[int], contexts: list[int], reps: int, bw:
     for ctx in contexts:
         pages_per_seq = -(-ctx // PAGE_SIZE)
         for batch in batches:
-            need = batch * pages_per_seq * page_nbytes
+            need = batch * pages_per_seq * page_nbytes * (2 if scattered else 1)
             if need > max_pool_gib * (1 << 30):
                 rows.append(dict(preset=preset, batch=batch, context=ctx, skipped=f"KV {need / (1 << 30):.1f} GiB "
                                  f"over --max-pool-gib {max_pool_gib:g}"))
                 continue
-            runner = _runner(path, batch * pages_per_seq, device)
-            tables = [list(range(b * pages_per_seq, (b + 1) * pages_per_seq)) for b in range(batch)]
+            num_pages, tables = _tables(batch, pages_per_seq, scattered)
+            runner = _runner(path, num_pages, device)
             args = ([5] * batch, [ctx - 1] * batch, tables)
             kv = batch * ctx * page_nbytes // PAGE_SIZE
             w = weight_bytes(runner.model, batch)
@@ -142,6 +152,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads; 0: what a service takes (half the cores)")
     ap.add_argument("--max-pool-gib", type=float, default=4.0, help="cells whose KV is larger are skipped")
     ap.add_argument("--profile", default="tiny,16,1024", help="preset,batch,context to profile; '' for none")
+    ap.add_argument("--layout", default="contiguous", choices=["contiguous", "scattered"],
+                    help="each sequence's pages: lowest ids first, or scattered over a pool twice the size")
+    ap.add_argument("--attention-memory-pools", default="65536", help="pool sizes in pages (of 16 tokens) of the "
+                    "attention memory table (bench/attention_memory.py); '' for none")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU host (bench/gpu.sh)")
     ap.add_argument("--out", default="", help=f"also write the report to this file (e.g. {RESULTS}/decode-step.md)")
     ap.add_argument("--json", default="", help="also write the measured rows here: {preset, batch, context, step_ms "
@@ -155,12 +169,14 @@ def main(argv: list[str] | None = None) -> None:
     bw = read_bandwidth(device)
     lines = ["# Decode step against its memory-bandwidth floor\n",
              f"device {device}, threads {torch.get_num_threads()}, read bandwidth {bw / 1e9:.1f} GB/s (best of {BW_REPS} sums over "
-             f"{BW_BYTES >> 20} MiB), load average before {os.getloadavg()[0]:.1f}, best of {args.reps} steps\n",
+             f"{BW_BYTES >> 20} MiB), pages {args.layout}, load average before {os.getloadavg()[0]:.1f}, "
+             f"best of {args.reps} steps\n",
              HEADER]
     print("\n".join(lines), flush=True)
     measured = []
     for preset in args.presets.split(","):
-        measured += measure(preset, ints(args.batches), ints(args.contexts), args.reps, bw, args.max_pool_gib, device)
+        measured += measure(preset, ints(args.batches), ints(args.contexts), args.reps, bw, args.max_pool_gib, device,
+                            args.layout == "scattered")
     lines += [_row(r) for r in measured]
     lines.append(f"\nload average after {os.getloadavg()[0]:.1f}")
     if args.profile:
@@ -168,6 +184,10 @@ def main(argv: list[str] | None = None) -> None:
         lines += [f"\n## Top ops of the new step: {preset}, batch {batch}, context {ctx} (5 steps)\n", "```",
                   profile_step(preset, int(batch), int(ctx), device), "```"]
         print("\n".join(lines[-4:]))
+    if args.attention_memory_pools:
+        memory = ["", *attention_memory_table(ints(args.attention_memory_pools))]
+        print("\n".join(memory), flush=True)
+        lines += memory
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
