@@ -123,7 +123,7 @@ def test_gpu_overlay_uses_a_read_only_claim_bf16_and_gpu_nodes():
     for role in ("prefill", "decode"):
         spec = by_kind(objs, "Deployment")[f"pdserve-{role}"]["spec"]["template"]["spec"]
         c = spec["containers"][0]
-        assert c["args"][c["args"].index("--kv-dtype") + 1] == "bfloat16"
+        assert c["args"][c["args"].index("--kv-cache-dtype") + 1] == "bfloat16"
         assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert c["resources"]["limits"]["memory"] == c["resources"]["requests"]["memory"] == "24Gi"
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec["tolerations"]
