@@ -127,8 +127,10 @@ def test_a_stack_flag_before_a_service_name_is_refused(model_dir, capsys):
 
 def test_check_allocates_nothing(model_dir):
     """8 GiB of float32 KV in each pool: the check's own process peaks far under one pool."""
-    code = ("import resource, sys; from pdserve import cli; rc = cli.main(sys.argv[1:]); "
-            "print('peak_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); sys.exit(rc)")
+    # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across execve, so a child of a big pytest process would report
+    # its parent's peak; VmHWM belongs to the new address space
+    code = ("import re, sys; from pdserve import cli; rc = cli.main(sys.argv[1:]); "
+            "print('peak_kib', re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())[1]); sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code, "check", "--model", model_dir, "--prefill-pool-tokens", "2097152",
                         "--decode-pool-tokens", "2097152"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "8589934592 bytes" in r.stdout, r.stdout + r.stderr
