@@ -10,8 +10,10 @@
 #
 # Environment: FORMAL_OUT (build directory, default formal/out), FORMAL_JOBS (parallel runs,
 # default: number of CPUs), FORMAL_DEEP=1 (also the model with a fault budget of 2, the LTL
-# run with the lease faults, every request free to choose its decode path, and
-# redundant/*_deep.pml; minutes, GiBs), CC (default gcc).
+# runs with the lease faults and with the non-atomic step, every request free to choose its
+# decode path, allocation expiry with the fault budget, the non-atomic step with the lease
+# faults and with both requests on Run, and redundant/*_deep.pml; minutes, GiBs), CC (default
+# gcc).
 set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -92,11 +94,20 @@ add model-lease-faults      model "$here/pdserve.pml" "-DLEASE_FAULTS"     "$saf
 # the other runs put r0 on Decode.Run and r1 on the old path (Allocate, Decode); here both use Run
 add model-both-run           model "$here/pdserve.pml" "-DRUNPATH=3"        "$safety" "-m10000"
 add model-ltl-drains         model "$here/pdserve.pml" ""                   "-O1"     "-m10000 -a -N drains"
+# issue 18: a decode step that checks, then writes its page later, with the acknowledgement rule
+add model-step-writes        model "$here/pdserve.pml" "-DSTEP_WRITES"      "$safety" "-m10000"
+# issue 18: allocation expiry as its own process, racing both requests' takes in honest operation
+# (the race needs no fault; with the fault budget: FORMAL_DEEP=1)
+add model-expiry             model "$here/pdserve.pml" "-DEXPIRY -DFAULTS=0" "$safety" "-m10000"
 if [ "${FORMAL_DEEP:-0}" = 1 ]; then
   add model-two-faults       model "$here/pdserve.pml" "-DFAULTS=2" "$safety -DCOLLAPSE" "-m10000"
   add model-ltl-drains-lease-faults model "$here/pdserve.pml" "-DLEASE_FAULTS" "-O1" "-m10000 -a -N drains"
   # each request chooses its path at the grant (4.5x the states of model-default)
   add model-any-path         model "$here/pdserve.pml" "-DANYPATH=3" "$safety -DCOLLAPSE" "-m10000"
+  add model-expiry-faults    model "$here/pdserve.pml" "-DEXPIRY" "$safety" "-m10000"
+  add model-step-writes-lease-faults model "$here/pdserve.pml" "-DSTEP_WRITES -DLEASE_FAULTS" "$safety" "-m10000"
+  add model-step-writes-both-run model "$here/pdserve.pml" "-DSTEP_WRITES -DRUNPATH=3" "$safety" "-m10000"
+  add model-ltl-drains-step-writes model "$here/pdserve.pml" "-DSTEP_WRITES" "-O1" "-m10000 -a -N drains"
 fi
 # guards the model shows to be covered by others: they must not yield a counter-example
 # (FORMAL_DEEP=1 also runs the *_deep.pml ones, which repeat an argument already checked)

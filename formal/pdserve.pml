@@ -17,7 +17,11 @@
  *            (Allocate; wait for prefill's answer, verify_prompt_pages, Validate) or Run (one
  *            stream: wait for the broker's write-done notice, verify_prompt_pages against it,
  *            no Validate); then the check before every step (and the blind stop), Release;
- *            cancellable at every stage.
+ *            cancellable at every stage. With -DSTEP_WRITES a step is a check, then a later
+ *            write of its own KV into its page (a stalled step thread), and the reader's
+ *            KeepAlive acknowledges a revoked owner once no step of it can still write.
+ *   Expiry   (-DEXPIRY) decode's allocation expiry (and drain), racing the reader's take:
+ *            each allocation is handed out once, to the reader or to expiry, which releases it.
  *   Net      delivers one-sided writes late and in any order (data and tag of one write too);
  *            reports a transfer failed or timed out while its posted writes may still land
  *            (until the enforced bound), or, as a fault, loses one silently; loses, duplicates
@@ -25,7 +29,9 @@
  *            stream (it may drop, delay and disconnect: with the cursor a dropped notice is
  *            replayed, so a drop is a delay).
  *   Hostile  a second Prefill of a lease (retry, replay) with other content; a request that
- *            names another request's page as its destination.
+ *            names another request's page as its destination; with -DFOREIGN a second decode
+ *            instance calling the broker for this decode's pool (Release, a KeepAlive without
+ *            its owners, renewals of holders not its own), refused by instance identity.
  *
  * Properties (every reachable state, exhaustively):
  *   P1 no foreign bytes   a reader consumes a page only if every token cell it reads was
@@ -36,7 +42,8 @@
  *                         the page states
  *   P4 writer drained     no page is FREE (grantable) while a writer can still land a write
  *                         on it: the writer's acknowledgement, or its liveness expiry plus
- *                         lock_delay, came first (ground truth, not the broker's view)
+ *                         lock_delay, came first (ground truth, not the broker's view); with
+ *                         -DSTEP_WRITES decode's own step is such a writer
  *   P5 quarantine drains  faults stop (a budget): no terminal state keeps a page leased or
  *                         quarantined (process Drained), and LTL `drains`:
  *                         [](QUARANTINED(p) -> <> FREE(p)) for every page
@@ -69,6 +76,11 @@
 #ifndef ANYPATH
 #define ANYPATH 0
 #endif
+/* issue 18, each in its own run (check.sh): -DEXPIRY (allocation expiry as a process racing the
+ * reader's take), -DSTEP_WRITES (a decode step checks, then writes its page later; the reader's
+ * acknowledgement of a revocation), -DFOREIGN (a second decode instance calls the broker for this
+ * decode's pool; with instance identity every such call is refused and changes nothing, so only its
+ * mutant runs it) */
 
 #define NONE   255
 mtype = { free, leased, quarantined, done, failed }  /* names for the trace only */
@@ -155,6 +167,23 @@ bit  wdq[NR];                    /* r's write-done notice is on the stream, not 
 bit  wdd[NR];                    /* decode has r's write-done notice */
 bit  wdx[NR];                    /*   ... and its prompt digest is another prompt's (a replayed Prefill) */
 bit  wdlate[NR];                 /*   ... it was logged after a revocation of r still on the stream */
+#ifdef EXPIRY
+/* decode's allocation table (one owner: take / expire hand each allocation out once) */
+bit  atab[NR];                   /* r's allocation is in it: granted, not yet taken (by Decode / Run or expiry) */
+#ifdef MUT_EXPIRY_SNAPSHOT
+bit  esnap[NR];                  /* (mutant) expiry's snapshot of the table holds r's allocation */
+#endif
+#endif
+#ifdef STEP_WRITES
+bit  stepping[NR];               /* r's step passed its check and has not yet written its own KV */
+bit  unheld[NR];                 /* decode dropped r's allocation on a revocation (no notice yet): KeepAlive omits r */
+#endif
+#ifdef FOREIGN
+/* what the other decode instance's calls did, when the broker accepted them (mutant only) */
+bit  fack[NR];                   /* its KeepAlive without r counts as decode's acknowledgement of r */
+bit  frenew;                     /* it keeps renewing the holders of held pages (revoked/, failed/, earlier-epoch/) */
+bit  foldpool;                   /* it keeps renewing the old incarnation's reader record after the move */
+#endif
 
 /* ---------------- prefill processes and writer liveness ---------------- */
 bit wcrashed[NW];                /* process crashed */
@@ -186,11 +215,19 @@ byte k;                          /* loop index inside atomic sequences only; 0 b
 #define WLIVE(r) (!wexp[WID(r)] && (rep[r] == epoch || !oldwdead || latebegin[r]))
 #endif
 
-/* the old broker answers BeginWrite on its own table until its reader record of the pool expired */
+#ifdef FOREIGN
+#define FOLDPOOL foldpool
+#define FRENEW frenew
+#else
+#define FOLDPOOL 0
+#define FRENEW 0
+#endif
+/* the old broker answers BeginWrite on its own table until its reader record of the pool expired
+ * (oldfenced: reader_ttl since decode's last contact; a renewal by another instance keeps it alive) */
 #ifdef MUT_OLD_BROKER_GRANTS
 #define OLDOPEN 1                                    /* it keeps accepting writes on an expired reader */
 #else
-#define OLDOPEN (!oldfenced)
+#define OLDOPEN (!oldfenced || FOLDPOOL)
 #endif
 #define OLD_BEGIN_OK(r) (restarted && rep[r] != epoch && oldcur[r] && OLDOPEN)
 /* decode grants from the new incarnation only after the old one must have fenced the pool, every
@@ -205,9 +242,9 @@ byte k;                          /* loop index inside atomic sequences only; 0 b
 #define PENDING(r) (pend_data[r] > 0 || pend_tag[r])
 #define INFLIGHT(r) (PENDING(r) || (canpost[r] && WLIVE(r)))
 
-/* the enforced bound after a failed or timed-out write (EndWrite(success=false) + lock_delay,
- * with max_landing <= lock_delay checked at start-up and on every BeginWrite): by then every
- * write posted before it has landed (timing assumption A5): the event waits for them */
+/* the enforced bound after a failed or timed-out write (EndWrite(success=false) + lock_delay):
+ * every post came before that EndWrite, and a posted write lands within L <= lock_delay of its
+ * post (README, A1, checked at start-up), so by then every one has landed: the event waits for them */
 #define BOUND(r) (!PENDING(r))
 
 /* prefill's source page of request x's write is free for the next request's forward pass */
@@ -468,8 +505,8 @@ inline olddrain() {
   k = 0
 }
 
-/* writer x's liveness expired and lock_delay passed: nothing of it lands any more
- * (lock_delay > the transport's longest retry) */
+/* writer x's liveness expired and lock_delay passed: nothing of it lands any more (it posts only
+ * while live, and a post lands within L <= lock_delay: README, A1) */
 inline drain(x) {
   printf("DRAINED   writer w%d: liveness expired + lock_delay, its writes are over\n", x);
   wexp[x] = 1; wdrained[x] = 1;
@@ -515,12 +552,32 @@ inline blind_stop() {
 #else
 #define BLIND_STOPS(o) (rvq[o] && !revoked[o] && !rdone[o])
 #endif
+/* With -DSTEP_WRITES (a step may still write its page after its check) a revoked reader's page
+ * also waits for decode's acknowledgement: a KeepAlive of the pool that no longer lists the owner,
+ * which decode sends once no step that may write the page can still run (the request ended, has
+ * learnt of its revocation, or lost its allocation), lock_delay before the page is freed. Or the
+ * pool's reader expired: then the pool is fenced for good and decode moves (restart(), which waits
+ * for the step in flight: MOVE_OK). Without -DSTEP_WRITES a step is atomic and the acknowledgement
+ * is not modelled (ACKED 1): the model has more behaviours than the code, and shows that the blind
+ * stop and the cursor suffice there. */
+#ifdef FOREIGN
+#define FACK(o) fack[o]          /* another instance's KeepAlive, taken for decode's acknowledgement */
+#else
+#define FACK(o) 0
+#endif
+#if defined(STEP_WRITES) && !defined(MUT_NO_STEP_ACK)
+#define ACKED(o) ((!stepping[o] && (rdone[o] || revoked[o] || unheld[o])) || FACK(o))
+#else
+#define ACKED(o) 1
+#endif
+/* FRENEW: another instance keeps renewing the holder of a revoked reader's, a failed write's or an
+ * earlier epoch's pages, so the holder never expires (a renewal of a holder not its own, accepted) */
 #define SWEEPABLE(p) (pst[p] == QUAR && \
-        ((paw[p] >= 1 && paw[p] <= NWID && wdrained[paw[p]-1]) || (paw[p] == OLDW && olddrained) \
-         || paw[p] == REVW || (paw[p] == FAILW && BOUND(powner[p]))))
+        ((paw[p] >= 1 && paw[p] <= NWID && wdrained[paw[p]-1]) || (paw[p] == OLDW && olddrained && !FRENEW) \
+         || (paw[p] == REVW && ACKED(powner[p]) && !FRENEW) || (paw[p] == FAILW && BOUND(powner[p]) && !FRENEW)))
 /* sweep also ends writes of presumed-dead writers, and failed writes past the bound, on LEASED pages */
 #define SWEEP_LEASED(p) (pst[p] == LEASED && \
-        ((paw[p] >= 1 && paw[p] <= NWID && wdrained[paw[p]-1]) || (paw[p] == FAILW && BOUND(powner[p]))))
+        ((paw[p] >= 1 && paw[p] <= NWID && wdrained[paw[p]-1]) || (paw[p] == FAILW && BOUND(powner[p]) && !FRENEW)))
 
 /* ================================ processes ================================ */
 
@@ -646,11 +703,27 @@ wend:
   } unless { atomic { wcrashed[PROC(r)] -> canpost[r] = 0; wfin[r] = 1 } }
 }
 
+/* decode stops listing r in its KeepAlive (its allocation dropped, nothing of r can step) */
+#ifdef STEP_WRITES
+#define UNHOLD(r) unheld[r] = 1
+#else
+#define UNHOLD(r) skip
+#endif
+/* with -DEXPIRY the allocation is in decode's table from the grant until Decode / Run takes it (or
+ * expiry does); the reader's exits before the take give it back only if it is still there */
+#ifdef EXPIRY
+#define ALLOCATED(r) atab[r] = 1
+#define PRE_OUT untaken
+#else
+#define ALLOCATED(r) skip
+#define PRE_OUT out
+#endif
+
 proctype Reader(byte r) {                            /* decode: Allocate, Decode, scheduler, Release */
   byte p;
   byte i;
   if
-  :: atomic { npst[FREE] > 0 -> grant(r);
+  :: atomic { npst[FREE] > 0 -> grant(r); ALLOCATED(r);
               if
               :: (ANYPATH >> r) & 1 ->
                  if
@@ -669,15 +742,22 @@ proctype Reader(byte r) {                            /* decode: Allocate, Decode
   fi;
   if
   :: atomic { run Writer(r); printf("DISPATCH  r%d to prefill\n", r) }
-  :: atomic { wfin[r] = 1; printf("CANCEL    r%d before dispatch\n", r); goto out }
+  :: atomic { wfin[r] = 1; printf("CANCEL    r%d before dispatch\n", r); goto PRE_OUT }
   fi;
   if
   :: !rrun[r] && result[r] == DONE                    /* old path: prefill's answer */
-  :: !rrun[r] && result[r] == FAILED -> goto out
+  :: !rrun[r] && result[r] == FAILED -> goto PRE_OUT
   :: rrun[r] && RUN_READY(r)                          /* Run: the broker's write-done notice */
-  :: atomic { printf("CANCEL    r%d while it waits (old path: for prefill; Run: for its notice)\n", r); goto out }
+  :: atomic { printf("CANCEL    r%d while it waits (old path: for prefill; Run: for its notice)\n", r); goto PRE_OUT }
   fi;
   atomic {                                           /* verify_prompt_pages */
+#ifdef EXPIRY
+    if                                               /* Decode / Run takes its allocation first */
+    :: atab[r] -> atab[r] = 0; printf("TAKE      r%d: Decode / Run takes its allocation\n", r)
+    :: else -> rdone[r] = 1;                         /* expiry took it: nothing to read or release */
+       printf("TAKE      r%d: its allocation is gone (expiry took it): the request ends\n", r); goto gone
+    fi;
+#endif
     p = rpage[r];
     printf("VERIFY    r%d page %d: tag r%d/e%d/g%d num_tokens=%d, cells r%d/e%d/g%d r%d/e%d/g%d -> %d\n",
            r, p, SHOW(tstamp[p]), tntok[p], SHOW(d0[p]), SHOW(d1[p]), TAGOK(p, r) && COVERAGE(p) && CHECKSUM(p));
@@ -718,9 +798,19 @@ steps:
           fi;
           assert(d0[rpage[r]] == rstamp[r] && d1[rpage[r]] == rstamp[r]);
           i++
+#ifdef STEP_WRITES
+          ; stepping[r] = 1                          /* the step thread runs on, maybe stalled */
+#endif
        :: else -> printf("STEP      r%d: check fails, request ends\n", r); goto out
        fi
+     };
+#ifdef STEP_WRITES
+     atomic {                                        /* ... and writes this token's KV into the page */
+       d1[rpage[r]] = rstamp[r]; stepping[r] = 0;
+       printf("STEPWRITE r%d's step writes its KV into page %d (now %e, last granted to r%d)\n",
+              r, rpage[r], PSTATE(pst[rpage[r]]), powner[rpage[r]])
      }
+#endif
   :: atomic { i < NSTEPS -> printf("CANCEL    r%d mid-stream\n", r); goto out }
   :: i == NSTEPS -> break
   od;
@@ -736,6 +826,17 @@ out:
     fi;
     rdone[r] = 1
   };
+#ifdef EXPIRY
+  goto gone;
+untaken:                                             /* Decode.Release, or the Run ends before its take */
+  atomic {
+    if
+    :: atab[r] -> atab[r] = 0; release(r)
+    :: else                                          /* expiry took it and released it */
+    fi;
+    rdone[r] = 1
+  };
+#endif
 gone:
   skip
 }
@@ -760,7 +861,7 @@ gone:
   :: atomic { ackq[r] > 0 && budget > 0 -> budget--; ackq[r]--; printf("NET       FAULT EndWrite of r%d lost\n", r) } \
   :: atomic { ackq[r] > 0 && budget > 0 -> budget--; ackq[r]++; printf("NET       FAULT EndWrite of r%d duplicated\n", r) } \
   :: atomic { rvq[r] && AFTER_NOTICE(r) -> rvq[r] = 0; \
-              if :: DROPPED(r) -> \
+              if :: DROPPED(r) -> UNHOLD(r); \
                     printf("NOTICE    r%d's revocation reaches a Run that does not read yet: decode drops it\n", r) \
                  :: else -> revoked[r] = 1; printf("NOTICE    r%d learns of its revocation\n", r) fi } \
   :: atomic { wdq[r] && !(rvq[r] && wdlate[r]) -> wdq[r] = 0; wdd[r] = 1; \
@@ -855,11 +956,23 @@ end:
               printf("REPLAY    FAULT a second Prefill of r%d's lease writes another prompt's KV to page %d\n", r, rpage[r]) }
 #endif
 
+/* decode's move to a new broker incarnation (restart()) registers the new pool only once its step in
+ * flight has ended: a step stalled past the fence would write a page the new incarnation has granted */
+#if defined(STEP_WRITES) && !defined(MUT_MOVE_DURING_STEP)
+#if NR > 2
+#define MOVE_OK (!stepping[0] && !stepping[1] && !stepping[2])
+#else
+#define MOVE_OK (!stepping[0] && !stepping[1])
+#endif
+#else
+#define MOVE_OK 1
+#endif
+
 proctype Broker() {                           /* restart, revoke, liveness, sweeper */
   byte p;
 end:
   do
-  :: atomic { budget > 0 && !restarted -> budget--; restart() }
+  :: atomic { budget > 0 && !restarted && MOVE_OK -> budget--; restart() }
   :: atomic { restarted && !oldfenced -> oldfenced = 1;
               printf("FENCE     old broker: the pool's reader expired; it refuses BeginWrite and renewals\n") }
   :: atomic { oldfenced && !oldwdead -> oldwdead = 1;
@@ -897,6 +1010,75 @@ end:
   od
 }
 
+#ifdef EXPIRY
+/* decode's allocation expiry (expire_allocations; the drain's release of what never got its Decode call
+ * is the same), at any time while an allocation is granted and not taken: it pops the allocation
+ * before any await, then releases what it popped. The reader's take and expiry's pop each hand the
+ * allocation out once, so the Release never hits a request that decodes. Pop and Release are one step
+ * here: the popped allocation is nobody's, and its Release arriving later is the release of a lease
+ * that nothing reads, which the reader's own cancellation explores at every point. */
+#ifdef MUT_EXPIRY_SNAPSHOT
+/* before the fix: expiry iterates over a snapshot of the table; after awaiting an earlier Release it
+ * pops r (None if Decode / Run took it meanwhile) and releases the snapshot's leases anyway */
+#define EXPIRE(r) \
+  :: atomic { ((EXPIRING >> r) & 1) && atab[r] && !esnap[r] -> esnap[r] = 1; \
+              printf("EXPIRE    r%d's allocation is in expiry's snapshot of the table\n", r) } \
+  :: atomic { esnap[r] -> esnap[r] = 0; \
+              atab[r] = 0; \
+              printf("EXPIRE    r%d: expiry releases the snapshot's leases, taken or not\n", r); release(r) }
+#else
+#define EXPIRE(r) \
+  :: atomic { ((EXPIRING >> r) & 1) && atab[r] -> atab[r] = 0; UNHOLD(r); \
+              printf("EXPIRE    r%d's allocation: deadline passed, expiry takes it and releases it\n", r); release(r) }
+#endif
+#ifndef EXPIRING
+#define EXPIRING 3     /* bit r: r's allocation may expire */
+#endif
+proctype Expiry() {
+end:
+  do
+  EXPIRE(0)
+  EXPIRE(1)
+#if NR > 2
+  EXPIRE(2)
+#endif
+  od
+}
+#endif
+
+#ifdef FOREIGN
+/* A second decode instance calls the broker for this decode's pool (pool ids are metric labels). With
+ * instance identity the broker refuses every such call, which changes nothing: no transition. The mutant
+ * authorises by role (one certificate per role): bit 0 Release of an owner, 1 a reader KeepAlive that
+ * lists no owner (NOT_HELD for every lease past the grace, and decode's acknowledgement), 2 renewals of
+ * the holders revoked/, failed/, earlier-epoch/ of this pool, 3 renewals of the old incarnation's reader
+ * record after decode moved. An adversary, not a fault: its calls cost no budget (each guard lets a
+ * call happen once per lease, or once). */
+#ifndef MUT_ROLE_AUTHZ
+#define MUT_ROLE_AUTHZ 0
+#endif
+#define BY_ROLE(c) ((MUT_ROLE_AUTHZ >> (c)) & 1)
+#define FOREIGN_RELEASE(r) \
+  :: atomic { BY_ROLE(0) && LEASE_CUR(r) -> \
+              printf("FOREIGN   another decode instance releases r%d in this decode's pool: accepted\n", r); \
+              release(r) }
+proctype Foreign() {
+end:
+  do
+  FOREIGN_RELEASE(0)
+  FOREIGN_RELEASE(1)
+  :: atomic { BY_ROLE(1) && (LEASE_CUR(0) || LEASE_CUR(1)) ->
+              printf("FOREIGN   another decode instance's KeepAlive for this pool lists no owner: NOT_HELD, acknowledged\n");
+              if :: LEASE_CUR(0) -> revoke(0); fack[0] = 1 :: else fi;
+              if :: LEASE_CUR(1) -> revoke(1); fack[1] = 1 :: else fi }
+  :: atomic { BY_ROLE(2) && !frenew -> frenew = 1;
+              printf("FOREIGN   another decode instance keeps renewing the holders revoked/, failed/, earlier-epoch/ of this pool\n") }
+  :: atomic { BY_ROLE(3) && restarted && !oldfenced && !foldpool -> foldpool = 1;
+              printf("FOREIGN   another decode instance keeps renewing this decode's old pool at the old broker\n") }
+  od
+}
+#endif
+
 /* P2 and P3, checked in every reachable state */
 #if NP > 2
 #define COUNT(s) ((pst[0] == s) + (pst[1] == s) + (pst[2] == s))
@@ -908,8 +1090,20 @@ end:
 #else
 #define ONE_LIVE (!TWO_LIVE(0,1))
 #endif
-/* P4: a FREE page (grantable) has no writer that can still land a write on it */
-#define FREE_WRITING(r) (rpage[r] != NONE && pst[rpage[r]] == FREE && INFLIGHT(r))
+/* P4: a FREE page (grantable) has no writer that can still land a write on it (decode's step included) */
+#ifdef STEP_WRITES
+#define STEPPING(r) stepping[r]
+#else
+#define STEPPING(r) 0
+#endif
+#define FREE_WRITING(r) (rpage[r] != NONE && pst[rpage[r]] == FREE && (INFLIGHT(r) || STEPPING(r)))
+/* P1 over a step that is not atomic: the cells it reads carry the reader's stamp until it ends */
+#define STEP_OWN(r) (!STEPPING(r) || (d0[rpage[r]] == rstamp[r] && d1[rpage[r]] == rstamp[r]))
+#if NR > 2
+#define STEPS_OWN (STEP_OWN(0) && STEP_OWN(1) && STEP_OWN(2))
+#else
+#define STEPS_OWN (STEP_OWN(0) && STEP_OWN(1))
+#endif
 #if NR > 2
 #define DRAINED_WRITERS (!FREE_WRITING(0) && !FREE_WRITING(1) && !FREE_WRITING(2))
 #else
@@ -925,6 +1119,8 @@ end:
   :: atomic { !NO_PAGE_LOST -> printf("VIOLATION P3: page counts do not add up\n"); assert(false) }
   :: atomic { !DRAINED_WRITERS ->
               printf("VIOLATION P4: a page is FREE while a writer can still land bytes on it\n"); assert(false) }
+  :: atomic { !STEPS_OWN ->
+              printf("VIOLATION P1: a step in flight reads bytes written under another lease\n"); assert(false) }
   fi
 }
 
@@ -954,6 +1150,12 @@ init {
     k = 0;
     npst[FREE] = NP;
     run Net(); run Broker(); run Monitor(); run Drained();
+#ifdef EXPIRY
+    run Expiry();
+#endif
+#ifdef FOREIGN
+    run Foreign();
+#endif
     run Reader(0); run Reader(1);
 #if NR > 2
     run Reader(2)
