@@ -19,6 +19,7 @@ from .common import config
 from .common.argparsing import Parser
 from .common.capacity import DTYPE_BYTES, kv_bytes_per_token, pool_capacity, write_unit_refusal
 from .engine.config import CheckpointError, ModelConfig
+from .engine.sizing import PoolSizeError
 
 SERVICES = ("prefill", "decode", "broker")
 USAGE = ("pdserve check [--lock-delay S] {prefill,decode,broker} FLAGS...  (one service, its own command line)\n"
@@ -54,34 +55,25 @@ def kv_dtype_of(args, cfg: ModelConfig) -> str:
 
 
 def _file_dtypes(model: str) -> set[str]:
-    """The dtypes of the checkpoint's tensors, from the safetensors headers (none when only config.json is given)."""
-    import json
-    import struct
-    from .engine.dtypes import SAFETENSORS_FLOATS
-    from .engine.loader import _weight_files
-    found: set[str] = set()
+    """The dtypes of the checkpoint's tensors (none when only config.json is given)."""
+    from .engine.loader import checkpoint_dtypes
     if os.path.isfile(model):
-        return found
+        return set()
     try:
-        files = _weight_files(model)
+        return checkpoint_dtypes(model)
     except FileNotFoundError:
-        return found
-    for path in files:
-        with open(path, "rb") as f:
-            (n,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(n))
-        found |= {SAFETENSORS_FLOATS.get(t["dtype"], t["dtype"]) for k, t in header.items() if k != "__metadata__"}
-    return found
+        return set()
 
 
 def _pool_tokens(args, cfg: ModelConfig, kv: str) -> int | None:
-    """Tokens the pool holds, as the service sizes it; None when the device decides (--gpu-memory-utilization)."""
-    from .engine.sizing import pool_tokens_for
+    """Tokens the pool holds, sized as the service sizes it (PoolSize); None when the device decides
+    (--gpu-memory-utilization)."""
+    from .engine.sizing import PoolSize
     if getattr(args, "gpu_memory_utilization", None):
         return None
-    if getattr(args, "kv_cache_memory", None):
-        return pool_tokens_for(args.kv_cache_memory, cfg, kv, args.page_size)
-    return args.pool_tokens // args.page_size * args.page_size
+    if not (memory := getattr(args, "kv_cache_memory", None)):
+        return args.pool_tokens // args.page_size * args.page_size
+    return PoolSize(memory_bytes=memory).num_pages(cfg, kv, args.page_size, None) * args.page_size
 
 
 def _engine_plan(service: str, args, cfg: ModelConfig) -> Plan:
@@ -89,7 +81,11 @@ def _engine_plan(service: str, args, cfg: ModelConfig) -> Plan:
     kv = kv_dtype_of(args, cfg)
     per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv)
     context = args.context_length or cfg.max_position_embeddings
-    pool_tokens = _pool_tokens(args, cfg, kv)
+    try:
+        pool_tokens = _pool_tokens(args, cfg, kv)
+    except PoolSizeError as e:  # the line the service exits with (prefill/main.py, decode/main.py)
+        plan.refusals.append(f"{service}: refusing to start: {e}")
+        return plan
     plan.facts.append(("KV per token", f"{per_token} bytes ({cfg.num_hidden_layers} layers x 2 x "
                                        f"{cfg.num_key_value_heads} KV heads x {cfg.head_dim} x {DTYPE_BYTES[kv]} bytes "
                                        f"of {kv})"))

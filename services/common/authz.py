@@ -176,11 +176,8 @@ def check_resource(method: str, cn: str, request) -> tuple[str, str] | None:
 def _problem(rule: str | None, cn: str, field: str, values, request) -> str | None:
     """What is wrong with a field's values under a restricting rule (None: no rule for the caller's role)."""
     mine = cn + "/"
-    if rule == OWN:
-        bad = [v for v in values if not v.startswith(mine)]
-        return f"may only name a {field} that starts with {mine!r}, not {_show(bad)}" if bad else None
-    if rule == OWN_OR_EMPTY:
-        bad = [v for v in values if v and not v.startswith(mine)]
+    if rule in (OWN, OWN_OR_EMPTY):
+        bad = [v for v in values if not v.startswith(mine) and (v or rule == OWN)]
         return f"may only name a {field} that starts with {mine!r}, not {_show(bad)}" if bad else None
     if rule == EMPTY:
         bad = [v for v in values if v]

@@ -108,6 +108,22 @@ def engine_dtypes(args) -> tuple[str, str]:
     return args.dtype, kv
 
 
+async def load_runner(args, service: str):
+    """The model and its KV pool as the engine flags ask (threads, dtypes, pool size), loaded in a thread so the
+    server answers health meanwhile; a pool size that cannot be served ends the start with one line."""
+    import asyncio
+
+    from ..engine.runner import ModelRunner, set_threads
+    from ..engine.sizing import PoolSizeError
+    set_threads(args.threads, args.switch_interval_ms)
+    dtype, kv_dtype = engine_dtypes(args)
+    size = pool_size(args, service)
+    try:
+        return await asyncio.to_thread(ModelRunner, args.model, size, args.page_size, dtype, args.device, kv_dtype)
+    except PoolSizeError as e:
+        raise SystemExit(f"{service}: refusing to start: {e}") from None
+
+
 def pool_size(args, service: str = "engine"):
     """The PoolSize the flags ask for: a memory budget or a fraction when given, else --pool-tokens. A fraction
     off CUDA is refused here, with one line, before the model loads."""

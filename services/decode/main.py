@@ -9,14 +9,12 @@ import secrets
 
 from ..common import config
 from ..common.capacity import check_pool_capacity
-from ..common.cli_args import add_engine_args, engine_dtypes, pool_size
+from ..common.cli_args import add_engine_args, load_runner
 from ..common.metrics import init_metrics
 from ..common.proto import broker_pb2_grpc, decode_pb2, decode_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
 from ..common.tls import own_identity, secure_channel, tls_from_args
 from ..common.unsafe import check_unsafe
-from ..engine.runner import ModelRunner, set_threads
-from ..engine.sizing import PoolSizeError
 from ..kvtransfer.engine import TransferEngine
 from .drain import drain
 from .servicer import DecodeServicer
@@ -77,13 +75,7 @@ async def serve(args) -> None:
 
 async def _start(args, tls) -> DecodeServicer:
     """Loads the model (in a thread: the server answers health meanwhile) and registers the pool."""
-    set_threads(args.threads, args.switch_interval_ms)
-    dtype, kv_dtype = engine_dtypes(args)
-    size = pool_size(args, "decode")
-    try:
-        runner = await asyncio.to_thread(ModelRunner, args.model, size, args.page_size, dtype, args.device, kv_dtype)
-    except PoolSizeError as e:
-        raise SystemExit(f"decode: refusing to start: {e}") from None
+    runner = await load_runner(args, "decode")
     num_pages = runner.pool.num_pages
     if args.checksum_sweep_pages == 0 or args.no_transfer_checksum:
         log.warning("checksum sweep OFF (%s): a late write of page data alone into a running request's prompt "

@@ -91,9 +91,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def pages_may_be_free(self) -> None:
         self.queue.pages_may_be_free()
 
-    async def release(self, owner: bytes, epoch: int, leases: list[tuple[int, int]]) -> None:
-        await self._release(owner, epoch, leases)
-
     async def GetInfo(self, request, context) -> common_pb2.EngineInfo:
         cfg = self.runner.config
         state = await call(self.broker.GetPoolState(broker_pb2.GetPoolStateRequest(pool_id=self.pool_id),
@@ -137,7 +134,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         """Leases `need` pages from the broker (RESOURCE_EXHAUSTED when the pool is short) as a new allocation."""
         if (err := self.blind_error()) is not None:
             raise err
-        if owner in self.held_owners() or self.scheduler.holds(owner):
+        if owner in self.pending_grants or owner in self.allocations or self.scheduler.holds(owner):
             raise PdError(grpc.StatusCode.ALREADY_EXISTS, "OWNER_HAS_LEASE", f"request {owner.hex()} is already "
                                                                              f"allocated on pool {self.pool_id}")
         # held from before the Grant is sent: a KeepAlive racing the reply must not have it revoked
@@ -162,7 +159,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.pending_grants.discard(owner)  # no await until it is an allocation (or released)
         leases = leases_from_pb(resp.leases)
         if len(leases) != need:  # the broker grants all or nothing: anything else is a broker fault
-            spawn(self._release(owner, resp.epoch, leases))
+            spawn(self.release(owner, resp.epoch, leases))
             raise PdError(grpc.StatusCode.INTERNAL, "BAD_GRANT", f"asked the broker for {need} pages, granted "
                                                                  f"{len(leases)}")
         return self.allocations.add(owner, Allocation(resp.epoch, leases, num_prompt_tokens, max_tokens,
@@ -172,14 +169,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.pending_grants.discard(owner)
         if not rpc.cancelled() and rpc.exception() is None:
             resp = rpc.result()
-            spawn(self._release(owner, resp.epoch, leases_from_pb(resp.leases)))
+            spawn(self.release(owner, resp.epoch, leases_from_pb(resp.leases)))
 
     async def Release(self, request, context) -> decode_pb2.DecodeReleaseResponse:
         alloc = self.allocations.end(request.request_id, PdError(
             grpc.StatusCode.CANCELLED, "RELEASED", f"request {request.request_id.hex()} was released by its caller"))
         if alloc is not None:
             # shielded: the allocation is already popped, so a cancelled caller must not stop the release
-            await asyncio.shield(self._release(request.request_id, alloc.epoch, alloc.leases))
+            await asyncio.shield(self.release(request.request_id, alloc.epoch, alloc.leases))
         else:
             self.scheduler.cancel(request.request_id)
         return decode_pb2.DecodeReleaseResponse()
@@ -216,7 +213,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         except BaseException:
             # never reached decoding: if the allocation is still ours to end, give the pages back
             if self.allocations.take(owner, alloc) is not None:
-                await asyncio.shield(self._release(owner, alloc.epoch, alloc.leases))
+                await asyncio.shield(self.release(owner, alloc.epoch, alloc.leases))
             raise
         finally:
             self.notices.forget(owner)
@@ -262,7 +259,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if owner not in self.scheduler.running and not seq.done:
                 # never ran: a task, so a cancelled call still gives the pages back
                 self.scheduler.leave(owner)
-                spawn(self._release(owner, alloc.epoch, alloc.leases))
+                spawn(self.release(owner, alloc.epoch, alloc.leases))
             elif not seq.done:
                 self.scheduler.cancel(owner)  # the client went away: stop before the next step
 
@@ -312,9 +309,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return FINISH[seq.is_stopped()]
 
     async def _release_seq(self, seq: Sequence) -> None:
-        await self._release(seq.owner, seq.epoch, seq.leases)
+        await self.release(seq.owner, seq.epoch, seq.leases)
 
-    async def _release(self, owner: bytes, epoch: int, leases: list[tuple[int, int]]) -> None:
+    async def release(self, owner: bytes, epoch: int, leases: list[tuple[int, int]]) -> None:
         if self.scheduler.holds(owner):
             # a step may still read or write these pages: the broker would free them at once. Stop the sequence
             # instead; the scheduler releases it between steps (defence in depth: every path that takes an

@@ -31,6 +31,7 @@ import grpc
 from ..common.errors import PdError
 from ..common.metrics import TIMEOUTS
 from ..common.proto import broker_pb2
+from ..common.tasks import spawn
 from ..common.wire import call, leases_to_pb
 from .allocations import Allocations
 from .scheduler import Scheduler
@@ -155,7 +156,7 @@ class BrokerWatch:
         err = PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED", why)
         scheduler.fail_all(err)
         for owner, alloc in self.holder.allocations.end_all(err):
-            asyncio.ensure_future(self.holder.release(owner, alloc.epoch, alloc.leases))
+            spawn(self.holder.release(owner, alloc.epoch, alloc.leases))
         self.watch_cursor, self.heard_at = (0, 0), None
         # a step still running may write pages of the old incarnation: the new one starts after it
         await scheduler.step_ended()

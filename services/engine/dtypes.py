@@ -22,10 +22,6 @@ class DtypeError(CheckpointError):
     """A dtype the engine cannot decide or serve: the CLI prints the message, no traceback."""
 
 
-def element_size(name: str) -> int:
-    return DTYPES[name].itemsize
-
-
 def weight_dtype(requested: str, config_dtype: str | None, file_dtypes: set[str]) -> str:
     """requested: 'auto' or a DTYPES name; config_dtype: config.json's torch_dtype (None if absent);
     file_dtypes: the float dtype names the checkpoint's tensors are stored in."""

@@ -88,6 +88,16 @@ def _headers(files: list[str]) -> tuple[dict[str, str], dict[str, torch.Tensor]]
     return where, metas
 
 
+def _stored_dtypes(metas: dict[str, torch.Tensor]) -> set[str]:
+    """The dtypes the weights are stored in (rotary inv_freq buffers of old conversions are no weights)."""
+    return {str(m.dtype).removeprefix("torch.") for k, m in metas.items() if not k.endswith(".rotary_emb.inv_freq")}
+
+
+def checkpoint_dtypes(path: str) -> set[str]:
+    """What --dtype auto falls back on when config.json states none, from the headers alone (pdserve check)."""
+    return _stored_dtypes(_headers(_weight_files(path))[1])
+
+
 def _read(file: str, name: str) -> torch.Tensor:
     with safe_open(file, framework="pt") as h:
         return h.get_tensor(name)
@@ -135,7 +145,7 @@ def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch
         where.pop(head, None)
         metas[head] = metas[emb]
     check_tensors(cfg, {k: v.shape for k, v in model.state_dict().items()}, metas)
-    name = weight_dtype(dtype, cfg.torch_dtype, {str(m.dtype).removeprefix("torch.") for m in metas.values()})
+    name = weight_dtype(dtype, cfg.torch_dtype, _stored_dtypes(metas))
     target = DTYPES[name]
     # on the host safetensors hands out views of the file's mapped pages: a checkpoint rewritten under a running
     # service would change (truncated: fault) its weights, so each tensor is copied out before the next is read

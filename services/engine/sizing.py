@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ..common import capacity
 from .config import ModelConfig
-from .dtypes import element_size
 
 # binary units as vLLM and Kubernetes write them (4GiB), decimal ones as disks are sold (4GB)
 UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
@@ -27,7 +27,7 @@ def parse_bytes(text: str) -> int:
 
 def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
     """K and V of every layer for one token: what a pool page of page_size tokens holds page_size times."""
-    return cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * element_size(kv_dtype)
+    return capacity.kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv_dtype)
 
 
 def pool_tokens_for(memory_bytes: int, cfg: ModelConfig, kv_dtype: str, page_size: int) -> int:

@@ -9,15 +9,13 @@ import secrets
 
 from ..common import config
 from ..common.capacity import check_pool_capacity
-from ..common.cli_args import add_engine_args, engine_dtypes, pool_size
+from ..common.cli_args import add_engine_args, load_runner
 from ..common.metrics import init_metrics
 from ..common.proto import broker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
 from ..common.tls import own_identity, secure_channel, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..check import prefill_plan, read_model_config
-from ..engine.runner import ModelRunner, set_threads
-from ..engine.sizing import PoolSizeError
 from ..kvtransfer.engine import DEFAULT_MAX_WRITE_BYTES, MOONCAKE_MIN_TIMEOUT_S, TransferEngine
 from .drain import drain
 from .servicer import PrefillServicer
@@ -93,13 +91,7 @@ async def _start(args, tls) -> PrefillServicer:
     plan = prefill_plan(args, cfg)
     if plan.refusals:
         raise SystemExit(plan.refusals[0])
-    set_threads(args.threads, args.switch_interval_ms)
-    dtype, kv_dtype = engine_dtypes(args)
-    size = pool_size(args, "prefill")
-    try:
-        runner = await asyncio.to_thread(ModelRunner, args.model, size, args.page_size, dtype, args.device, kv_dtype)
-    except PoolSizeError as e:
-        raise SystemExit(f"prefill: refusing to start: {e}") from None
+    runner = await load_runner(args, "prefill")
     num_pages = runner.pool.num_pages
     context_length = args.context_length or runner.config.max_position_embeddings
     log.info("%s", runner.describe(context_length))
