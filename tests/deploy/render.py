@@ -83,3 +83,9 @@ def by_kind(objs, kind: str) -> dict[str, dict]:
 def containers(workload: dict, init: bool = False) -> list[dict]:
     spec = workload["spec"]["template"]["spec"]
     return list(spec.get("initContainers", [])) if init else list(spec["containers"])
+
+
+def flag(args: list[str], name: str) -> str:
+    """The value after a flag that a command line holds exactly once."""
+    assert args.count(name) == 1, f"{name} appears {args.count(name)} times in {args}"
+    return args[args.index(name) + 1]

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.deploy.render import (K8S_VERSIONS, OVERLAYS, by_kind, containers, render, validate, workloads)
+from tests.deploy.render import (K8S_VERSIONS, OVERLAYS, by_kind, containers, flag, render, validate, workloads)
 
 ROLES = ("broker", "prefill", "decode", "gateway")
 GRPC_PORTS = {"gateway": 50051, "broker": 50052, "prefill": 50053, "decode": 50054}
@@ -61,11 +61,6 @@ def health_args(probe: dict) -> list[str]:
     cmd = probe["exec"]["command"]
     assert cmd[:2] == ["pdserve", "health"], cmd
     return cmd[2:]
-
-
-def flag(args: list[str], name: str) -> str:
-    assert args.count(name) == 1, f"{name} appears {args.count(name)} times in {args}"
-    return args[args.index(name) + 1]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -12,7 +12,7 @@ import pytest
 from pdserve.common.pki import parse_identity
 from tests.deploy import csi
 from tests.deploy.pods import replica_names
-from tests.deploy.render import OVERLAYS, by_kind, containers, render
+from tests.deploy.render import OVERLAYS, by_kind, containers, flag, render
 
 ROLES = ("broker", "prefill", "decode", "gateway")
 NAMESPACE = "pdserve"
@@ -38,11 +38,6 @@ def request(spec: dict, pod_name: str, volume: dict | None = None) -> csi.Reques
     variables = csi.pod_variables(pod_name, NAMESPACE, "0b6b3c7e-1111-4f4f-9a9a-2c2c2c2c2c2c",
                                   spec["serviceAccountName"])
     return csi.request_for(volume or tls_volume(spec), variables)
-
-
-def flag(words: list[str], name: str) -> str:
-    assert words.count(name) == 1, f"{name} appears {words.count(name)} times in {words}"
-    return words[words.index(name) + 1]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -116,6 +116,17 @@ def pod_tls(pod: LocalPod) -> TlsConfig:
     return TlsConfig(*(os.path.join(folder, f) for f in ("tls.crt", "tls.key", "ca.crt")))
 
 
+def request_on_b(cluster, num_prompt: int, max_tokens: int, seed: int):
+    """A request prefilled into pod B's pool, its Decode not called yet, and pod A's broker stub:
+    (pool_a, pool_b, tokens, rid, prefill's reply, as_a)."""
+    pods = cluster.pods
+    tokens = prompt(num_prompt, seed)
+    rid, dest = allocate(cluster, len(tokens), max_tokens, d=1)
+    resp = prefill(cluster, rid, tokens, dest, max_tokens)
+    as_a = broker_pb2_grpc.BrokerStub(cluster.channel(pods["broker"], pod_tls(pods["a"])))
+    return pool_id(pods["a"]), pool_id(pods["b"]), tokens, rid, resp, as_a
+
+
 def test_each_pod_runs_as_its_own_pod_name(cluster):
     pods = cluster.pods
     for k in ("prefill", "a", "b"):
@@ -128,15 +139,11 @@ def test_each_pod_runs_as_its_own_pod_name(cluster):
 
 def test_pod_a_cannot_watch_release_grant_or_renew_pod_b_pool(cluster, oracle):
     pods, broker = cluster.pods, cluster.pods["broker"]
-    pool_a, pool_b = pool_id(pods["a"]), pool_id(pods["b"])
     # a request on B that waits for its Decode: its pages are leased and verified, nothing reads them yet
-    tokens = prompt(50, 1801)
-    rid, dest = allocate(cluster, len(tokens), 12, d=1)
-    resp = prefill(cluster, rid, tokens, dest, 12)
+    pool_a, pool_b, tokens, rid, resp, as_a = request_on_b(cluster, 50, 12, 1801)
     before = cluster.broker.GetPoolState(pb.GetPoolStateRequest(pool_id=pool_b), timeout=5)
     assert before.num_leased > 0
     denied = {m: broker.metric("pdserve_auth_denials_total", {"method": m, "reason": OWN}) for m in FOREIGN_METHODS}
-    as_a = broker_pb2_grpc.BrokerStub(cluster.channel(broker, pod_tls(pods["a"])))
     errors = {m: refusal(call) for m, call in foreign_calls(as_a, pool_a, pool_b, rid, before.epoch).items()}
     for method, err in errors.items():
         assert (err.code, err.reason) == (grpc.StatusCode.PERMISSION_DENIED, OWN), (method, err)
@@ -157,15 +164,10 @@ def test_pod_a_cannot_watch_release_grant_or_renew_pod_b_pool(cluster, oracle):
 
 
 def test_a_running_request_on_b_outlives_pod_a_releasing_it(cluster, oracle):
-    pods, broker = cluster.pods, cluster.pods["broker"]
-    pool_a, pool_b = pool_id(pods["a"]), pool_id(pods["b"])
-    tokens = prompt(70, 1802)
-    rid, dest = allocate(cluster, len(tokens), 200, d=1)
-    resp = prefill(cluster, rid, tokens, dest, 200)
+    pool_a, pool_b, tokens, rid, resp, as_a = request_on_b(cluster, 70, 200, 1802)
     stream = iter(decode_stream(cluster, rid, tokens, resp, 200, d=1))
     first = next(stream).token_id  # verified, validated, stepping
     epoch = cluster.broker.GetPoolState(pb.GetPoolStateRequest(pool_id=pool_b), timeout=5).epoch
-    as_a = broker_pb2_grpc.BrokerStub(cluster.channel(broker, pod_tls(pods["a"])))
     calls = foreign_calls(as_a, pool_a, pool_b, rid, epoch)
     for method in ("Release", "KeepAlive"):
         err = refusal(calls[method])

@@ -25,6 +25,32 @@ def _alloc(deadline: float) -> Allocation:
     return Allocation(7, list(LEASES), 20, 8, deadline, "p")
 
 
+def _seq(owner: bytes) -> Sequence:
+    return Sequence(owner, 7, LEASES, expected_tags(owner, 7, LEASES), 5, SamplingParams(max_tokens=8), frozenset(),
+                    [1])
+
+
+class Broker:
+    """The broker RPCs this module's code sends, recorded; Validate refuses the owners in `gone`."""
+
+    def __init__(self, gone=()):
+        self.asked, self.released, self.gone = [], [], set(gone)
+
+    def Validate(self, req, timeout):
+        self.asked.append(req.owner)
+        return self._answer(req.owner in self.gone)
+
+    def Release(self, req, timeout):
+        self.released.append(req.owner)
+        return self._answer(False)
+
+    @staticmethod
+    async def _answer(refuse: bool):
+        if refuse:
+            raise PdError(grpc.StatusCode.FAILED_PRECONDITION, "LEASE_NOT_CURRENT", "page 3 is FREE")
+        return SimpleNamespace()
+
+
 class Holder:
     """What BrokerWatch reaches of decode; release() waits on a gate, as an RPC would."""
 
@@ -110,26 +136,12 @@ def test_a_run_waiting_for_its_notice_reports_why_its_allocation_ended(how, want
 
 
 def test_after_a_stream_gap_the_recheck_fails_a_joining_request_whose_lease_is_gone():
-    class Broker:
-        def __init__(self):
-            self.asked = []
-
-        def Validate(self, req, timeout):
-            self.asked.append(req.owner)
-
-            async def answer():
-                if req.owner == b"j" * 16:
-                    raise PdError(grpc.StatusCode.FAILED_PRECONDITION, "LEASE_NOT_CURRENT", "page 3 is FREE")
-                return SimpleNamespace()
-            return answer()
-
     async def main():
-        holder, broker = Holder(), Broker()
+        holder, broker = Holder(), Broker(gone=[b"j" * 16])
         watch = BrokerWatch(broker, holder, "p", 8, 1.0, 1.0)
         seqs = {}
         for o in (b"r" * 16, b"j" * 16):
-            seqs[o] = Sequence(o, 7, LEASES, expected_tags(o, 7, LEASES), 5, SamplingParams(max_tokens=8),
-                               frozenset(), [1])
+            seqs[o] = _seq(o)
             holder.scheduler.join(seqs[o])
         holder.scheduler.add(seqs[b"r" * 16])
         await watch.recheck_leases()
@@ -148,24 +160,12 @@ def test_decode_never_sends_a_release_for_an_owner_its_scheduler_still_steps(mod
     from pdserve.decode.servicer import DecodeServicer
     from pdserve.engine.runner import ModelRunner
 
-    class Broker:
-        def __init__(self):
-            self.released = []
-
-        def Release(self, req, timeout):
-            self.released.append(req.owner)
-
-            async def answer():
-                return SimpleNamespace()
-            return answer()
-
     async def main():
         broker = Broker()
         runner = ModelRunner(model_dir, num_pages=8, page_size=16, device="cpu")
         servicer = DecodeServicer(runner, broker, "decode/d0/p", "session", 4096, "tiny")
         owner = b"r" * 16
-        seq = Sequence(owner, 7, LEASES, expected_tags(owner, 7, LEASES), 5, SamplingParams(max_tokens=8),
-                       frozenset(), [1])
+        seq = _seq(owner)
         servicer.scheduler.join(seq)
         await servicer.release(owner, 7, LEASES)
         assert broker.released == [] and seq.cancelled and seq.err.reason == "RELEASE_WHILE_HELD"
