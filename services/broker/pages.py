@@ -47,7 +47,7 @@ class PoolPages:
     reader_expiry: float = float("inf")  # the pool's decode renews it; set at registration
     region: object = None  # where decode registered the pool's bytes (opaque here; a PoolRegion message)
     # revoked owners whose pages wait for the reader's acknowledgement: owner -> (quarantine holder, revocation seq)
-    unacked: dict[bytes, tuple[str, float]] = field(default_factory=dict)
+    unacked: dict[bytes, tuple[str, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.pages = [Page() for _ in range(self.num_pages)]

@@ -58,6 +58,14 @@ def _pin_ports(port: int) -> tuple[int, int]:
     return pair
 
 
+def timeout_error(timeout_s: float) -> str | None:
+    """Why Mooncake cannot run with this transfer timeout, or None."""
+    if int(timeout_s) != timeout_s or timeout_s < MOONCAKE_MIN_TIMEOUT_S:
+        return (f"Mooncake transfer timeout {timeout_s}s: must be whole seconds >= {MOONCAKE_MIN_TIMEOUT_S} "
+                f"(Mooncake raises anything lower to {MOONCAKE_MIN_TIMEOUT_S})")
+    return None
+
+
 def landing_bound_s(timeout_s: float, nbytes: int, slack_s: float) -> float:
     """L: the longest from a batch call's post to its last byte landing, for calls of at most nbytes. A call
     starts its timer before it posts anything (a retry inside the call keeps the first timer) and gives up
@@ -145,9 +153,8 @@ class TransferEngine:
                  max_write_bytes: int = DEFAULT_MAX_WRITE_BYTES):
         """port: 0 lets Mooncake pick its ports; else it listens on port and port + 1 (transfer_ports).
         max_write_bytes: the most one write() may cover, the unit the landing bound is computed from."""
-        if int(timeout_s) != timeout_s or timeout_s < MOONCAKE_MIN_TIMEOUT_S:
-            raise ValueError(f"Mooncake transfer timeout {timeout_s}s: must be whole seconds >= "
-                             f"{MOONCAKE_MIN_TIMEOUT_S} (Mooncake raises anything lower to {MOONCAKE_MIN_TIMEOUT_S})")
+        if (err := timeout_error(timeout_s)) is not None:
+            raise ValueError(err)
         if max_write_bytes < 1:
             raise ValueError(f"write unit of {max_write_bytes} bytes: must be >= 1")
         self.max_write_bytes = max_write_bytes

@@ -16,7 +16,7 @@ from ..common.server import GRPC_OPTIONS, Service, setup_logging
 from ..common.tls import own_identity, secure_channel, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..check import prefill_plan, read_model_config
-from ..kvtransfer.engine import DEFAULT_MAX_WRITE_BYTES, MOONCAKE_MIN_TIMEOUT_S, TransferEngine
+from ..kvtransfer.engine import DEFAULT_MAX_WRITE_BYTES, MOONCAKE_MIN_TIMEOUT_S, TransferEngine, timeout_error
 from .drain import drain
 from .servicer import PrefillServicer
 from .worker import PrefillWorker
@@ -34,13 +34,12 @@ def _at_least_one(text: str) -> int:
 def _mooncake_timeout(text: str) -> int:
     """Whole seconds >= 5, checked with the other flags: the timing bound is checked before the engine starts."""
     try:
-        value = int(text)
+        value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be whole seconds, got {text!r}") from None
-    if value < MOONCAKE_MIN_TIMEOUT_S:
-        raise argparse.ArgumentTypeError(f"must be >= {MOONCAKE_MIN_TIMEOUT_S} (Mooncake raises anything lower to "
-                                         f"{MOONCAKE_MIN_TIMEOUT_S}), got {value}")
-    return value
+    if (err := timeout_error(value)) is not None:
+        raise argparse.ArgumentTypeError(err)
+    return int(value)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
