@@ -16,7 +16,7 @@ def _busy(servicer) -> int:
 
 async def drain(servicer, timeout_s: float) -> None:
     servicer.draining = True
-    servicer.pages_may_be_free()  # requests waiting for pages are refused (retryable elsewhere), not kept
+    servicer.queue.pages_may_be_free()  # requests waiting for pages are refused (retryable elsewhere), not kept
     left = await wait_idle("decode", lambda: _busy(servicer), timeout_s)
     if left:
         s = servicer.scheduler

@@ -82,15 +82,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return broker_pb2.PoolRegion(transfer_session=self.session, data_base=self.pool.data_ptr,
                                      tag_base=self.pool.tag_ptr, layout=self.layout_pb)
 
-    def on_notice(self, msg) -> None:
-        self.notices.on_notice(msg)
-
-    def notices_lost(self, why: str) -> None:
-        self.notices.lost(why)
-
-    def pages_may_be_free(self) -> None:
-        self.queue.pages_may_be_free()
-
     async def GetInfo(self, request, context) -> common_pb2.EngineInfo:
         cfg = self.runner.config
         state = await call(self.broker.GetPoolState(broker_pb2.GetPoolStateRequest(pool_id=self.pool_id),
@@ -331,7 +322,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             with GUARD_SECONDS.labels("release_rpc").time():
                 await self.broker.Release(broker_pb2.ReleaseRequest(pool_id=self.pool_id, owner=owner, epoch=epoch),
                                           timeout=self.rpc_timeout_s)
-            self.pages_may_be_free()
+            self.queue.pages_may_be_free()
         except (grpc.RpcError, PdError) as e:
             # the broker restarting ends every lease of the old epoch anyway, and a live broker revokes an
             # owner this decode no longer lists as held

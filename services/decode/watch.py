@@ -34,6 +34,7 @@ from ..common.proto import broker_pb2
 from ..common.tasks import spawn
 from ..common.wire import call, leases_to_pb
 from .allocations import Allocations
+from .run import GrantQueue, Notices
 from .scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -52,12 +53,11 @@ class Holder(Protocol):
     """What the link needs of the rest of decode."""
     scheduler: Scheduler
     allocations: Allocations
+    notices: Notices  # the Runs waiting for their write-done notice
+    queue: GrantQueue  # the Runs waiting for pages: woken whenever the stream speaks
 
     def held_owners(self) -> set[bytes]: ...
     def region(self) -> broker_pb2.PoolRegion: ...
-    def on_notice(self, msg) -> None: ...
-    def notices_lost(self, why: str) -> None: ...
-    def pages_may_be_free(self) -> None: ...
     async def release(self, owner: bytes, epoch: int, leases: list[tuple[int, int]]) -> None: ...
 
 
@@ -185,11 +185,11 @@ class BrokerWatch:
                         continue
                     self.heard_at = time.monotonic()
                     if msg.write_done:
-                        self.holder.on_notice(msg)
+                        self.holder.notices.on_notice(msg)
                         self.watch_cursor = (msg.epoch, msg.seq)
                     else:
                         self._on_revocation(msg)
-                    self.holder.pages_may_be_free()
+                    self.holder.queue.pages_may_be_free()
             except grpc.RpcError as e:
                 log.warning("revocation stream ended (%s); resubscribing after seq %s", e.code(), self.watch_cursor)
             await asyncio.sleep(retry_s)
@@ -207,7 +207,7 @@ class BrokerWatch:
             # revocations were missed: nothing may be trusted until every lease read is re-checked
             log.error("revocation stream of pool %s lost revocations (cursor %s, broker at seq %s): "
                       "re-checking every running lease", self.pool_id, self.watch_cursor, msg.seq)
-            self.holder.notices_lost(f"the broker's stream of pool {self.pool_id} lost events after seq "
+            self.holder.notices.lost(f"the broker's stream of pool {self.pool_id} lost events after seq "
                                      f"{self.watch_cursor[1]}; a write-done notice may be among them")
             await self.recheck_leases()
         elif is_new_stream:
@@ -216,7 +216,7 @@ class BrokerWatch:
         self.heard_at = time.monotonic()
         self.watch_cursor = (msg.epoch, msg.seq)
         self.watching.set()
-        self.holder.pages_may_be_free()
+        self.holder.queue.pages_may_be_free()
 
     async def recheck_leases(self) -> None:
         """Validates every running and joining request's leases; a refused one is failed (DATA_LOSS)."""

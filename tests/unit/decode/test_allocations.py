@@ -12,7 +12,7 @@ import pytest
 from pdserve.common.drain import draining_error
 from pdserve.common.errors import PdError
 from pdserve.decode.allocations import Allocation, Allocations
-from pdserve.decode.run import Notices
+from pdserve.decode.run import GrantQueue, Notices
 from pdserve.decode.scheduler import Scheduler, Sequence
 from pdserve.decode.watch import BrokerWatch
 from pdserve.engine.sampler import SamplingParams
@@ -59,6 +59,7 @@ class Holder:
         self.scheduler = Scheduler(runner=None, release=self._release_seq)
         self.released: list[bytes] = []
         self.gate = asyncio.Event()
+        self.queue = GrantQueue()
 
     async def _release_seq(self, seq):
         self.released.append(seq.owner)
@@ -66,9 +67,6 @@ class Holder:
     async def release(self, owner, epoch, leases):
         await self.gate.wait()
         self.released.append(owner)
-
-    def pages_may_be_free(self):
-        pass
 
 
 def test_expiry_pops_every_expired_allocation_at_once_so_one_taken_meanwhile_is_never_released():
