@@ -37,6 +37,7 @@ class Plan:
     max_prompt: int = 0
     max_landing_s: float = 0.0
     landing_terms: str = ""
+    bytes_per_token: int = 0  # of the KV pool, in the dtype the service resolves
 
 
 def read_model_config(model: str) -> ModelConfig:
@@ -47,11 +48,13 @@ def read_model_config(model: str) -> ModelConfig:
 def kv_dtype_of(args, cfg: ModelConfig) -> str:
     """The KV pool's dtype as the service resolves it (--kv-cache-dtype or its alias; 'auto': the weights', which
     follow --dtype, else config.json's torch_dtype, else the dtype the tensors are stored in)."""
-    from .engine.dtypes import kv_dtype, weight_dtype
-    requested = getattr(args, "kv_dtype_alias", None) or getattr(args, "kv_cache_dtype", "auto")
+    from .engine.dtypes import weight_dtype
+    requested = args.kv_dtype_alias or args.kv_cache_dtype
     if requested != "auto":
         return requested
-    return kv_dtype(requested, weight_dtype(getattr(args, "dtype", "auto"), cfg.torch_dtype, _file_dtypes(args.model)))
+    # the tensors' own dtypes are read only when neither the flag nor config.json says
+    stored = _file_dtypes(args.model) if args.dtype == "auto" and cfg.torch_dtype is None else set()
+    return weight_dtype(args.dtype, cfg.torch_dtype, stored)
 
 
 def _file_dtypes(model: str) -> set[str]:
@@ -69,9 +72,9 @@ def _pool_tokens(args, cfg: ModelConfig, kv: str) -> int | None:
     """Tokens the pool holds, sized as the service sizes it (PoolSize); None when the device decides
     (--gpu-memory-utilization)."""
     from .engine.sizing import PoolSize
-    if getattr(args, "gpu_memory_utilization", None):
+    if args.gpu_memory_utilization:
         return None
-    if not (memory := getattr(args, "kv_cache_memory", None)):
+    if not (memory := args.kv_cache_memory):
         return args.pool_tokens // args.page_size * args.page_size
     return PoolSize(memory_bytes=memory).num_pages(cfg, kv, args.page_size, None) * args.page_size
 
@@ -79,7 +82,8 @@ def _pool_tokens(args, cfg: ModelConfig, kv: str) -> int | None:
 def _engine_plan(service: str, args, cfg: ModelConfig) -> Plan:
     plan = Plan(service)
     kv = kv_dtype_of(args, cfg)
-    per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv)
+    per_token = plan.bytes_per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads,
+                                                          cfg.head_dim, kv)
     context = args.context_length or cfg.max_position_embeddings
     try:
         pool_tokens = _pool_tokens(args, cfg, kv)
@@ -114,8 +118,7 @@ def prefill_plan(args, cfg: ModelConfig, lock_delay_ms: int | None = None) -> Pl
     from .prefill.writelease import landing_bound_error, landing_terms
 
     plan = _engine_plan("prefill", args, cfg)
-    kv = kv_dtype_of(args, cfg)
-    per_token = kv_bytes_per_token(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, kv)
+    per_token = plan.bytes_per_token
     if (refusal := write_unit_refusal(args.page_size, per_token, args.max_write_bytes)) is not None:
         plan.refusals.append(refusal)
     plan.max_landing_s = landing_bound_s(args.mooncake_timeout, args.max_write_bytes, args.landing_slack)
