@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from .common import config
 from .common.argparsing import Parser
+from .common.cli_args import add_dtype_args
 from .common.capacity import DTYPE_BYTES, kv_bytes_per_token, pool_capacity, write_unit_refusal
 from .engine.config import CheckpointError, ModelConfig
 from .engine.sizing import PoolSizeError
@@ -213,11 +214,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-pool-tokens", type=int, default=config.DEFAULT_PREFILL_POOL_TOKENS)
     p.add_argument("--decode-pool-tokens", type=int, default=config.DEFAULT_DECODE_POOL_TOKENS)
     p.add_argument("--allow-pool-smaller-than-context", action="store_true")
-    p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPE_BYTES)])
-    kv = p.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-dtype", default="auto", choices=["auto", *sorted(DTYPE_BYTES)])
-    kv.add_argument("--kv-dtype", dest="kv_dtype_alias", default=None, choices=sorted(DTYPE_BYTES),
-                    help="deprecated alias of --kv-cache-dtype")
+    add_dtype_args(p)
     p.add_argument("--mooncake-timeout", type=int, default=MOONCAKE_MIN_TIMEOUT_S)
     p.add_argument("--landing-slack", type=float, default=1.0)
     p.add_argument("--max-write-bytes", type=int, default=DEFAULT_MAX_WRITE_BYTES)

@@ -11,6 +11,7 @@ import tempfile
 from . import client
 from .common import config
 from .common.argparsing import Parser, VersionAction
+from .common.cli_args import add_dtype_args
 
 SERVICES = ("broker", "prefill", "decode", "gateway")
 
@@ -134,13 +135,7 @@ def build_parser(argv: list[str], load_all: bool = False) -> argparse.ArgumentPa
     up.add_argument("--allow-pool-smaller-than-context", action="store_true")
     up.add_argument("--prefill-instances", type=int, default=1)
     up.add_argument("--decode-instances", type=int, default=1)
-    up.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                    help="dtype of the weights of prefill and decode (default auto: the checkpoint's)")
-    kv = up.add_mutually_exclusive_group()
-    kv.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                    help="dtype of the KV pools of prefill and decode (default auto: the weights' dtype)")
-    kv.add_argument("--kv-dtype", dest="kv_dtype_alias", default=None, choices=["float32", "bfloat16", "float16"],
-                    help="DEPRECATED alias of --kv-cache-dtype (the KV pools only; --dtype sets the weights)")
+    add_dtype_args(up)  # of prefill and decode
     up.add_argument("--byte-tokenizer", action="store_true",
                     help="encode text as UTF-8 bytes (ids 0..255) instead of the checkpoint's tokenizer.json")
     up.add_argument("--free-ports", action="store_true",
@@ -165,8 +160,8 @@ def build_parser(argv: list[str], load_all: bool = False) -> argparse.ArgumentPa
                    help="dtype of the written tensors (default: the preset's, float32 but for long's bfloat16)")
 
     def _make(a):
-        from .engine.make_model import PRESET_DTYPES, make_model
-        print(make_model(a.out, a.preset, a.seed, a.arch, a.dtype or PRESET_DTYPES.get(a.preset, "float32")))
+        from .engine.make_model import make_model
+        print(make_model(a.out, a.preset, a.seed, a.arch, a.dtype))
         return 0
     m.set_defaults(fn=_make)
 

@@ -65,6 +65,12 @@ def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_to
     p.add_argument("--no-transfer-checksum", action="store_true",
                    help="UNSAFE, needs --allow-unsafe no-transfer-checksum: skip the CRC-32C of transferred pages (tags "
                         "are still checked, the bytes are not); prefill and decode must agree")
+    add_dtype_args(p)
+    add_tls_args(p)
+
+
+def add_dtype_args(p: argparse.ArgumentParser) -> None:
+    """The weights' and the KV pool's dtypes: the engine services', and `up`'s and `check`'s for them."""
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="dtype of the weights; auto: the checkpoint's (config.json torch_dtype, else the "
                         "tensors' own)")
@@ -74,7 +80,6 @@ def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_to
     kv.add_argument("--kv-dtype", dest="kv_dtype_alias", default=None, choices=DTYPE_CHOICES[1:],
                     help="DEPRECATED alias of --kv-cache-dtype: sets the KV pool's dtype only (it once set the "
                          "weights' too; use --dtype for those)")
-    add_tls_args(p)
 
 
 def _bytes(text: str) -> int:
