@@ -173,7 +173,7 @@ def test_a_run_reads_on_its_notice_alone_and_streams_tokens_of_its_own_kv(runner
         owner, prompt = b"r" * 16, _prompt(41, 2)
         stream, leases = await _run_until_destination(servicer, owner, prompt, 6)
         first, coverage = _prefill(runner, owner, leases, prompt)
-        servicer.on_notice(_notice(owner, leases, prompt, first, coverage))
+        servicer.notices.on_notice(_notice(owner, leases, prompt, first, coverage))
         got, err = await _collect(stream)
         await asyncio.sleep(0.05)
         loop.cancel()
@@ -196,7 +196,7 @@ def test_a_run_whose_allocation_is_released_right_after_its_notice_sends_nothing
         first, coverage = _prefill(runner, owner, leases, prompt)
         pending = asyncio.ensure_future(_collect(stream))
         await asyncio.sleep(0.05)  # the Run waits for its notice
-        servicer.on_notice(_notice(owner, leases, prompt, first, coverage))
+        servicer.notices.on_notice(_notice(owner, leases, prompt, first, coverage))
         await servicer.Release(decode_pb2.DecodeReleaseRequest(request_id=owner), Context())  # no await before it ends
         got, err = await pending
         await asyncio.sleep(0.05)

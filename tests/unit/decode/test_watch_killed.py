@@ -54,14 +54,11 @@ class Holder:
     def region(self):
         return broker_pb2.PoolRegion()
 
-    def on_notice(self, msg):
-        pass
+    @property
+    def notices(self):
+        return SimpleNamespace(on_notice=lambda msg: None, lost=self.lost.append)
 
-    def notices_lost(self, why):
-        self.lost.append(why)
-
-    def pages_may_be_free(self):
-        pass
+    queue = SimpleNamespace(pages_may_be_free=lambda: None)
 
 
 class RpcError(grpc.RpcError):
