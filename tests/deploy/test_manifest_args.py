@@ -73,7 +73,8 @@ def test_parsed_values_are_the_ones_the_manifests_mean(monkeypatch):
     ready, _ = parse(monkeypatch, lines["pdserve-decode/decode/readinessProbe"])
     assert ready.live is False and ready.tls_role == "decode"
     model = parse(monkeypatch, lines["pdserve-decode/make-model"])[0]
-    assert model == ("/models/pdserve-tiny", "tiny", 0, "llama", "float32")
+    # dtype None: the manifests name no dtype, so make_model writes the preset's own (float32 for tiny)
+    assert model == ("/models/pdserve-tiny", "tiny", 0, "llama", None)
 
 
 def test_a_flag_the_code_does_not_know_is_refused(monkeypatch):
