@@ -89,6 +89,42 @@ class LeaseTable(ReaderLiveness):
         pool.granted_at[owner] = self._clock()
         return [(page_id, generation) for page_id in taken]
 
+    def extend(self, pool_id: str, epoch: int, items: list[tuple[bytes, int]]) -> list[list[Lease] | LeaseError]:
+        """Pages on demand: more pages for owners that hold leases here now, one result per item (the new leases,
+        or why that item was refused; the others go on). Each item takes a fresh generation, sealed at once: a
+        growth page is written by its decode's steps alone, so no BeginWrite may ever name it. The pages join the
+        owner's lease list, so Release, Revoke and reconciliation end them with the owner's other pages; an owner
+        released or revoked first gets none (an Extend racing a Revoke must not lease pages to a revoked owner)."""
+        pool = self._pool(pool_id, epoch)
+        self.check_reader(pool)
+        results: list[list[Lease] | LeaseError] = []
+        for owner, num_pages in items:
+            try:
+                check_owner(owner)
+                if num_pages <= 0:
+                    raise LeaseError("INVALID_ARGUMENT", "BAD_NUM_PAGES", f"num_pages {num_pages} must be > 0")
+                held = pool.owners.get(owner)
+                if not held:
+                    raise LeaseError("FAILED_PRECONDITION", "OWNER_NOT_LEASED",
+                                     f"owner {owner.hex()} holds no leases in pool {pool_id} (released or revoked); "
+                                     f"{num_pages} growth pages refused")
+                if len(pool.free) < num_pages:
+                    raise LeaseError("RESOURCE_EXHAUSTED", "POOL_EXHAUSTED",
+                                     f"pool {pool_id} has {len(pool.free)} free pages of {pool.num_pages}; "
+                                     f"{num_pages} growth pages requested for {owner.hex()}")
+            except LeaseError as e:
+                results.append(e)
+                continue
+            generation, pool.next_generation = pool.next_generation, pool.next_generation + 1
+            taken = [heapq.heappop(pool.free) for _ in range(num_pages)]
+            for page_id in taken:
+                page = pool.pages[page_id]
+                page.state, page.owner, page.generation = PageState.LEASED, owner, generation
+                page.sealed_generation = generation
+            held.extend(taken)
+            results.append([(page_id, generation) for page_id in taken])
+        return results
+
     def begin_write(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], writer_id: str,
                     max_landing_s: float, writer_ttl_s: float = 0.0):
         """Returns the pool's registered region: the only place the writer may write to. writer_ttl_s > 0 also
@@ -119,8 +155,14 @@ class LeaseTable(ReaderLiveness):
             self._liveness[writer_id] = now + self.default_writer_ttl_s
         for (page_id, generation), page in zip(leases, pages):
             page.active_writer = (writer_id, generation)
-            page.sealed_generation = generation
             pool.writing.add(page_id)
+        # a Grant's generation is written once, by one prefill: every page of it is sealed now, the ones not named
+        # too (the headroom past the prompt, which decode's steps write), so no later BeginWrite can land another
+        # prompt's bytes, with tags carrying the owner's own words, on a page decode writes and reads
+        generations = {generation for _, generation in leases}
+        for page_id in pool.owners.get(owner, ()):
+            if (page := pool.pages[page_id]).generation in generations:
+                page.sealed_generation = page.generation
         return pool.region
 
     def end_write(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], writer_id: str,

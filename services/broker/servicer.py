@@ -81,6 +81,24 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             epoch=self._table.epoch,
             leases=[common_pb2.PageLease(page=p, generation=g) for p, g in leases])
 
+    async def Extend(self, request: broker_pb2.ExtendRequest,
+                     context: grpc.aio.ServicerContext) -> broker_pb2.ExtendResponse:
+        await self._refuse_if_stopping(context, "Extend")
+        if len(request.owners) != len(request.num_pages):
+            await abort(context, PdError(grpc.StatusCode.INVALID_ARGUMENT, "BAD_EXTEND",
+                                         f"{len(request.owners)} owners but {len(request.num_pages)} page counts"))
+        results = await self._call(context, self._table.extend, request.pool_id, request.epoch,
+                                   list(zip(request.owners, request.num_pages)))
+        out = broker_pb2.ExtendResponse(epoch=self._table.epoch)
+        for r in results:
+            if isinstance(r, LeaseError):
+                out.results.add(refused=r.reason, message=r.message)
+            else:
+                out.results.add(leases=[common_pb2.PageLease(page=p, generation=g) for p, g in r])
+                self._grants.inc()
+        self._publish(request.pool_id)
+        return out
+
     async def BeginWrite(self, request: broker_pb2.BeginWriteRequest,
                          context: grpc.aio.ServicerContext) -> broker_pb2.BeginWriteResponse:
         await self._refuse_if_stopping(context, "BeginWrite")

@@ -23,6 +23,7 @@ ANY = frozenset(("broker", "prefill", "decode", "gateway", "operator"))
 POLICY: dict[str, frozenset[str]] = {
     "/pdserve.v1.Broker/RegisterPool": frozenset({"decode"}),
     "/pdserve.v1.Broker/Grant": frozenset({"decode"}),
+    "/pdserve.v1.Broker/Extend": frozenset({"decode"}),
     "/pdserve.v1.Broker/Validate": frozenset({"decode"}),
     "/pdserve.v1.Broker/Release": frozenset({"decode"}),
     "/pdserve.v1.Broker/WatchRevocations": frozenset({"decode"}),
@@ -97,6 +98,8 @@ FIELDS: dict[str, dict[str, str | dict[str, str]]] = {
                                                   "page_nbytes", "tag_nbytes")}},
     BROKER + "Grant": {"pool_id": {"decode": OWN}, "owner": {"decode": IN_OWN_POOL}, "num_pages": NO_ID,
                        "epoch": NO_ID},
+    BROKER + "Extend": {"pool_id": {"decode": OWN}, "owners": {"decode": IN_OWN_POOL}, "num_pages": NO_ID,
+                        "epoch": NO_ID},
     BROKER + "BeginWrite": {"pool_id": {"prefill": BY_LEASE}, "owner": {"prefill": BY_LEASE}, "epoch": NO_ID,
                             **_LEASES, "writer_id": {"prefill": OWN}, "max_landing_ms": NO_ID,
                             "writer_ttl_ms": NO_ID},

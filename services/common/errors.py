@@ -15,9 +15,12 @@ DOMAIN = "pdserve"
 
 class PdError(Exception):
     """An error with a gRPC status code and a reason; raised by engine and service code alike.
-    retry_after_s: the sender's estimate of when a retry may succeed (overload refusals), else None."""
+    retry_after_s: the sender's estimate of when a retry may succeed (overload refusals), else None.
+    metadata: machine-readable facts of the error (ErrorInfo.metadata), e.g. how many tokens a preempted
+    request had streamed."""
 
-    def __init__(self, code: grpc.StatusCode, reason: str, message: str, retry_after_s: float | None = None):
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str, retry_after_s: float | None = None,
+                 metadata: dict[str, str] | None = None):
         super().__init__(message)
         if retry_after_s is not None and not (math.isfinite(retry_after_s) and retry_after_s >= 0):
             raise ValueError(f"retry_after_s must be a finite number >= 0, got {retry_after_s}")
@@ -25,10 +28,11 @@ class PdError(Exception):
         self.reason = reason
         self.message = message
         self.retry_after_s = retry_after_s
+        self.metadata = dict(metadata or {})
 
     def prefixed(self, what: str) -> "PdError":
         """The same error (code, reason, retry delay) with where it happened in front of its message."""
-        return PdError(self.code, self.reason, f"{what}: {self.message}", self.retry_after_s)
+        return PdError(self.code, self.reason, f"{what}: {self.message}", self.retry_after_s, self.metadata)
 
     def __str__(self) -> str:
         retry = "" if self.retry_after_s is None else f" (retry after {self.retry_after_s:.3f}s)"
@@ -40,14 +44,15 @@ def invalid(reason: str, message: str) -> PdError:
 
 
 def to_status(err: PdError) -> grpc.Status:
-    return _status(err.code, err.reason, err.message, err.retry_after_s)
+    return _status(err.code, err.reason, err.message, err.retry_after_s, tuple(sorted(err.metadata.items())))
 
 
 @functools.lru_cache(maxsize=256)
-def _status(code: grpc.StatusCode, reason: str, message: str, retry_after_s: float | None) -> grpc.Status:
+def _status(code: grpc.StatusCode, reason: str, message: str, retry_after_s: float | None,
+            metadata: tuple[tuple[str, str], ...] = ()) -> grpc.Status:
     """Cached: a flood of one refusal (the same over-long prompt, the same overload) builds its status once."""
     info = any_pb2.Any()
-    info.Pack(error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN))
+    info.Pack(error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=dict(metadata)))
     details = [info]
     if retry_after_s is not None:
         retry = any_pb2.Any()
@@ -72,6 +77,7 @@ def from_rpc_error(e: grpc.RpcError) -> PdError:
     code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
     reason = "UNKNOWN"
     retry_after_s = None
+    metadata: dict[str, str] = {}
     status = None
     try:
         status = rpc_status.from_call(e)
@@ -83,10 +89,11 @@ def from_rpc_error(e: grpc.RpcError) -> PdError:
                 info = error_details_pb2.ErrorInfo()
                 detail.Unpack(info)
                 reason = info.reason
+                metadata = dict(info.metadata)
             elif detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
                 retry = error_details_pb2.RetryInfo()
                 detail.Unpack(retry)
                 # a negative delay (malformed) means "now", not "never mind"
                 retry_after_s = max(0.0, retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9)
     details = e.details() if hasattr(e, "details") else str(e)
-    return PdError(code, reason, details or "", retry_after_s)
+    return PdError(code, reason, details or "", retry_after_s, metadata)

@@ -57,15 +57,22 @@ PREFILL_QUEUE = Gauge("pdserve_prefill_queue_depth", "Prompts waiting for a pref
 # overload (issue 12): requests refused because a per-server concurrency limit or a queue was full
 OVERLOAD_REJECTIONS = Counter("pdserve_overload_rejections_total", "Requests refused with RESOURCE_EXHAUSTED "
                               "because the service was saturated", ["service", "reason"])
+# pages on demand (issue 19): growth pages leased by Extend, requests preempted when the pool ran dry, and requests
+# the gateway resubmitted after a preemption
+GROWTH_PAGES = Counter("pdserve_kv_growth_pages_total", "Pages decode leased to running sequences as they grew")
+PREEMPTIONS = Counter("pdserve_preemptions_total", "Running requests decode preempted because its KV pool ran dry")
+RESUBMISSIONS = Counter("pdserve_resubmissions_total", "Preempted requests the gateway resubmitted (prompt + the "
+                        "tokens streamed) to continue their stream", ["outcome"])
 
 VIOLATION_REASONS = ("COVERAGE_MISMATCH", "TAG_MISSING", "TAG_OWNER", "TAG_EPOCH", "TAG_GENERATION",
                      "TAG_PAGE_INDEX", "TAG_NUM_TOKENS", "CHECKSUM", "STEP_TAG_MISMATCH",
                      "LEASE_NOT_CURRENT", "WRITER_ACTIVE", "EPOCH_MISMATCH", "REVOKED", "CANARY",
                      "LEASE_ALREADY_WRITTEN", "DESTINATION_MISMATCH", "PROMPT_PAGE_CHANGED", "NOTICE_MISMATCH",
-                     "PROMPT_MISMATCH")
+                     "PROMPT_MISMATCH", "GROWTH_REFUSED")
 ADMISSION_REASONS = ("EMPTY_PROMPT", "PROMPT_TOO_LONG", "CONTEXT_EXCEEDED", "DECODE_POOL_EXCEEDED",
                      "PREFILL_POOL_EXCEEDED", "BAD_MAX_TOKENS", "TOKEN_OUT_OF_VOCAB", "BAD_TEMPERATURE",
                      "BAD_TOP_P", "OVERLOADED", "LAYOUT_MISMATCH", "BAD_DESTINATION")
+RESUBMISSION_OUTCOMES = ("resubmitted", "gave_up")  # gave_up: past --max-resubmissions, the client gets the error
 TRANSFER_STAGES = ("data", "tags", "begin_write", "end_write", "liveness", "timeout")
 CODES = ("OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DATA_LOSS", "DEADLINE_EXCEEDED",
          "CANCELLED", "INTERNAL", "FAILED_PRECONDITION", "NOT_FOUND", "UNKNOWN")
@@ -89,6 +96,8 @@ def init_metrics(service: str, pools: list[str] = ()) -> None:
         FORWARD_SECONDS.labels(phase)
     for r in PREFILL_DROP_REASONS:
         PREFILL_DROPPED.labels(r)
+    for o in RESUBMISSION_OUTCOMES:
+        RESUBMISSIONS.labels(o)
     for p in pools:
         POOL_CONTEXT_RATIO.labels(p)
         POOL_SHORTFALL.labels(p)

@@ -45,6 +45,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=25.0,
                    help="on SIGTERM, seconds running streams (and granted allocations) get to finish; then they end "
                         "UNAVAILABLE and their leases are released. Keep under the pod's terminationGracePeriodSeconds")
+    p.add_argument("--headroom-pages", type=int, default=config.DEFAULT_HEADROOM_PAGES,
+                   help="pages on demand: pages a request is leased beyond its prompt before its first token, and "
+                        "kept ahead of it while it generates (the rest is leased as it goes, in batched Extend calls)")
+    p.add_argument("--growth-pages", type=int, default=8,
+                   help="pages one growth asks for per sequence (or an eighth of what it holds, whichever is more)")
+    p.add_argument("--preempt-after", type=float, default=0.5,
+                   help="seconds a running request may lack a page for its next step (the pool dry) before the "
+                        "youngest running request is preempted (PREEMPTED; the gateway resubmits it)")
     p.add_argument("--canary", action="store_true",
                    help="tests: fill released pages with a marker and refuse a verified page that carries it")
 
@@ -52,6 +60,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 async def serve(args) -> None:
     check_unsafe("decode", args)  # before the model loads: a refusal is immediate
     tls = tls_from_args(args, "decode", "decode")
+    if args.headroom_pages < 1 or args.growth_pages < 1 or args.preempt_after < 0:
+        raise SystemExit(f"--headroom-pages and --growth-pages must be >= 1 and --preempt-after >= 0, got "
+                         f"{args.headroom_pages}, {args.growth_pages} and {args.preempt_after}")
     if args.checksum_sweep_pages < 0 or args.checksum_sweep_every < 1:
         raise SystemExit(f"--checksum-sweep-pages must be >= 0 and --checksum-sweep-every >= 1, got "
                          f"{args.checksum_sweep_pages} and {args.checksum_sweep_every}")
@@ -99,7 +110,8 @@ async def _start(args, tls) -> DecodeServicer:
                               allocation_timeout_s=args.allocation_timeout, rpc_timeout_s=args.rpc_timeout,
                               max_blind_s=args.max_blind, sweep_pages=args.checksum_sweep_pages,
                               sweep_every=args.checksum_sweep_every, queue_limit=args.allocation_queue_limit,
-                              queue_timeout_s=args.allocation_queue_timeout)
+                              queue_timeout_s=args.allocation_queue_timeout, headroom_pages=args.headroom_pages,
+                              growth_pages=args.growth_pages, preempt_after_s=args.preempt_after)
     servicer.transfer = transfer  # held for the process's life: the engine unregisters the pool when collected
     while True:  # SERVING only once the pool is allocated, registered and checked
         try:

@@ -17,6 +17,7 @@ longer names it, so no page is re-granted while a step that may write it can sti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Awaitable, Callable
@@ -57,6 +58,8 @@ class Scheduler:
         self.joining: dict[bytes, Sequence] = {}
         self.running: dict[bytes, Sequence] = {}  # in the order they are next stepped (the batch rotates)
         self.stepping: frozenset[bytes] = frozenset()  # owners of the step in flight, until it returns
+        self.growth = None  # pages on demand (growth.py): set by the servicer, which owns the broker link
+        self._admitted = 0
         self._idle = asyncio.Event()  # set while no step is in flight
         self._idle.set()
         self._wake = asyncio.Event()
@@ -84,6 +87,8 @@ class Scheduler:
         if (err := self.blind()) is not None:
             raise err
         self.sweep.admit(seq.prompt)
+        self._admitted += 1
+        seq.admitted = self._admitted
         self.running[seq.owner] = seq
         self._wake.set()
 
@@ -93,6 +98,14 @@ class Scheduler:
     def _mark(self, seq: Sequence, err: PdError | None) -> None:
         seq.cancelled = True
         seq.err = seq.err or err
+        self._wake.set()
+
+    def mark(self, seq: Sequence, err: PdError) -> None:
+        """Ends a sequence with err between steps (growth's refusals and preemptions)."""
+        if not seq.done:
+            self._mark(seq, err)
+
+    def wake(self) -> None:
         self._wake.set()
 
     def cancel(self, owner: bytes) -> None:
@@ -141,11 +154,18 @@ class Scheduler:
             page, gen = seq.leases[i]
             self.runner.pool.tags[page] = torch.tensor(make_tag(seq.owner, seq.epoch, gen, i, 0, 0))
 
-    def _next_batch(self) -> list[Sequence]:
-        """The max_batch sequences stepped longest ago; they move to the back of the order."""
-        if len(self.running) <= self.max_batch:
-            return list(self.running.values())
-        batch = list(self.running.values())[: self.max_batch]
+    def _ready(self) -> list[Sequence]:
+        """The running sequences whose next step writes a page already leased to them, in stepping order."""
+        if self.growth is not None:
+            self.growth.plan(self.running.values())
+        ps = self.runner.page_size
+        return [s for s in self.running.values() if not s.cancelled and s.has_page_for_next_step(ps)]
+
+    def _next_batch(self, ready: list[Sequence]) -> list[Sequence]:
+        """The max_batch ready sequences stepped longest ago; they move to the back of the order."""
+        if len(ready) <= self.max_batch:
+            return ready
+        batch = ready[: self.max_batch]
         for seq in batch:
             del self.running[seq.owner]
             self.running[seq.owner] = seq
@@ -179,7 +199,14 @@ class Scheduler:
                 continue
             if self._stop_if_blind():
                 continue
-            batch = self._next_batch()
+            ready = self._ready()
+            if not ready:  # every running sequence waits for growth pages, or was just marked (ends next round)
+                if not any(s.cancelled for s in self.running.values()):
+                    self._wake.clear()  # growth's reply wakes it; the timeout lets the preemption policy look again
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), 0.1)
+                continue
+            batch = self._next_batch(ready)
             try:
                 for seq in batch:
                     self._stamp_own_pages(seq)

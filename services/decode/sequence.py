@@ -10,6 +10,7 @@ import torch
 
 from ..common.errors import PdError
 from ..engine.sampler import SamplingParams
+from ..engine.tags import expected_tags
 from .sweep import PromptRecord
 
 
@@ -32,6 +33,10 @@ class Sequence:
     prompt: PromptRecord | None = None  # prompt pages and their verified checksums, for the sweep
     # only when repetition_penalty counts them; a tensor, so a long prompt is not converted again at every step
     prompt_token_ids: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
+    # pages on demand: the pages the whole request may come to use (prompt + max_tokens); leases holds fewer until
+    # growth (growth.py) has leased the rest. 0: every page was leased up front.
+    max_pages: int = 0
+    admitted: int = 0  # admission order: the policy preempts the youngest (largest) first
 
     @property
     def position(self) -> int:
@@ -41,6 +46,22 @@ class Sequence:
     def __post_init__(self) -> None:
         self.pages = [p for p, _ in self.leases]
         self.page_ids = torch.tensor(self.pages, dtype=torch.int64)
+
+    def has_page_for_next_step(self, page_size: int) -> bool:
+        """Whether the page the next step writes (that of `position`) is leased: a step never writes a page the
+        broker has not leased to this owner."""
+        return self.position // page_size < len(self.leases)
+
+    def grow(self, leases: list[tuple[int, int]]) -> None:
+        """Appends growth leases (from the broker's Extend reply) after the ones held: pages, ids and the
+        ownership words the per-step tag check expects, at the page indices that follow."""
+        first = len(self.leases)
+        self.leases = [*self.leases, *leases]
+        self.pages = [*self.pages, *(p for p, _ in leases)]
+        self.page_ids = torch.tensor(self.pages, dtype=torch.int64)
+        words = expected_tags(self.owner, self.epoch, leases)
+        words[:, -1] += first  # page_index is the position in the request, not in this batch of leases
+        self.expected = torch.cat([self.expected, words])
 
     def is_stopped(self) -> bool:
         """Ended by its last token: end-of-sequence (unless ignore_eos) or one of its stop tokens."""

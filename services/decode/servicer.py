@@ -10,7 +10,7 @@ import torch
 
 from ..common.admission import check_lengths, check_sampling
 from ..common.deadline import deadline_of, timeout_within
-from ..common.config import pages_for, pages_needed
+from ..common.config import DEFAULT_HEADROOM_PAGES, pages_for, pages_needed, pages_up_front
 from ..common.drain import draining_error
 from ..common.errors import PdError, invalid
 from ..common.faults import FAULTS
@@ -23,6 +23,7 @@ from ..engine.tags import TAG_NBYTES, expected_tags
 from ..engine.sampler import SamplingParams
 from .admit import admit_decode
 from .allocations import Allocation, Allocations
+from .growth import Growth
 from .run import GrantQueue, Notices
 from .scheduler import Scheduler, Sequence, raise_if_ended
 from .sweep import PromptRecord
@@ -42,7 +43,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def __init__(self, runner: ModelRunner, broker, pool_id: str, transfer_session: str, context_length: int,
                  model_name: str, max_batch: int = 64, rpc_timeout_s: float = 10.0, allocation_timeout_s: float = 120.0,
                  check_checksums: bool = True, canary: bool = False, sweep_pages: int = 8, max_blind_s: float = 1.0,
-                 sweep_every: int = 1, queue_limit: int = 256, queue_timeout_s: float = 30.0):
+                 sweep_every: int = 1, queue_limit: int = 256, queue_timeout_s: float = 30.0,
+                 headroom_pages: int = DEFAULT_HEADROOM_PAGES, growth_pages: int = 8, preempt_after_s: float = 0.5):
         self.check_checksums, self.canary = check_checksums, canary
         self.runner, self.pool, self.broker = runner, runner.pool, broker
         self.session = transfer_session
@@ -54,6 +56,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.link = BrokerWatch(broker, self, pool_id, self.pool.num_pages, max_blind_s, rpc_timeout_s)
         self.scheduler = Scheduler(runner, self._release_seq, max_batch, sweep_pages if check_checksums else 0,
                                    blind=self.link.blind_error, sweep_every=sweep_every)
+        self.headroom_pages = headroom_pages
+        self.growth = self.scheduler.growth = Growth(
+            self._extend, self.pool.page_size, headroom_pages, growth_pages, preempt_after_s,
+            wake=self.scheduler.wake, mark=self.scheduler.mark, on_broker_moved=self.link.epoch_changed.set)
         self.queue = GrantQueue(queue_limit, queue_timeout_s, lambda: self.draining)
         self.notices = Notices(self.pool.page_size, self.link.blind_error)
         self.layout_pb = layout_to_pb(self.pool.layout, TAG_NBYTES)
@@ -103,7 +109,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return decode_pb2.AllocateResponse(destination=self.destination(alloc))
 
     def admit_allocation(self, owner: bytes, num_prompt_tokens: int, max_tokens: int) -> int:
-        """The pages a request needs, once it may have them here."""
+        """The pages a request is granted up front, once it may ever have all it needs here (prompt + max_tokens:
+        what can never fit is refused before any lease); the rest is leased as it generates (growth.py)."""
         if self.draining:
             raise draining_error("decode", f"pool {self.pool_id} takes no new allocation")
         if len(owner) != 16:
@@ -113,7 +120,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                       self.pool.num_pages, None)
         if num_prompt_tokens == 0:
             raise invalid("EMPTY_PROMPT", "prompt is empty (0 tokens)")
-        return pages_needed(num_prompt_tokens, max_tokens, self.pool.page_size)
+        return pages_up_front(num_prompt_tokens, max_tokens, self.pool.page_size, self.headroom_pages)
 
     def destination(self, alloc: Allocation) -> common_pb2.Destination:
         return common_pb2.Destination(pool_id=alloc.pool_id, transfer_session=self.session,
@@ -125,6 +132,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         """Leases `need` pages from the broker (RESOURCE_EXHAUSTED when the pool is short) as a new allocation."""
         if (err := self.blind_error()) is not None:
             raise err
+        if self.growth.blocks_new_grants():
+            # running requests come first (growth.py): a new one waits in the queue until they have their pages
+            raise PdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "RUNNING_FIRST",
+                          f"{len(self.growth.starving)} running requests wait for growth pages of pool {self.pool_id}")
         if owner in self.pending_grants or owner in self.allocations or self.scheduler.holds(owner):
             raise PdError(grpc.StatusCode.ALREADY_EXISTS, "OWNER_HAS_LEASE", f"request {owner.hex()} is already "
                                                                              f"allocated on pool {self.pool_id}")
@@ -155,6 +166,26 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                                                  f"{len(leases)}")
         return self.allocations.add(owner, Allocation(resp.epoch, leases, num_prompt_tokens, max_tokens,
                                                       time.monotonic() + self.allocation_timeout_s, pool_id))
+
+    async def _extend(self, items: list[tuple[bytes, int]]) -> list:
+        """One broker Extend for many running sequences (growth.py): per item its new leases or the refusal."""
+        resp = await call(self.broker.Extend(broker_pb2.ExtendRequest(
+            pool_id=self.pool_id, epoch=self.epoch, owners=[o for o, _ in items], num_pages=[n for _, n in items]),
+            timeout=self.rpc_timeout_s), "broker Extend")
+        if len(resp.results) != len(items) or resp.epoch != self.epoch:
+            raise PdError(grpc.StatusCode.INTERNAL, "BAD_EXTEND", f"asked the broker to grow {len(items)} sequences "
+                                                                  f"in epoch {self.epoch:#x}; it answered {len(resp.results)} "
+                                                                  f"results in epoch {resp.epoch:#x}")
+        out = []
+        for (owner, n), r in zip(items, resp.results):
+            if r.refused:
+                out.append(PdError(grpc.StatusCode.FAILED_PRECONDITION, r.refused, r.message))
+            elif len(r.leases) != n:  # all or nothing per item: anything else is a broker fault
+                out.append(PdError(grpc.StatusCode.INTERNAL, "BAD_GRANT", f"asked for {n} growth pages for "
+                                                                          f"{owner.hex()}, granted {len(r.leases)}"))
+            else:
+                out.append(leases_from_pb(r.leases))
+        return out
 
     def _abandoned_grant(self, owner: bytes, rpc: asyncio.Future) -> None:
         self.pending_grants.discard(owner)
@@ -229,6 +260,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if self.check_checksums:  # verification proved the pages' bytes carry these checksums
                 seq.prompt = PromptRecord.of(alloc.leases, alloc.num_prompt_tokens, self.pool.page_size,
                                              list(request.coverage.checksums))
+            seq.max_pages = pages_needed(alloc.num_prompt_tokens, seq.sampling.max_tokens, self.pool.page_size)
             raise_if_ended(seq)
             if (err := self.blind_error()) is not None:
                 raise err

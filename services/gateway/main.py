@@ -56,6 +56,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "once with RESOURCE_EXHAUSTED OVERLOADED (HTTP 429) and a retry delay; 0: no limit")
     p.add_argument("--prefill-timeout", type=float, default=60.0, help="bound on one Prefill call, seconds")
     p.add_argument("--token-timeout", type=float, default=60.0, help="bound on the gap between two tokens, seconds")
+    p.add_argument("--max-resubmissions", type=int, default=3,
+                   help="times a request decode preempted (its KV pool ran dry) is resubmitted as prompt + the "
+                        "tokens streamed, continuing the client's stream; past it the client gets PREEMPTED")
     p.add_argument("--write-notice-timeout", type=float, default=5.0,
                    help="seconds between prefill reporting the KV written and decode's first token (the broker's "
                         "write-done notice) before the request fails UNAVAILABLE, retryable")
@@ -165,7 +168,8 @@ async def serve(args) -> None:
     init_metrics("gateway")
     backends = Backends(tls, args.load_interval)
     servicer = GatewayServicer(backends.routers["prefill"], backends.routers["decode"], None, None,
-                               args.prefill_timeout, args.token_timeout, args.write_notice_timeout)
+                               args.prefill_timeout, args.token_timeout, args.write_notice_timeout,
+                               args.max_resubmissions)
     servicer.concurrency = concurrency
     svc = Service("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
                   args.host, args.port, args.metrics_port, tls=None,  # public API: plaintext by design

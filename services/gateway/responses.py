@@ -34,6 +34,15 @@ class Responses:
             raise _missing(f"prefill returned {len(self.prompt_logprobs)} prompt log-probabilities for a "
                            f"{len(prompt)}-token prompt (expected {len(prompt) - 1})")
         self.num_sent = 0
+        self._first_from_prefill = True  # the next token's log-probabilities come from prefill's answer
+
+    def resume(self, prefilled) -> None:
+        """A resubmission (after a preemption) continues this stream: its first token, and that token's
+        log-probabilities, come from the new prefill's answer."""
+        if self.want_logprobs and not prefilled.HasField("first_logprobs"):
+            raise _missing("prefill returned no log-probabilities for the first token of a resubmission")
+        self.first_logprobs = prefilled.first_logprobs
+        self._first_from_prefill = True
 
     @property
     def stopped(self) -> bool:
@@ -57,10 +66,11 @@ class Responses:
             text += self.stops.flush()
         msg = gateway_pb2.GenerateResponse(request_id=self.request_id if first else b"", token_ids=[r.token_id],
                                            text=text, finish_reason=finish, prompt_tokens=len(self.prompt))
+        from_prefill, self._first_from_prefill = self._first_from_prefill, False
         if self.want_logprobs:
-            if not first and not r.HasField("logprobs"):
+            if not from_prefill and not r.HasField("logprobs"):
                 raise _missing(f"decode sent token {self.num_sent} without its log-probabilities")
-            msg.logprobs.append(self.first_logprobs if first else r.logprobs)
+            msg.logprobs.append(self.first_logprobs if from_prefill else r.logprobs)
         if first and self.prompt_logprobs is not None:
             msg.prompt_token_ids.extend(self.prompt)
             msg.prompt_logprobs.extend(self.prompt_logprobs)

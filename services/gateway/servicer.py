@@ -9,14 +9,14 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
-from ..common.config import pages_needed
+from ..common.config import pages_up_front
 from ..common.drain import draining_error
 from ..common.errors import PdError, from_rpc_error
-from ..common.metrics import ITL, REQUESTS, TIMEOUTS, TTFT
+from ..common.metrics import ITL, REQUESTS, RESUBMISSIONS, TIMEOUTS, TTFT
 from ..common.proto import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 from ..common.deadline import deadline_exceeded, deadline_of, timeout_within
 from ..common.wire import call, prompt_digest, sampling_from_pb
@@ -38,6 +38,16 @@ class Capacity:
     prefill_pool_tokens: int
 
 
+@dataclass(slots=True)
+class _Stream:
+    """What the client has been sent across the submissions of one request (a preempted one is resubmitted)."""
+    ids: list[int] = field(default_factory=list)  # token ids streamed
+    out: Responses | None = None
+    last: float | None = None  # when the last token went out
+    resubmissions: int = 0
+    resubmitted_at: int = 0  # len(ids) when the current submission went out: decode counts from there
+
+
 def _retrieve(task: asyncio.Future) -> None:
     """A prefill call nobody awaits any more (the first token came first, or the request ended): its outcome is
     read so that it is not reported as never retrieved."""
@@ -47,8 +57,10 @@ def _retrieve(task: asyncio.Future) -> None:
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, prefills: Router, decodes: Router, tokenizer, cap: Capacity | None,
-                 rpc_timeout_s: float = 60.0, token_timeout_s: float = 60.0, notice_timeout_s: float = 5.0):
+                 rpc_timeout_s: float = 60.0, token_timeout_s: float = 60.0, notice_timeout_s: float = 5.0,
+                 max_resubmissions: int = 3):
         self.token_timeout_s = token_timeout_s
+        self.max_resubmissions = max_resubmissions
         # routers over the live backend sets (backends.py); cap and tokenizer arrive with the first usable pair
         self.prefills = prefills
         self.decodes = decodes
@@ -84,7 +96,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
 
     async def generate(self, request, deadline: float | None = None):
         """The GenerateResponses of one request. deadline (absolute time.monotonic() seconds) bounds every
-        internal call: past it the request ends with DEADLINE_EXCEEDED and its pages are given back."""
+        internal call: past it the request ends with DEADLINE_EXCEEDED and its pages are given back.
+
+        A request decode preempted (its pool ran dry: UNAVAILABLE / PREEMPTED, carrying how many tokens it
+        streamed) is resubmitted as prompt + the tokens streamed so far, through prefill, with max_tokens what is
+        left, and its stream goes on where it stopped: no token twice, none missing (at most
+        --max-resubmissions times; then the client gets the error). Greedy output is the same as without the
+        preemption; a sampled one draws its later tokens afresh, and frequency/presence penalties count the tokens
+        before the preemption as prompt tokens."""
         start = time.perf_counter()
         code = "OK"
         self.active += 1
@@ -93,32 +112,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 raise draining_error("gateway", "new requests are refused; send them to another gateway")
             tokens, sampling = self.admit(request)
             self.concurrency.enter(self.active)  # after admission: a request that can never fit is not told to retry
-            tried: set[str] = set()
-            for attempt in range(2):
-                # a retryable failure before the first token is retried once, on another pair, as a new request
-                request_id = secrets.token_bytes(16)
-                # the Backend objects, not their addresses, carry the request: Decode reaches the pod that
-                # answered Allocate whatever discovery does meanwhile (a gone backend's channel outlives it)
-                need = pages_needed(len(tokens), request.max_tokens, self.cap.page_size)
-                decode = self.decodes.pick(exclude=tried, pages=need)
-                prefill = self.prefills.pick(exclude=tried)
-                tickets = (decode.take(need), prefill.take())
-                sent = 0
+            client = _Stream()
+            while True:
                 try:
-                    async for msg in self._run(request_id, tokens, sampling, request, prefill, decode, start,
-                                               tickets, deadline):
-                        sent += 1
+                    async for msg in self._attempts(tokens, sampling, request, start, deadline, client):
                         yield msg
                     break
-                except PdError as e:  # a backend's DRAINING refusal is UNAVAILABLE: retried, that pair excluded
-                    if sent or attempt or e.code != grpc.StatusCode.UNAVAILABLE:
-                        raise
-                    log.warning("request %s failed before its first token (%s); retrying on another pair",
-                                request_id.hex(), e)
-                    tried.update((decode.target, prefill.target))
-                finally:
-                    decode.done(tickets[0])
-                    prefill.done(tickets[1])
+                except PdError as e:
+                    self._resubmittable(e, tokens, request, client)
+                RESUBMISSIONS.labels("resubmitted").inc()
+                client.resubmissions += 1
         except PdError as e:
             code = e.code.name
             raise
@@ -129,8 +132,66 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             self.active -= 1
             REQUESTS.labels(code).inc()
 
+    def _resubmittable(self, e: PdError, tokens: list[int], request, client: "_Stream") -> None:
+        """Returns when a preempted request is to be resubmitted; raises what the client gets otherwise."""
+        if e.reason != "PREEMPTED" or not client.ids:
+            raise e
+        said, got = e.metadata.get("tokens_streamed"), len(client.ids) - client.resubmitted_at
+        if said != str(got):
+            # decode and the gateway disagree on what the client has: continuing could skip or repeat a token
+            raise PdError(grpc.StatusCode.INTERNAL, "PREEMPTED_MISMATCH",
+                          f"decode preempted the request after {said} tokens; the gateway streamed {got} of this "
+                          f"submission ({len(client.ids)} in all)") from None
+        if client.resubmissions >= self.max_resubmissions:
+            RESUBMISSIONS.labels("gave_up").inc()
+            raise e.prefixed(f"preempted {client.resubmissions + 1} times (limit --max-resubmissions "
+                             f"{self.max_resubmissions})") from None
+        if len(tokens) + len(client.ids) > self.cap.prefill_pool_tokens:
+            RESUBMISSIONS.labels("gave_up").inc()
+            raise e.prefixed(f"prompt {len(tokens)} + {len(client.ids)} streamed tokens exceed the prefill pool of "
+                             f"{self.cap.prefill_pool_tokens}: not resubmitted") from None
+        log.warning("request preempted after %d of %d tokens (%s); resubmitting prompt + those tokens",
+                    len(client.ids), request.max_tokens, e.message)
+
+    async def _attempts(self, tokens: list[int], sampling, request, start: float, deadline: float | None,
+                        client: "_Stream"):
+        """One submission (prompt + what was streamed before it): a retryable failure before its first token is
+        retried once, on another pair, as a new request."""
+        client.resubmitted_at = len(client.ids)
+        if client.ids:  # a resubmission: prefill computes what follows the tokens the client already has
+            tokens = tokens + client.ids
+            left = common_pb2.SamplingParams()
+            left.CopyFrom(sampling)
+            left.max_tokens = sampling.max_tokens - len(client.ids)
+            sampling = left
+        tried: set[str] = set()
+        for attempt in range(2):
+            request_id = secrets.token_bytes(16)
+            # the Backend objects, not their addresses, carry the request: Decode reaches the pod that
+            # answered Allocate whatever discovery does meanwhile (a gone backend's channel outlives it)
+            need = pages_up_front(len(tokens), sampling.max_tokens, self.cap.page_size)
+            decode = self.decodes.pick(exclude=tried, pages=need)
+            prefill = self.prefills.pick(exclude=tried)
+            tickets = (decode.take(need), prefill.take())
+            sent = len(client.ids)
+            try:
+                async for msg in self._run(request_id, tokens, sampling, request, prefill, decode, start,
+                                           tickets, deadline, client):
+                    yield msg
+                return
+            except PdError as e:  # a backend's DRAINING refusal is UNAVAILABLE: retried, that pair excluded
+                if len(client.ids) > sent or attempt or e.code != grpc.StatusCode.UNAVAILABLE \
+                        or e.reason == "PREEMPTED":
+                    raise
+                log.warning("request %s failed before its first token (%s); retrying on another pair",
+                            request_id.hex(), e)
+                tried.update((decode.target, prefill.target))
+            finally:
+                decode.done(tickets[0])
+                prefill.done(tickets[1])
+
     async def _run(self, request_id: bytes, tokens: list[int], sampling, request, prefill: Backend, decode: Backend,
-                   start: float, tickets: tuple[Ticket, Ticket], deadline: float | None):
+                   start: float, tickets: tuple[Ticket, Ticket], deadline: float | None, client: "_Stream"):
         """Three round trips to the first token: decode's Run stream grants pages (waiting in decode's queue when
         the pool is full) and sends the destination; prefill writes there and acks to the broker; the broker's
         write-done notice starts decode, whose first token comes down the same stream."""
@@ -145,7 +206,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if ev is None or not ev.HasField("destination"):
                 raise PdError(grpc.StatusCode.INTERNAL, "BAD_STREAM", f"decode {decode.target} sent no destination")
             Backend.settle(tickets[0])
-            want_prompt_lps = request.HasField("prompt_logprobs")
+            want_prompt_lps = request.HasField("prompt_logprobs") and not client.ids
             preq = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling,
                                               destination=ev.destination,
                                               prompt_logprobs=request.prompt_logprobs if want_prompt_lps else None)
@@ -159,7 +220,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             try:
                 await asyncio.wait({pf, first}, return_when=asyncio.FIRST_COMPLETED)
                 if pf.done() and pf.exception() is not None:
-                    raise self._prefill_error(pf.exception(), deadline)
+                    # the request's deadline, not the call's own bound, set the prefill call's timeout
+                    raise self._prefill_error(pf.exception(), deadline, timeout < self.rpc_timeout_s)
                 if not pf.done() and isinstance(first.exception(), PdError) and \
                         first.exception().code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     TIMEOUTS.labels("prefill").inc()
@@ -181,16 +243,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if r is None:
                 raise PdError(grpc.StatusCode.INTERNAL, "BAD_STREAM", f"decode {decode.target} ended the stream "
                                                                       "without a token")
-            out = Responses(self.tokenizer, request_id, tokens, sampling, list(request.stop), resp, want_prompt_lps)
-            last = None
+            if client.out is None:
+                client.out = Responses(self.tokenizer, request_id, tokens, sampling, list(request.stop), resp,
+                                       want_prompt_lps)
+            else:
+                client.out.resume(resp)  # the stream goes on: text, stop strings and counts where they were
+            out = client.out
             while r is not None:
                 now = time.perf_counter()
-                if last is None:
+                if client.last is None:
                     TTFT.observe(now - start)
                 else:
-                    ITL.observe(now - last)
-                last = now
-                yield out.make(r.token)
+                    ITL.observe(now - client.last)
+                client.last = now
+                msg = out.make(r.token)
+                client.ids.append(r.token.token_id)
+                yield msg
                 if out.stopped:
                     break  # a stop string: the stream is cancelled below, and decode releases the pages
                 r = await self._next(stream, decode, deadline, f"after {out.num_sent} tokens")
@@ -205,10 +273,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         finally:
             stream.cancel()  # ends the request at decode, which gives its pages back
 
-    def _prefill_error(self, e: BaseException, deadline: float | None) -> BaseException:
+    def _prefill_error(self, e: BaseException, deadline: float | None, by_deadline: bool) -> BaseException:
         if isinstance(e, PdError) and e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
             TIMEOUTS.labels("prefill").inc()
-            if deadline is not None and time.monotonic() >= deadline:
+            # by_deadline rather than comparing the clock: a timer may fire a clock tick before the deadline
+            if deadline is not None and (by_deadline or time.monotonic() >= deadline):
                 return deadline_exceeded(deadline, f"during prefill ({e.message})")
         return e
 

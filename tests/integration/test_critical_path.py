@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 
+from pdserve.common.config import pages_up_front
 from pdserve.common.errors import from_rpc_error
 from pdserve.common.proto import common_pb2, decode_pb2
 from pdserve.common.wire import prompt_digest
@@ -42,8 +43,9 @@ def test_each_request_costs_one_run_one_prefill_and_grant_begin_end_at_the_broke
 
 def test_a_full_pool_queues_requests_in_decode_until_pages_come_back(stack, oracle):
     info = stack.decodes[0].GetInfo(common_pb2.GetInfoRequest(), timeout=10)
-    per = 256  # pages of a 16-token prompt + 4080 tokens
-    held = [allocate(stack, 16, 4080)[0] for _ in range(info.free_pages // per)]  # the old path holds pages
+    per = pages_up_front(4064, 32, info.page_size)  # 254 prompt pages + the headroom: 256 (pages on demand)
+    held = [allocate(stack, 4064, 32)[0] for _ in range(info.free_pages // per)]  # the old path holds pages
+    assert info.free_pages % per < pages_up_front(30, 8, info.page_size)  # so the three below must wait
     prompts = [prompt(30, 600 + i) for i in range(3)]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         futs = [pool.submit(stack.generate, prompt_token_ids=p, max_tokens=8, ignore_eos=True) for p in prompts]

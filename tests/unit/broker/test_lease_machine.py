@@ -63,7 +63,9 @@ class LeaseMachine(RuleBasedStateMachine):
             assert not ok
             return
         assert ok
-        self.sealed.update(leases)
+        # the first write of a grant seals every page of that grant, named or not (its headroom is decode's)
+        gens = {gen for _, gen in leases}
+        self.sealed.update(lease for lease in self.held[owner] if lease[1] in gens)
         self.writes.update({page: (writer, gen) for page, gen in leases})
         if self.expiry.get(writer, self.clock.now) <= self.clock.now:
             self.expiry[writer] = self.clock.now + TTL

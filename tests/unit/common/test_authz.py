@@ -169,6 +169,7 @@ OWN, EMPTY, IN_POOL, LEASE_, ANYTHING = "own", "empty", "in own pool", "by lease
 EXPECTED_IDS = {
     ("RegisterPool", "pool_id"): {"decode": OWN},
     ("Grant", "pool_id"): {"decode": OWN}, ("Grant", "owner"): {"decode": IN_POOL},
+    ("Extend", "pool_id"): {"decode": OWN}, ("Extend", "owners"): {"decode": IN_POOL},
     ("Validate", "pool_id"): {"decode": OWN}, ("Validate", "owner"): {"decode": IN_POOL},
     ("Release", "pool_id"): {"decode": OWN}, ("Release", "owner"): {"decode": IN_POOL},
     ("WatchRevocations", "pool_id"): {"decode": OWN},
@@ -199,6 +200,7 @@ HONEST = [
     ("RegisterPool", D0, pb.RegisterPoolRequest(pool_id=POOL, num_pages=4, region=pb.PoolRegion(
         transfer_session="127.0.0.1:9", data_base=1, tag_base=2))),
     ("Grant", D0, pb.GrantRequest(pool_id=POOL, owner=OWNER, num_pages=2, epoch=5)),
+    ("Extend", D0, pb.ExtendRequest(pool_id=POOL, epoch=5, owners=[OWNER, b"o" * 16], num_pages=[8, 2])),
     ("Validate", D0, pb.ValidateRequest(pool_id=POOL, owner=OWNER, epoch=5, leases=LEASE)),
     ("Release", D0, pb.ReleaseRequest(pool_id=POOL, owner=OWNER, epoch=5)),
     ("WatchRevocations", D0, pb.WatchRevocationsRequest(pool_id=POOL, after_seq=3, epoch=5)),

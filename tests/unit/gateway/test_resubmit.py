@@ -1,0 +1,123 @@
+"""GatewayServicer.generate when decode preempts a request (its pool ran dry): the gateway resubmits prompt + the
+tokens streamed so far through prefill, with max_tokens what is left, and the client's stream goes on with no
+token twice and none missing; a preemption whose count disagrees with what the client has, or one past
+--max-resubmissions, ends the stream with an error instead. Stub backends (a unit test of the gateway alone); the
+whole stack's preemption is tests/integration/test_pages_on_demand.py."""
+import asyncio
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from pdserve.common.errors import PdError, to_status
+from pdserve.common.proto import common_pb2, decode_pb2, gateway_pb2, prefill_pb2
+from pdserve.engine.tokenizer import ByteTokenizer
+from pdserve.gateway.router import Backend, Router
+from pdserve.gateway.servicer import Capacity, GatewayServicer
+
+PROMPT = [5, 6, 7]
+
+
+def _preempted(tokens_streamed: int) -> grpc.aio.AioRpcError:
+    status = to_status(PdError(grpc.StatusCode.UNAVAILABLE, "PREEMPTED", "the KV pool ran dry",
+                               metadata={"tokens_streamed": str(tokens_streamed)}))
+    return grpc.aio.AioRpcError(status.code, grpc.aio.Metadata(), grpc.aio.Metadata(*status.trailing_metadata),
+                                details=status.details)
+
+
+class Run:
+    """Decode's Run stream: the destination, then `tokens` (the first from the prefill's notice), then the end
+    or a preemption."""
+
+    def __init__(self, tokens: list[int], preempt_after: int | None, said: int | None):
+        self.events = [decode_pb2.RunEvent(destination=common_pb2.Destination(pool_id="p"))]
+        for i, t in enumerate(tokens):
+            finish = common_pb2.FINISH_REASON_LENGTH if preempt_after is None and i == len(tokens) - 1 else 0
+            self.events.append(decode_pb2.RunEvent(token=decode_pb2.DecodeResponse(token_id=t, finish_reason=finish)))
+        self.error = None if preempt_after is None else _preempted(preempt_after if said is None else said)
+
+    async def read(self):
+        if self.events:
+            return self.events.pop(0)
+        if self.error is not None:
+            raise self.error
+        return grpc.aio.EOF
+
+    def cancel(self):
+        pass
+
+
+class Decode:
+    def __init__(self, script):
+        self.script, self.requests = list(script), []
+
+    def Run(self, req, timeout):
+        self.requests.append(req)
+        return Run(*self.script.pop(0))
+
+
+class Prefill:
+    def __init__(self):
+        self.requests = []
+
+    async def Prefill(self, req, timeout):
+        self.requests.append(req)
+        return prefill_pb2.PrefillResponse()
+
+
+def _generate(script, max_resubmissions: int = 3, max_tokens: int = 7):
+    info = SimpleNamespace(free_pages=100, queue_depth=0)
+    decode, prefill = Decode(script), Prefill()
+    gw = GatewayServicer(Router("prefill", [Backend("pf", prefill, info)]),
+                         Router("decode", [Backend("dc", decode, info)]), ByteTokenizer(512),
+                         Capacity("m", 4096, 512, 16, 100, 4096), max_resubmissions=max_resubmissions)
+    req = gateway_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=max_tokens, ignore_eos=True)
+    got = []
+
+    async def main():
+        async for m in gw.generate(req):
+            got.append(m)
+    try:
+        asyncio.run(main())
+        err = None
+    except PdError as e:
+        err = e
+    return got, err, decode, prefill
+
+
+def test_a_preempted_stream_goes_on_from_prompt_plus_its_tokens_without_a_gap_or_a_repeat():
+    # decode streams 3 tokens and is preempted; the resubmission's first token is the 4th, prefill's own
+    got, err, decode, prefill = _generate([([65, 66, 67], 3, None), ([68, 69, 70, 71], None, None)])
+    assert err is None
+    assert [t for m in got for t in m.token_ids] == [65, 66, 67, 68, 69, 70, 71]
+    assert "".join(m.text for m in got) == "ABCDEFG" and got[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert [list(r.token_ids) for r in prefill.requests] == [PROMPT, PROMPT + [65, 66, 67]]
+    assert [r.sampling.max_tokens for r in decode.requests] == [7, 4]
+    assert [r.num_prompt_tokens for r in decode.requests] == [3, 6]
+    assert decode.requests[0].request_id != decode.requests[1].request_id  # a new request, new leases
+    assert got[0].request_id and not any(m.request_id for m in got[1:])  # one stream to the client
+
+
+def test_a_preemption_whose_count_disagrees_with_the_stream_ends_it():
+    got, err, _, prefill = _generate([([65, 66, 67], 3, 2), ([68], None, None)])
+    assert err.code == grpc.StatusCode.INTERNAL and err.reason == "PREEMPTED_MISMATCH"
+    assert "after 2 tokens" in err.message and "streamed 3 of this submission" in err.message
+    assert len(prefill.requests) == 1 and len(got) == 3
+
+
+@pytest.mark.parametrize("limit", [0, 1])
+def test_past_max_resubmissions_the_client_gets_the_preemption(limit):
+    script = [([65 + 2 * i, 66 + 2 * i], 2, None) for i in range(limit + 1)]  # decode counts per submission
+    got, err, _, prefill = _generate(script, max_resubmissions=limit, max_tokens=20)
+    assert err.code == grpc.StatusCode.UNAVAILABLE and err.reason == "PREEMPTED"
+    assert f"limit --max-resubmissions {limit}" in err.message
+    assert len(prefill.requests) == limit + 1 and [t for m in got for t in m.token_ids] == \
+        list(range(65, 65 + 2 * (limit + 1)))
+
+
+def test_decode_counts_each_submission_on_its_own():
+    """The second preemption's tokens_streamed counts what that submission streamed (2), not the whole stream (4)."""
+    got, err, decode, prefill = _generate([([65, 66], 2, None), ([67, 68], 2, None), ([69, 70, 71], None, None)])
+    assert err is None and [t for m in got for t in m.token_ids] == list(range(65, 72))
+    assert [list(r.token_ids) for r in prefill.requests] == [PROMPT, PROMPT + [65, 66], PROMPT + [65, 66, 67, 68]]
+    assert [r.sampling.max_tokens for r in decode.requests] == [7, 5, 3]
