@@ -12,8 +12,8 @@
 # default: number of CPUs), FORMAL_DEEP=1 (also the model with a fault budget of 2, the LTL
 # runs with the lease faults and with the non-atomic step, every request free to choose its
 # decode path, allocation expiry with the fault budget, the non-atomic step with the lease
-# faults and with both requests on Run, and redundant/*_deep.pml; minutes, GiBs), CC (default
-# gcc).
+# faults and with both requests on Run, growth with three pages and with the lease faults, and
+# redundant/*_deep.pml; minutes, GiBs), CC (default gcc).
 set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -99,6 +99,10 @@ add model-step-writes        model "$here/pdserve.pml" "-DSTEP_WRITES"      "$sa
 # issue 18: allocation expiry as its own process, racing both requests' takes in honest operation
 # (the race needs no fault; with the fault budget: FORMAL_DEEP=1)
 add model-expiry             model "$here/pdserve.pml" "-DEXPIRY -DFAULTS=0" "$safety" "-m10000"
+# issue 19, pages on demand: both requests grow by Extend into a page decode writes (the non-atomic step
+# included); and a Grant with a headroom page (r0), sealed like a growth page
+add model-growth             model "$here/pdserve.pml" "-DGROWTH -DGROWS=3" "$safety" "-m10000"
+add model-growth-headroom    model "$here/pdserve.pml" "-DHEADROOM"         "$safety" "-m10000"
 if [ "${FORMAL_DEEP:-0}" = 1 ]; then
   add model-two-faults       model "$here/pdserve.pml" "-DFAULTS=2" "$safety -DCOLLAPSE" "-m10000"
   add model-ltl-drains-lease-faults model "$here/pdserve.pml" "-DLEASE_FAULTS" "-O1" "-m10000 -a -N drains"
@@ -108,6 +112,9 @@ if [ "${FORMAL_DEEP:-0}" = 1 ]; then
   add model-step-writes-lease-faults model "$here/pdserve.pml" "-DSTEP_WRITES -DLEASE_FAULTS" "$safety" "-m10000"
   add model-step-writes-both-run model "$here/pdserve.pml" "-DSTEP_WRITES -DRUNPATH=3" "$safety" "-m10000"
   add model-ltl-drains-step-writes model "$here/pdserve.pml" "-DSTEP_WRITES" "-O1" "-m10000 -a -N drains"
+  # issue 19: r0 grows into a third page while r1 holds its own (3.5 GB); growth with the lease faults
+  add model-growth-three-pages model "$here/pdserve.pml" "-DGROWTH -DNP=3" "$safety" "-m10000"
+  add model-growth-lease-faults model "$here/pdserve.pml" "-DGROWTH -DGROWS=3 -DLEASE_FAULTS" "$safety" "-m10000"
 fi
 # guards the model shows to be covered by others: they must not yield a counter-example
 # (FORMAL_DEEP=1 also runs the *_deep.pml ones, which repeat an argument already checked)

@@ -20,6 +20,11 @@
  *            cancellable at every stage. With -DSTEP_WRITES a step is a check, then a later
  *            write of its own KV into its page (a stalled step thread), and the reader's
  *            KeepAlive acknowledges a revoked owner once no step of it can still write.
+ *   Growth   (-DGROWTH, issue 19: pages on demand) a growing request's tokens go into a growth page that
+ *            decode leases by Extend (refused unless the owner holds leases now; a fresh generation,
+ *            sealed) and writes itself, stamping its tag; Release and Revoke are by owner, growth
+ *            pages included; the broker takes the Extend at any time after decode sent it (after a
+ *            Revoke, a Release, a move), its reply may be lost; -DHEADROOM: the Grant's headroom page.
  *   Expiry   (-DEXPIRY) decode's allocation expiry (and drain), racing the reader's take:
  *            each allocation is handed out once, to the reader or to expiry, which releases it.
  *   Net      delivers one-sided writes late and in any order (data and tag of one write too);
@@ -75,6 +80,26 @@
 #endif
 #ifndef ANYPATH
 #define ANYPATH 0
+#endif
+/* issue 19 (pages on demand), its own run (check.sh): -DGROWTH. A growing request's prompt fills its
+ * page; every token it generates goes into a growth page that decode leases from the broker by Extend
+ * (one call for many owners: each item on its own) and writes itself, so -DGROWTH implies -DSTEP_WRITES.
+ * GROWS: bit r, request r grows (the others step over their prompt page as before); NGSTEPS: steps of
+ * a growing request, step i writing cell i of its growth page (the second reads the first one's KV) */
+#ifdef HEADROOM
+#define GROWTH
+#endif
+#ifdef GROWTH
+#ifndef STEP_WRITES
+#define STEP_WRITES
+#endif
+#ifndef GROWS
+#define GROWS 1
+#endif
+#ifndef NGSTEPS
+#define NGSTEPS 2
+#endif
+#define GROWER(r) ((GROWS >> (r)) & 1)
 #endif
 /* issue 18, each in its own run (check.sh): -DEXPIRY (allocation expiry as a process racing the
  * reader's take), -DSTEP_WRITES (a decode step checks, then writes its page later; the reader's
@@ -174,9 +199,26 @@ bit  atab[NR];                   /* r's allocation is in it: granted, not yet ta
 bit  esnap[NR];                  /* (mutant) expiry's snapshot of the table holds r's allocation */
 #endif
 #endif
-#ifdef STEP_WRITES
+#ifdef GROWTH
+/* 0: no step in flight; 1: a step over the prompt page; 2 + i: growth step i (it writes cell i of gpage) */
+byte stepping[NR];
+#elif defined(STEP_WRITES)
 bit  stepping[NR];               /* r's step passed its check and has not yet written its own KV */
+#endif
+#ifdef STEP_WRITES
 bit  unheld[NR];                 /* decode dropped r's allocation on a revocation (no notice yet): KeepAlive omits r */
+#endif
+#ifdef GROWTH
+/* pages on demand: the broker's view (the owner's lease list) and decode's (what an Extend reply gave it) */
+byte bg[NR];                     /* growth page the broker leased to r by Extend (NONE: none) */
+byte bggen[NR];                  /*   ... at this generation */
+bit  xsent[NR];                  /* r's item of an Extend call is on its way to the broker */
+byte xrep[NR];                   /* its reply, not yet applied by decode: XGRANTED, XDRY or XREFUSED */
+byte gpage[NR];                  /* the growth page decode holds for r (from the reply; NONE: none yet) */
+byte gstamp[NR];                 /*   ... its lease (owner, epoch, generation) as decode stamps and checks it */
+#define XGRANTED 1
+#define XDRY     2               /* POOL_EXHAUSTED: decode may ask again, wait, or preempt */
+#define XREFUSED 3               /* OWNER_NOT_LEASED, or the epoch is not current: the request ends */
 #endif
 #ifdef FOREIGN
 /* what the other decode instance's calls did, when the broker accepted them (mutant only) */
@@ -204,6 +246,15 @@ byte k;                          /* loop index inside atomic sequences only; 0 b
 
 #define LEASE_CUR(r) (rpage[r] != NONE && pst[rpage[r]] == LEASED && powner[rpage[r]] == (r) \
                       && pgen[rpage[r]] == rgen[r] && EPOK(r))
+/* the owner holds leases in the pool (LeaseTable's pool.owners[owner] is not empty): its prompt page, or
+ * a growth page the broker leased it (at the owner's epoch: Extend is refused at any other) */
+#ifdef GROWTH
+#define BG_CUR(r) (bg[r] != NONE && pst[bg[r]] == LEASED && powner[bg[r]] == (r) && pgen[bg[r]] == bggen[r] \
+                   && EPOK(r))
+#define HOLDS(r) (LEASE_CUR(r) || BG_CUR(r))
+#else
+#define HOLDS(r) LEASE_CUR(r)
+#endif
 
 /* prefill's own liveness check before posting writes (with margin); a lease of an
  * earlier epoch no longer counts once the old incarnation's writers are presumed drained */
@@ -355,7 +406,13 @@ byte k;                          /* loop index inside atomic sequences only; 0 b
 #endif
 
 #define LIVE_R(r) (reading[r] && !revoked[r] && EPOK(r))
+#ifdef GROWTH
+/* a growing reader's pages: its prompt page and the growth page decode holds for it */
+#define TWO_LIVE(a,b) (LIVE_R(a) && LIVE_R(b) && (rpage[a] == rpage[b] || gpage[a] == rpage[b] \
+                       || gpage[b] == rpage[a] || (gpage[a] != NONE && gpage[a] == gpage[b])))
+#else
 #define TWO_LIVE(a,b) (LIVE_R(a) && LIVE_R(b) && rpage[a] == rpage[b])
+#endif
 
 /* ============================== broker steps ============================== */
 
@@ -364,7 +421,19 @@ inline setpst(pp, s) {
 }
 
 
-/* LeaseTable.grant (one page): lowest free page, fresh generation */
+/* LeaseTable.grant (one page): lowest free page, fresh generation. With -DHEADROOM a growing request's
+ * Grant also leases its headroom page (its growth page, written by decode alone), all or nothing, at the
+ * same generation; sealed at once, as Extend seals its pages, so no BeginWrite may name it */
+#ifdef HEADROOM
+#define NEED(r) (1 + GROWER(r))
+#ifdef MUT_HEADROOM_UNSEALED
+#define HEADROOM_SEALED 0            /* only the pages a BeginWrite or Validate names are sealed (the code) */
+#else
+#define HEADROOM_SEALED 1
+#endif
+#else
+#define NEED(r) 1
+#endif
 inline grant(r) {
   p = 0;
   do
@@ -383,6 +452,21 @@ inline grant(r) {
   setpst(p, LEASED); powner[p] = r; pwrit[p] = 0;
   rpage[r] = p; rgen[r] = pgen[p]; rep[r] = epoch; rstamp[r] = STAMP(r, epoch, pgen[p]);
   printf("GRANT     r%d gets page %d, lease r%d/e%d/g%d\n", r, p, SHOW(rstamp[r]));
+#ifdef HEADROOM
+  if                                                 /* + the headroom page, at the same generation */
+  :: GROWER(r) ->
+     p = 0;
+     do
+     :: p < NP - 1 && pst[p] != FREE -> p++
+     :: else -> break
+     od;
+     assert(pst[p] == FREE);                         /* P2 */
+     pgen[p] = genctr; setpst(p, LEASED); powner[p] = r; pwrit[p] = HEADROOM_SEALED;
+     bg[r] = p; bggen[r] = genctr; gpage[r] = p; gstamp[r] = rstamp[r];
+     printf("GRANT     r%d gets headroom page %d, lease r%d/e%d/g%d\n", r, p, SHOW(rstamp[r]))
+  :: else
+  fi;
+#endif
   p = 0
 }
 
@@ -400,14 +484,39 @@ inline end_lease(pp) {
 
 /* LeaseTable.revoke: the holder has not let go and may be mid-step until the revocation
  * reaches it, so its pages go through quarantine too (a holder already expired) */
+#ifdef MUT_REVOKE_SPARES_GROWTH
+#define REVOKE_SPARES_GROWTH 1                       /* Revoke ends only the pages of the owner's Grant */
+#else
+#define REVOKE_SPARES_GROWTH 0
+#endif
 inline revoke(r) {
+#ifdef GROWTH
+  if                                                 /* by owner: its growth page goes the same way */
+  :: BG_CUR(r) && !REVOKE_SPARES_GROWTH ->
+#ifndef MUT_REVOKE_FREES
+     if
+     :: paw[bg[r]] == 0 -> paw[bg[r]] = REVW
+     :: else
+     fi;
+#endif
+     end_lease(bg[r])
+  :: else
+  fi;
+  if
+  :: LEASE_CUR(r) ->
+#endif
 #ifndef MUT_REVOKE_FREES
   if
   :: paw[rpage[r]] == 0 -> paw[rpage[r]] = REVW
   :: else
   fi;
 #endif
-  end_lease(rpage[r]); rvq[r] = 1
+  end_lease(rpage[r])
+#ifdef GROWTH
+  :: else
+  fi
+#endif
+  ; rvq[r] = 1
 }
 
 inline release(r) {
@@ -416,7 +525,59 @@ inline release(r) {
      printf("RELEASE   r%d: page %d is now %e\n", r, rpage[r], PSTATE(pst[rpage[r]]))
   :: else                                            /* gone already, or an old epoch */
   fi
+#ifdef GROWTH
+  ;
+  if                                                 /* Release is by owner: its growth page too */
+  :: BG_CUR(r) -> end_lease(bg[r]);
+     printf("RELEASE   r%d: growth page %d is now %e\n", r, bg[r], PSTATE(pst[bg[r]]))
+  :: else
+  fi
+#endif
 }
+
+#ifdef GROWTH
+/* LeaseTable.extend, one item (owner r, one page): refused unless the epoch is current and the owner holds
+ * leases in the pool now; POOL_EXHAUSTED without a FREE page; else the lowest free page, a fresh
+ * generation, sealed at once (decode alone writes a growth page: no BeginWrite may name it), appended to
+ * the owner's lease list. The reply of a request decode has ended is dropped by decode: not kept */
+#ifdef MUT_EXTEND_REVOKED_OWNER
+#define EXTEND_OK(r) (rep[r] == epoch && rpage[r] != NONE)  /* any owner ever granted here */
+#else
+#define EXTEND_OK(r) (rep[r] == epoch && HOLDS(r))
+#endif
+#ifdef MUT_GROWTH_UNSEALED
+#define SEALED 0                                     /* a growth page takes a BeginWrite like a prompt page */
+#else
+#define SEALED 1
+#endif
+inline extend(r) {
+  xsent[r] = 0;
+  if
+  :: EXTEND_OK(r) && npst[FREE] > 0 ->
+     p = 0;
+     do
+     :: p < NP - 1 && pst[p] != FREE -> p++
+     :: else -> break
+     od;
+     assert(pst[p] == FREE);                         /* P2 */
+     genctr++; pgen[p] = genctr;
+     setpst(p, LEASED); powner[p] = r; pwrit[p] = SEALED;
+     bg[r] = p; bggen[r] = genctr;
+     if
+     :: !rdone[r] -> xrep[r] = XGRANTED
+     :: else
+     fi;
+     printf("EXTEND    r%d gets growth page %d, lease r%d/e%d/g%d\n", r, p, SHOW(STAMP(r, epoch, genctr)));
+     p = 0
+  :: EXTEND_OK(r) && npst[FREE] == 0 ->
+     if :: !rdone[r] -> xrep[r] = XDRY :: else fi;
+     printf("EXTEND    r%d refused: POOL_EXHAUSTED\n", r)
+  :: else ->
+     if :: !rdone[r] -> xrep[r] = XREFUSED :: else fi;
+     printf("EXTEND    r%d refused: the owner holds no leases (or the epoch is not current)\n", r)
+  fi
+}
+#endif
 
 /* the write-done notice of r's write (other: another prompt's), logged on the pool's revocation
  * stream after every revocation of r logged before it. Only a Run waits for it: for an old-path
@@ -722,8 +883,11 @@ wend:
 proctype Reader(byte r) {                            /* decode: Allocate, Decode, scheduler, Release */
   byte p;
   byte i;
+#ifdef MUT_RELEASE_DURING_STEP
+  bit pre;                                           /* preempted while its step ran */
+#endif
   if
-  :: atomic { npst[FREE] > 0 -> grant(r); ALLOCATED(r);
+  :: atomic { npst[FREE] >= NEED(r) -> grant(r); ALLOCATED(r);
               if
               :: (ANYPATH >> r) & 1 ->
                  if
@@ -734,7 +898,7 @@ proctype Reader(byte r) {                            /* decode: Allocate, Decode
               fi;
               printf("PATH      r%d: %d (1: Run, one stream, destination first; 0: Allocate, Decode)\n", r, rrun[r]) }
 #ifdef LEASE_FAULTS
-  :: atomic { npst[FREE] > 0 && budget > 0 -> budget--; grant(r);   /* fault: the reply is lost */
+  :: atomic { npst[FREE] >= NEED(r) && budget > 0 -> budget--; grant(r);   /* fault: the reply is lost */
               printf("GRANT     FAULT reply to r%d lost: decode never learns of page %d\n", r, rpage[r]);
               rdone[r] = 1; wfin[r] = 1; goto gone }
 #endif
@@ -783,6 +947,12 @@ proctype Reader(byte r) {                            /* decode: Allocate, Decode
     fi
   }
 steps:
+#ifdef GROWTH
+  if
+  :: GROWER(r) -> goto gsteps
+  :: else
+  fi;
+#endif
   do
   :: i < NSTEPS ->
      atomic {
@@ -814,13 +984,78 @@ steps:
   :: atomic { i < NSTEPS -> printf("CANCEL    r%d mid-stream\n", r); goto out }
   :: i == NSTEPS -> break
   od;
+#ifdef GROWTH
+  goto out;
+gsteps:
+  /* a growing request: its prompt page is full, so step i writes its token's K/V into cell i of the next
+   * page, which decode leases by Extend ahead of need (Growth.plan, between steps: one call in flight) */
+  do
+  :: atomic { i < NGSTEPS && gpage[r] == NONE && bg[r] == NONE && !xsent[r] && xrep[r] == 0 -> xsent[r] = 1;
+              printf("EXTEND    r%d: decode asks for a growth page\n", r) }
+#ifdef MUT_GROWTH_BEFORE_LEASE
+  :: atomic { xsent[r] && gpage[r] == NONE -> gpage[r] = (rpage[r] + 1) % NP; gstamp[r] = STAMP(r, rep[r], genctr + 1);
+              printf("GROW      r%d takes page %d, the one it expects, as r%d/e%d/g%d before the Extend reply\n",
+                     r, gpage[r], SHOW(gstamp[r])) }
+#endif
+  :: atomic { xrep[r] == XGRANTED -> xrep[r] = 0; gpage[r] = bg[r]; gstamp[r] = STAMP(r, rep[r], bggen[r]);
+              printf("GROW      r%d applies the reply: growth page %d, lease r%d/e%d/g%d\n", r, gpage[r], SHOW(gstamp[r])) }
+  :: atomic { xrep[r] == XDRY -> xrep[r] = 0 }          /* it asks again, waits, or is preempted (below) */
+  :: atomic { xrep[r] == XREFUSED -> xrep[r] = 0;
+              printf("GROW      r%d: growth refused, the request ends (GROWTH_REFUSED)\n", r); goto out }
+  :: i < NGSTEPS && gpage[r] != NONE ->
+     atomic {
+       if                                            /* _stamp_own_pages: the tag of the page it starts */
+       :: i == 0 && !revoked[r] && EPOK(r) -> tstamp[gpage[r]] = gstamp[r]; tntok[gpage[r]] = 0
+       :: else
+       fi;
+       if
+       :: GATE(r) && WORDS(tstamp[gpage[r]]) == gstamp[r] ->
+          /* P1: it reads both prompt cells and the growth cells written before */
+          printf("STEP      r%d reads page %d (r%d/e%d/g%d r%d/e%d/g%d) and growth page %d (r%d/e%d/g%d); writes its cell %d\n",
+                 r, rpage[r], SHOW(d0[rpage[r]]), SHOW(d1[rpage[r]]), gpage[r], SHOW(d0[gpage[r]]), i);
+          if
+          :: d0[rpage[r]] != rstamp[r] || d1[rpage[r]] != rstamp[r] || (i == 1 && d0[gpage[r]] != gstamp[r]) ->
+             printf("VIOLATION P1: r%d consumed bytes written under another lease\n", r)
+          :: else
+          fi;
+          assert(d0[rpage[r]] == rstamp[r] && d1[rpage[r]] == rstamp[r] && (i == 0 || d0[gpage[r]] == gstamp[r]));
+          stepping[r] = 2 + i; i++
+       :: else -> printf("STEP      r%d: check fails, request ends\n", r); goto out
+       fi
+     };
+#ifdef MUT_RELEASE_DURING_STEP
+     if
+     :: skip
+     :: atomic { release(r); pre = 1;
+                 printf("PREEMPT   r%d: preempted while its step runs, its Release goes out at once\n", r) }
+     fi;
+#endif
+     atomic {                                        /* ... and writes this token's K/V into the growth page */
+       if
+       :: stepping[r] == 2 -> d0[gpage[r]] = gstamp[r]
+       :: else -> d1[gpage[r]] = gstamp[r]
+       fi;
+       stepping[r] = 0;
+       printf("STEPWRITE r%d's step writes its K/V into growth page %d (now %e, last granted to r%d)\n",
+              r, gpage[r], PSTATE(pst[gpage[r]]), powner[gpage[r]])
+     }
+#ifdef MUT_RELEASE_DURING_STEP
+     ; if :: pre -> goto out :: else fi
+#endif
+  :: atomic { i < NGSTEPS -> printf("CANCEL    r%d mid-stream (a client; or PREEMPTED: the pool ran dry)\n", r); goto out }
+  :: i == NGSTEPS -> break
+  od;
+#endif
 out:
   atomic {
     reading[r] = 0; i = 0;
+#ifdef GROWTH
+    gpage[r] = NONE; gstamp[r] = 0;                  /* what decode knew of its growth lease */
+#endif
     if
     :: release(r)
 #ifdef LEASE_FAULTS
-    :: budget > 0 && LEASE_CUR(r) -> budget--;       /* fault: Release fails, decode moves on */
+    :: budget > 0 && HOLDS(r) -> budget--;           /* fault: Release fails, decode moves on */
        printf("RELEASE   FAULT r%d's Release fails; the lease stays\n", r)
 #endif
     fi;
@@ -863,10 +1098,18 @@ gone:
   :: atomic { rvq[r] && AFTER_NOTICE(r) -> rvq[r] = 0; \
               if :: DROPPED(r) -> UNHOLD(r); \
                     printf("NOTICE    r%d's revocation reaches a Run that does not read yet: decode drops it\n", r) \
-                 :: else -> revoked[r] = 1; printf("NOTICE    r%d learns of its revocation\n", r) fi } \
+                 :: else -> revoked[r] = 1; printf("NOTICE    r%d learns of its revocation\n", r); NOTICE_RELEASE(r) fi } \
   :: atomic { wdq[r] && !(rvq[r] && wdlate[r]) -> wdq[r] = 0; wdd[r] = 1; \
               printf("NOTICE    r%d's write-done notice reaches decode\n", r) } \
   NODROP(r)
+/* decode's revocation handler ends the request (Scheduler._end) and sends its Release at once, while a step
+ * of it may still run: harmless while a revoked owner holds nothing, so it is modelled only where an owner
+ * could hold a lease the revocation did not end (a growth page) */
+#ifdef GROWTH
+#define NOTICE_RELEASE(r) release(r)
+#else
+#define NOTICE_RELEASE(r) skip
+#endif
 #ifdef MUT_NO_CURSOR
 /* no cursor: a notice the stream drops is never sent again; the stream itself stays up */
 #define NODROP(r) \
@@ -895,7 +1138,7 @@ end:
 }
 
 #define REVOKE(r) \
-  :: atomic { budget > 0 && LEASE_CUR(r) -> budget--; revoke(r); \
+  :: atomic { budget > 0 && HOLDS(r) -> budget--; revoke(r); \
               printf("REVOKE    r%d's lease: page %d is now %e\n", r, rpage[r], PSTATE(pst[rpage[r]])) }
 
 #define CRASH(w) \
@@ -931,16 +1174,26 @@ end:
 #define RECONCILE(r)   /* enabled only after a lost Grant reply or a failed Release */
 #define POOL_EXPIRY
 #else
+#ifdef GROWTH
+/* by owner, growth page included (one left by a lost Extend reply, say) */
+#define RECONCILE(r) \
+  :: atomic { rdone[r] && HOLDS(r) -> \
+              if :: BG_CUR(r) -> if :: paw[bg[r]] == 0 -> paw[bg[r]] = REVW :: else fi; end_lease(bg[r]) :: else fi; \
+              if :: LEASE_CUR(r) -> if :: paw[rpage[r]] == 0 -> paw[rpage[r]] = REVW :: else fi; end_lease(rpage[r]) \
+                 :: else fi; \
+              printf("EXPIRE    r%d's leases are no longer held by decode: revoked through quarantine\n", r) }
+#else
 #define RECONCILE(r) \
   :: atomic { rdone[r] && LEASE_CUR(r) -> \
               if :: paw[rpage[r]] == 0 -> paw[rpage[r]] = REVW :: else fi; end_lease(rpage[r]); \
               printf("EXPIRE    r%d's lease is no longer held by decode: page %d is now %e\n", r, rpage[r], PSTATE(pst[rpage[r]])) }
+#endif
 /* decode stopped renewing the pool (partition, stall, crash): every lease of it is revoked */
 #define POOL_EXPIRY \
-  :: atomic { budget > 0 && (LEASE_CUR(0) || LEASE_CUR(1)) -> budget--; \
+  :: atomic { budget > 0 && (HOLDS(0) || HOLDS(1)) -> budget--; \
               printf("EXPIRE    FAULT decode stops renewing the pool: every lease revoked\n"); \
-              if :: LEASE_CUR(0) -> revoke(0) :: else fi; \
-              if :: LEASE_CUR(1) -> revoke(1) :: else fi }
+              if :: HOLDS(0) -> revoke(0) :: else fi; \
+              if :: HOLDS(1) -> revoke(1) :: else fi }
 #endif
 
 /* a second Prefill of r's lease (retry, replay, bug) with another prompt: BeginWrite, both
@@ -954,6 +1207,30 @@ end:
               tstamp[rpage[r]] = rstamp[r] + OTHER; tntok[rpage[r]] = 2; \
               if :: rrun[r] -> notice(r, 1) :: else fi; \
               printf("REPLAY    FAULT a second Prefill of r%d's lease writes another prompt's KV to page %d\n", r, rpage[r]) }
+#endif
+
+#ifdef GROWTH
+/* the broker takes r's item of an Extend call, at any time after decode sent it (after a Revoke, a Release,
+ * a restart that came meanwhile: the races of issue 19); its reply may be lost (fault: decode never learns of
+ * the page, which the owner's Release or reconciliation still ends) */
+#define EXTEND(r) \
+  :: atomic { xsent[r] -> extend(r) } \
+  :: atomic { xsent[r] && budget > 0 -> budget--; extend(r); xrep[r] = 0; \
+              printf("EXTEND    FAULT the reply to r%d is lost\n", r) }
+/* a second Prefill naming r's growth lease (BeginWrite on it, another prompt's KV, EndWrite): refused while
+ * growth pages are sealed */
+#ifdef NO_HOSTILE
+#define REPLAYG(r)
+#else
+#define REPLAYG(r) \
+  :: atomic { budget > 0 && BG_CUR(r) && paw[bg[r]] == 0 && !pwrit[bg[r]] -> budget--; pwrit[bg[r]] = 1; \
+              d0[bg[r]] = STAMP(r, rep[r], bggen[r]) + OTHER; d1[bg[r]] = STAMP(r, rep[r], bggen[r]) + OTHER; \
+              tstamp[bg[r]] = STAMP(r, rep[r], bggen[r]) + OTHER; tntok[bg[r]] = 2; \
+              printf("REPLAY    FAULT a Prefill naming r%d's growth lease writes another prompt's KV to page %d\n", r, bg[r]) }
+#endif
+#else
+#define EXTEND(r)
+#define REPLAYG(r)
 #endif
 
 /* decode's move to a new broker incarnation (restart()) registers the new pool only once its step in
@@ -991,6 +1268,13 @@ end:
   POOL_EXPIRY
   REPLAY(0)
   REPLAY(1)
+  EXTEND(0)
+  EXTEND(1)
+#if NR > 2
+  EXTEND(2)
+#endif
+  REPLAYG(0)
+  REPLAYG(1)
   CRASH(0)
 #if NW > 1
   CRASH(1)
@@ -1059,7 +1343,7 @@ end:
 #endif
 #define BY_ROLE(c) ((MUT_ROLE_AUTHZ >> (c)) & 1)
 #define FOREIGN_RELEASE(r) \
-  :: atomic { BY_ROLE(0) && LEASE_CUR(r) -> \
+  :: atomic { BY_ROLE(0) && HOLDS(r) -> \
               printf("FOREIGN   another decode instance releases r%d in this decode's pool: accepted\n", r); \
               release(r) }
 proctype Foreign() {
@@ -1067,10 +1351,10 @@ end:
   do
   FOREIGN_RELEASE(0)
   FOREIGN_RELEASE(1)
-  :: atomic { BY_ROLE(1) && (LEASE_CUR(0) || LEASE_CUR(1)) ->
+  :: atomic { BY_ROLE(1) && (HOLDS(0) || HOLDS(1)) ->
               printf("FOREIGN   another decode instance's KeepAlive for this pool lists no owner: NOT_HELD, acknowledged\n");
-              if :: LEASE_CUR(0) -> revoke(0); fack[0] = 1 :: else fi;
-              if :: LEASE_CUR(1) -> revoke(1); fack[1] = 1 :: else fi }
+              if :: HOLDS(0) -> revoke(0); fack[0] = 1 :: else fi;
+              if :: HOLDS(1) -> revoke(1); fack[1] = 1 :: else fi }
   :: atomic { BY_ROLE(2) && !frenew -> frenew = 1;
               printf("FOREIGN   another decode instance keeps renewing the holders revoked/, failed/, earlier-epoch/ of this pool\n") }
   :: atomic { BY_ROLE(3) && restarted && !oldfenced && !foldpool -> foldpool = 1;
@@ -1091,14 +1375,25 @@ end:
 #define ONE_LIVE (!TWO_LIVE(0,1))
 #endif
 /* P4: a FREE page (grantable) has no writer that can still land a write on it (decode's step included) */
-#ifdef STEP_WRITES
+#if defined(GROWTH)
+#define STEPPING(r) (stepping[r] == 1)               /* a step that writes the prompt page */
+#elif defined(STEP_WRITES)
 #define STEPPING(r) stepping[r]
 #else
 #define STEPPING(r) 0
 #endif
+#ifdef GROWTH
+#define FREE_WRITING(r) ((rpage[r] != NONE && pst[rpage[r]] == FREE && (INFLIGHT(r) || STEPPING(r))) \
+                         || (stepping[r] >= 2 && pst[gpage[r]] == FREE))
+/* P1 over a step that is not atomic: the cells it reads carry the reader's stamp until it ends (a growth
+ * step reads the prompt cells, and the second also the first's growth cell) */
+#define STEP_OWN(r) (!stepping[r] || (d0[rpage[r]] == rstamp[r] && d1[rpage[r]] == rstamp[r] \
+                     && (stepping[r] != 3 || d0[gpage[r]] == gstamp[r])))
+#else
 #define FREE_WRITING(r) (rpage[r] != NONE && pst[rpage[r]] == FREE && (INFLIGHT(r) || STEPPING(r)))
 /* P1 over a step that is not atomic: the cells it reads carry the reader's stamp until it ends */
 #define STEP_OWN(r) (!STEPPING(r) || (d0[rpage[r]] == rstamp[r] && d1[rpage[r]] == rstamp[r]))
+#endif
 #if NR > 2
 #define STEPS_OWN (STEP_OWN(0) && STEP_OWN(1) && STEP_OWN(2))
 #else
@@ -1144,7 +1439,11 @@ init {
     od;
     k = 0;
     do
-    :: k < NR -> rpage[k] = NONE; k++
+    :: k < NR -> rpage[k] = NONE;
+#ifdef GROWTH
+       gpage[k] = NONE; bg[k] = NONE;
+#endif
+       k++
     :: else -> break
     od;
     k = 0;
