@@ -106,8 +106,8 @@ class LeaseTable(ReaderLiveness):
                 held = pool.owners.get(owner)
                 if not held:
                     raise LeaseError("FAILED_PRECONDITION", "OWNER_NOT_LEASED",
-                                     f"owner {owner.hex()} holds no leases in pool {pool_id} (released or revoked); "
-                                     f"{num_pages} growth pages refused")
+                                     f"owner {owner.hex()} holds no leases in pool {pool_id} "
+                                     f"({self._why_ended(pool, owner)}); {num_pages} growth pages refused")
                 if len(pool.free) < num_pages:
                     raise LeaseError("RESOURCE_EXHAUSTED", "POOL_EXHAUSTED",
                                      f"pool {pool_id} has {len(pool.free)} free pages of {pool.num_pages}; "
@@ -124,6 +124,13 @@ class LeaseTable(ReaderLiveness):
             held.extend(taken)
             results.append([(page_id, generation) for page_id in taken])
         return results
+
+    @staticmethod
+    def _why_ended(pool: PoolPages, owner: bytes) -> str:
+        """An owner's revocation while its decode has not acknowledged it (with its reason), for a refusal."""
+        if owner in pool.unacked and (event := pool.revocations.get(pool.unacked[owner][1])) is not None:
+            return f"revoked: {event.reason}"
+        return "released or revoked"
 
     def begin_write(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], writer_id: str,
                     max_landing_s: float, writer_ttl_s: float = 0.0):

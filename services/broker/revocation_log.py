@@ -34,6 +34,11 @@ class RevocationLog:
         self._events.append(event)
         return event
 
+    def get(self, seq: int) -> Revocation | None:
+        """The logged event numbered seq, or None when it is no longer (or not yet) logged."""
+        oldest = self._events[0].seq if self._events else self.last_seq + 1
+        return self._events[seq - oldest] if oldest <= seq <= self.last_seq else None
+
     def since(self, after_seq: int) -> tuple[list[Revocation], bool]:
         """Every logged revocation with seq > after_seq, and whether some of those are no longer logged (a gap).
         A cursor ahead of the log cannot come from this log: also a gap, since nothing it covers is known."""

@@ -68,6 +68,11 @@ class Growth:
         self._preempted_at = float("-inf")
         self._retry_at = 0.0  # after a failed call
 
+    def forget(self, owner: bytes) -> None:
+        """The sequence ended (the scheduler calls this): it waits for nothing any more."""
+        self.starving.pop(owner, None)
+        self._exhausted.pop(owner, None)
+
     def blocks_new_grants(self) -> bool:
         """Whether new allocations must wait: a running sequence needs a page the pool could not give."""
         return bool(self.starving)
@@ -120,13 +125,18 @@ class Growth:
                     GROWTH_PAGES.inc(len(result))
             elif result.reason == "POOL_EXHAUSTED":
                 self._exhausted[seq.owner] = self.clock()
+            elif result.reason == "OWNER_NOT_LEASED" and not seq.done:
+                # decode did not release it, so the broker ended its leases (a revocation, whose notice may still
+                # be on its way and counts it): it ends as revoked, with no further token
+                self.mark(seq, PdError(grpc.StatusCode.DATA_LOSS, "REVOKED",
+                                       f"the broker holds no leases of {seq.owner.hex()} any more (revoked): "
+                                       f"{n} growth pages refused: {result.message}"))
             elif not seq.done:
-                # the broker holds no leases of this owner (revoked or released) or refused it outright: any doubt
-                # about who owns the pages ends the request, never with output
+                # refused outright: any doubt about who owns the pages ends the request, never with output
                 LEASE_VIOLATIONS.labels("decode", "GROWTH_REFUSED").inc()
                 self.mark(seq, PdError(grpc.StatusCode.DATA_LOSS, "GROWTH_REFUSED",
-                                      f"the broker refused {n} growth pages for {seq.owner.hex()}: {result.reason}: "
-                                      f"{result.message}"))
+                                       f"the broker refused {n} growth pages for {seq.owner.hex()}: {result.reason}: "
+                                       f"{result.message}"))
 
     def _preempt_if_dry(self, seqs: list[Sequence], now: float) -> None:
         waited = [o for o, since in self.starving.items() if now - since >= self.preempt_after_s

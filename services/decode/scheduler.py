@@ -141,6 +141,8 @@ class Scheduler:
             return
         seq.done = True
         self.running.pop(seq.owner, None)
+        if self.growth is not None:
+            self.growth.forget(seq.owner)
         if err is not None:
             seq.events.put_nowait(err)
         spawn(self.release(seq))

@@ -33,7 +33,10 @@ def live(model_dir):
         "broker": ["--port", str(port), "--lock-delay", str(LOCK_DELAY), "--reader-ttl", str(READER_TTL),
                    "--reconcile-grace", str(GRACE), "--sweep-interval", "0.2"],
         "prefill": ["--landing-slack", "0.3"],
-        "decode": ["--broker", proxy.target, "--max-blind", str(MAX_BLIND), "--rpc-timeout", str(RPC_TIMEOUT)]})
+        # every request here is leased whole up front (a headroom past any of them): the revocation must reach
+        # decode through the stream it cuts, not through a growth Extend the broker refuses for a revoked owner
+        "decode": ["--broker", proxy.target, "--max-blind", str(MAX_BLIND), "--rpc-timeout", str(RPC_TIMEOUT),
+                   "--headroom-pages", "256"]})
     s.proxy = proxy
     yield s
     s.close()

@@ -55,6 +55,7 @@ def test_an_owner_released_or_revoked_gets_no_growth():
     free = table.pool_state("p")["num_free"]
     results = table.extend("p", EPOCH, [(A, 1), (B, 1)])
     assert [r.reason for r in results] == ["OWNER_NOT_LEASED"] * 2
+    assert "(released or revoked)" in results[0].message and "(revoked: OPERATOR)" in results[1].message
     assert table.pool_state("p")["num_free"] == free and table.leases_of("p", B) == []
 
 

@@ -181,7 +181,36 @@ def test_a_growth_the_broker_refuses_ends_the_request_with_no_further_token(runn
             loop.cancel()
         return seq, toks, err
     seq, toks, err = asyncio.run(main())
-    assert err.code == grpc.StatusCode.DATA_LOSS and err.reason == "GROWTH_REFUSED"
-    assert "OWNER_NOT_LEASED" in err.message
+    # the broker ended its leases (its revocation notice had not come): it ends as revoked
+    assert err.code == grpc.StatusCode.DATA_LOSS and err.reason == "REVOKED"
+    assert "holds no leases" in err.message and "growth pages refused" in err.message
     # it ran on its headroom page only: 7 prompt tokens + the page after them, never a page the broker refused
     assert len(seq.leases) == 2 and len(toks) <= 2 * PS - 7 + 1
+
+
+def test_a_starving_sequence_that_ends_no_longer_holds_back_new_requests(runner):
+    """While a running sequence lacks a page, new requests wait (running first); once it ends (cancelled, failed,
+    blind) it must stop blocking them, even when nothing else runs to look again."""
+    async def main():
+        broker, released = Broker(2), []  # exactly its prompt page and its headroom: growth is refused
+        s = _scheduler(runner, broker, released, preempt_after_s=60.0)
+        seq = _admit(runner, broker, 80, _prompt(7, seed=600), 40)
+        s.join(seq)
+        s.add(seq)
+        loop = asyncio.create_task(s.run())
+        try:
+            for _ in range(600):
+                if s.growth.blocks_new_grants():
+                    break
+                await asyncio.sleep(0.05)
+            starved = s.growth.blocks_new_grants()
+            s.cancel(seq.owner)
+            for _ in range(100):
+                if released:
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            loop.cancel()
+        return starved, s.growth.blocks_new_grants(), released
+    starved, still, released = asyncio.run(main())
+    assert starved and not still and released == [bytes([80]) * 16]
