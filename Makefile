@@ -60,6 +60,7 @@ soak: setup
 
 bench: setup
 	$(VENV)/bin/pdserve bench
+	$(PY) -m pdserve.bench.long_prompt --prompt 32768
 
 bench-quick: setup
 	$(VENV)/bin/pdserve bench --quick
