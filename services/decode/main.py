@@ -26,7 +26,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, "decode", config.DECODE_PORT, config.DEFAULT_DECODE_POOL_TOKENS)
     p.add_argument("--max-batch", type=int, default=64)
     p.add_argument("--allocation-timeout", type=float, default=120.0,
-                   help="seconds an allocation waits for its Decode call (prefill failed, gateway gone) before release")
+                   help="seconds an allocation waits for its Decode call (prefill failed, gateway gone) before "
+                        "release, plus --allocation-timeout-per-token per prompt token")
+    p.add_argument("--allocation-timeout-per-token", type=float, default=0.005,
+                   help="seconds the allocation timeout grows per prompt token (a long prompt's prefill takes longer)")
     p.add_argument("--allocation-queue-limit", type=int, default=256,
                    help="requests that may wait for KV pages while the pool is full; more get RESOURCE_EXHAUSTED")
     p.add_argument("--allocation-queue-timeout", type=float, default=30.0,
@@ -111,7 +114,8 @@ async def _start(args, tls) -> DecodeServicer:
                               max_blind_s=args.max_blind, sweep_pages=args.checksum_sweep_pages,
                               sweep_every=args.checksum_sweep_every, queue_limit=args.allocation_queue_limit,
                               queue_timeout_s=args.allocation_queue_timeout, headroom_pages=args.headroom_pages,
-                              growth_pages=args.growth_pages, preempt_after_s=args.preempt_after)
+                              growth_pages=args.growth_pages, preempt_after_s=args.preempt_after,
+                              allocation_timeout_per_token_s=args.allocation_timeout_per_token)
     servicer.transfer = transfer  # held for the process's life: the engine unregisters the pool when collected
     while True:  # SERVING only once the pool is allocated, registered and checked
         try:

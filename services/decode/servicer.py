@@ -44,13 +44,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                  model_name: str, max_batch: int = 64, rpc_timeout_s: float = 10.0, allocation_timeout_s: float = 120.0,
                  check_checksums: bool = True, canary: bool = False, sweep_pages: int = 8, max_blind_s: float = 1.0,
                  sweep_every: int = 1, queue_limit: int = 256, queue_timeout_s: float = 30.0,
-                 headroom_pages: int = DEFAULT_HEADROOM_PAGES, growth_pages: int = 8, preempt_after_s: float = 0.5):
+                 headroom_pages: int = DEFAULT_HEADROOM_PAGES, growth_pages: int = 8, preempt_after_s: float = 0.5,
+                 allocation_timeout_per_token_s: float = 0.005):
         self.check_checksums, self.canary = check_checksums, canary
         self.runner, self.pool, self.broker = runner, runner.pool, broker
         self.session = transfer_session
         self.context_length, self.model_name = context_length, model_name
         self.rpc_timeout_s = rpc_timeout_s
         self.allocation_timeout_s = allocation_timeout_s
+        # prefill's write of a prompt takes longer the longer the prompt: its allocation waits this much more per token
+        self.allocation_timeout_per_token_s = allocation_timeout_per_token_s
         self.allocations = Allocations()
         self.pending_grants: set[bytes] = set()  # owners whose Grant is in flight
         self.link = BrokerWatch(broker, self, pool_id, self.pool.num_pages, max_blind_s, rpc_timeout_s)
@@ -165,7 +168,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             raise PdError(grpc.StatusCode.INTERNAL, "BAD_GRANT", f"asked the broker for {need} pages, granted "
                                                                  f"{len(leases)}")
         return self.allocations.add(owner, Allocation(resp.epoch, leases, num_prompt_tokens, max_tokens,
-                                                      time.monotonic() + self.allocation_timeout_s, pool_id))
+                                                      time.monotonic() + self._allocation_timeout(num_prompt_tokens),
+                                                      pool_id))
 
     async def _extend(self, items: list[tuple[bytes, int]]) -> list:
         """One broker Extend for many running sequences (growth.py): per item its new leases or the refusal."""
@@ -186,6 +190,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             else:
                 out.append(leases_from_pb(r.leases))
         return out
+
+    def _allocation_timeout(self, num_prompt_tokens: int) -> float:
+        return self.allocation_timeout_s + num_prompt_tokens * self.allocation_timeout_per_token_s
 
     def _abandoned_grant(self, owner: bytes, rpc: asyncio.Future) -> None:
         self.pending_grants.discard(owner)
@@ -228,7 +235,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         try:
             yield decode_pb2.RunEvent(destination=self.destination(alloc))
             notice = await self.notices.wait(owner, alloc, fut, deadline, request.prompt_digest,
-                                             self.allocation_timeout_s)
+                                             self._allocation_timeout(request.num_prompt_tokens))
             if self.allocations.take(owner, alloc) is None:  # ended between the notice and now
                 raise alloc.ended or PdError(grpc.StatusCode.INTERNAL, "ALLOCATION_GONE",
                                              f"the allocation of {owner.hex()} ended for no recorded reason")

@@ -54,7 +54,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT,
                    help="Generate calls (gRPC and HTTP choices together) running at once; one more is refused at "
                         "once with RESOURCE_EXHAUSTED OVERLOADED (HTTP 429) and a retry delay; 0: no limit")
-    p.add_argument("--prefill-timeout", type=float, default=60.0, help="bound on one Prefill call, seconds")
+    p.add_argument("--prefill-timeout", type=float, default=60.0,
+                   help="bound on one Prefill call, seconds, plus --prefill-timeout-per-token per prompt token")
+    p.add_argument("--prefill-timeout-per-token", type=float, default=0.005,
+                   help="seconds the Prefill bound (and the wait for the first token) grows per prompt token: "
+                        "a long prompt's forward pass is not cut off by a bound sized for short ones")
     p.add_argument("--token-timeout", type=float, default=60.0, help="bound on the gap between two tokens, seconds")
     p.add_argument("--max-resubmissions", type=int, default=3,
                    help="times a request decode preempted (its KV pool ran dry) is resubmitted as prompt + the "
@@ -169,7 +173,7 @@ async def serve(args) -> None:
     backends = Backends(tls, args.load_interval)
     servicer = GatewayServicer(backends.routers["prefill"], backends.routers["decode"], None, None,
                                args.prefill_timeout, args.token_timeout, args.write_notice_timeout,
-                               args.max_resubmissions)
+                               args.max_resubmissions, args.prefill_timeout_per_token)
     servicer.concurrency = concurrency
     svc = Service("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
                   args.host, args.port, args.metrics_port, tls=None,  # public API: plaintext by design

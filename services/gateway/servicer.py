@@ -58,8 +58,11 @@ def _retrieve(task: asyncio.Future) -> None:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, prefills: Router, decodes: Router, tokenizer, cap: Capacity | None,
                  rpc_timeout_s: float = 60.0, token_timeout_s: float = 60.0, notice_timeout_s: float = 5.0,
-                 max_resubmissions: int = 3):
+                 max_resubmissions: int = 3, prefill_timeout_per_token_s: float = 0.005):
         self.token_timeout_s = token_timeout_s
+        # a prompt's forward pass grows with its length: the prefill bound (and the wait for its first token) is
+        # rpc_timeout_s + this per prompt token, so a 1M-token prompt is not cut off by a bound sized for 4k
+        self.prefill_timeout_per_token_s = prefill_timeout_per_token_s
         self.max_resubmissions = max_resubmissions
         # routers over the live backend sets (backends.py); cap and tokenizer arrive with the first usable pair
         self.prefills = prefills
@@ -210,18 +213,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             preq = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling,
                                               destination=ev.destination,
                                               prompt_logprobs=request.prompt_logprobs if want_prompt_lps else None)
-            timeout = timeout_within(deadline, self.rpc_timeout_s, "before the prefill call")
+            bound = self.rpc_timeout_s + len(tokens) * self.prefill_timeout_per_token_s
+            timeout = timeout_within(deadline, bound, "before the prefill call")
             # cancelled only if the client leaves: prefill then drops the work if its forward pass has not begun,
             # and otherwise writes to its EndWrite (decode's release meanwhile only quarantines the pages)
             pf = asyncio.ensure_future(call(prefill.stub.Prefill(preq, timeout=timeout), f"prefill {prefill.target}"))
             pf.add_done_callback(_retrieve)
             Backend.settle(tickets[1])
-            first = asyncio.ensure_future(self._next(stream, decode, deadline, "waiting for the first token"))
+            first = asyncio.ensure_future(self._next(stream, decode, deadline, "waiting for the first token",
+                                                     max(self.token_timeout_s, bound)))
             try:
                 await asyncio.wait({pf, first}, return_when=asyncio.FIRST_COMPLETED)
                 if pf.done() and pf.exception() is not None:
                     # the request's deadline, not the call's own bound, set the prefill call's timeout
-                    raise self._prefill_error(pf.exception(), deadline, timeout < self.rpc_timeout_s)
+                    raise self._prefill_error(pf.exception(), deadline, timeout < bound)
                 if not pf.done() and isinstance(first.exception(), PdError) and \
                         first.exception().code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     TIMEOUTS.labels("prefill").inc()
@@ -281,10 +286,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 return deadline_exceeded(deadline, f"during prefill ({e.message})")
         return e
 
-    async def _next(self, stream, decode: Backend, deadline: float | None, when: str):
-        """The stream's next event (None at its end), within the gap bound and the request's deadline."""
-        gap = timeout_within(deadline, self.token_timeout_s, when)
-        by_deadline = gap < self.token_timeout_s  # the request's deadline, not the gap bound, is what ends the wait
+    async def _next(self, stream, decode: Backend, deadline: float | None, when: str, bound: float | None = None):
+        """The stream's next event (None at its end), within the gap bound (token_timeout_s unless given) and the
+        request's deadline."""
+        bound = self.token_timeout_s if bound is None else bound
+        gap = timeout_within(deadline, bound, when)
+        by_deadline = gap < bound  # the request's deadline, not the gap bound, is what ends the wait
         try:
             r = await asyncio.wait_for(stream.read(), gap)
         except asyncio.TimeoutError:
@@ -292,7 +299,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if by_deadline:
                 raise deadline_exceeded(deadline, when) from None
             raise PdError(grpc.StatusCode.DEADLINE_EXCEEDED, "DECODE_STALLED",
-                          f"decode {decode.target} sent nothing for {self.token_timeout_s:.0f}s ({when})") from None
+                          f"decode {decode.target} sent nothing for {bound:.0f}s ({when})") from None
         except grpc.RpcError as e:
             err = from_rpc_error(e)
             if err.code == grpc.StatusCode.DEADLINE_EXCEEDED and deadline is not None:

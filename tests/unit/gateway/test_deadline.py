@@ -98,7 +98,24 @@ def test_without_a_deadline_each_call_keeps_its_own_bound():
     with pytest.raises(PdError) as e:
         asyncio.run(_generate(gw, None))
     assert e.value.code == grpc.StatusCode.INTERNAL
-    assert decode.timeouts == [None] and prefill.timeouts == [60.0] and decode.calls[0].cancelled
+    # the prefill bound: 60 s plus 5 ms for each of the 3 prompt tokens
+    assert decode.timeouts == [None] and prefill.timeouts == [pytest.approx(60.015)] and decode.calls[0].cancelled
+
+
+def test_the_prefill_bound_grows_with_the_prompt():
+    """A bound sized for short prompts would cut off a long prompt's forward pass (16k tokens took ~50 s on a busy
+    2-core machine, against the 60 s default): it grows by --prefill-timeout-per-token per prompt token."""
+    gw, decode, prefill = _gateway(False)
+    gw.cap = Capacity("m", 8192, 512, 16, 1000, 8192)  # room for the prompt
+    prefill.Prefill = lambda req, timeout: _fail_fast(prefill, timeout)
+    req = gateway_pb2.GenerateRequest(prompt_token_ids=[5] * 4000, max_tokens=4)
+    with pytest.raises(PdError):
+        asyncio.run(_collect(gw, req))
+    assert prefill.timeouts == [pytest.approx(60.0 + 4000 * 0.005)]
+
+
+async def _collect(gw, req):
+    return [m async for m in gw.generate(req, None)]
 
 
 async def _fail_fast(prefill, timeout):
