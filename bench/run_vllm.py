@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from .run_common import log
 from .vllm_venv import ROOT
@@ -99,12 +101,12 @@ def run_row(system, row: Row, vocab: int, res: dict, ids: dict) -> None:
         for c in row.concurrencies:
             prompts = make_prompts(prompt_len, num_requests(prompt_len, c), vocab)
             s, records = measure(system, row.name, prompts, c, MAX_TOKENS)
-            ids[(system.name, prompt_len, c)] = [r.token_ids for r in records]
+            ids[(system.name, row.name, prompt_len, c)] = [r.token_ids for r in records]
             res["runs"].append(asdict(s))
             err = f", {s.num_errors} errors ({s.extra.get('first_error')})" if s.num_errors else ""
             log(f"  {system.name:8s} prompt {prompt_len:6d} × {c:2d} ({len(prompts)} req): TTFT p50 "
                 f"{s.ttft_p50 * 1e3:7.1f} ms  ITL p50 {s.extra['itl_req_p50'] * 1e3:6.1f} ms  {s.out_tok_s:6.1f} tok/s  "
-                f"other load {s.extra['other_cores']:.2f} cores{err}")
+                f"other load {s.extra['other_cores']:.2f} cores, irq {s.extra['irq_cores']:.2f}{err}")
 
 
 def misses(res: dict, row: Row) -> list[tuple[float, int, int, str]]:
@@ -114,6 +116,9 @@ def misses(res: dict, row: Row) -> list[tuple[float, int, int, str]]:
     out = []
     for (row_name, p, c), (pd, vl) in pair_runs(res["runs"]).items():
         if row_name != row.name:
+            continue
+        if pd["num_errors"]:
+            out.append((math.inf, p, c, f"{pd['num_errors']} of {pd['num_requests']} requests failed"))
             continue
         if c >= 4 and pd["out_tok_s"] < vl["out_tok_s"]:
             out.append((vl["out_tok_s"] / pd["out_tok_s"], p, c, "output tok/s"))
@@ -147,62 +152,21 @@ def profile_cell(stack, row: Row, prompt_len: int, c: int, vocab: int, mode: str
         profile.stop(p)
     res["profile"] = {"row": row.name, "prompt_len": prompt_len, "concurrency": c, "seconds": s.wall_s,
                       "out_tok_s": s.out_tok_s, "ttft_p50": s.ttft_p50,
-                      "services": {svc: {**profile.summarize(path), "file": os.path.relpath(path, ROOT)}
-                                   for svc, (_, path) in spies.items()}}
+                      "services": {svc: summarize_profile(path) for svc, (_, path) in spies.items()}}
 
 
-def compare_ids(ids: dict) -> list[dict]:
-    """Greedy outputs of the same prompts, pdserve against vLLM, per cell."""
-    out = []
-    for (system, p, c), pd in sorted(ids.items()):
-        if system != "pdserve" or ("vLLM-CPU", p, c) not in ids:
-            continue
-        vl = ids[("vLLM-CPU", p, c)]
-        same = sum(a == b for a, b in zip(pd, vl))
-        tokens = sum(x == y for a, b in zip(pd, vl) for x, y in zip(a, b))
-        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(pd, vl)]
-        diverged = [i for i in first if i is not None]
-        out.append({"prompt_len": p, "concurrency": c, "requests": len(pd), "identical": same,
-                    "tokens_equal": tokens, "tokens": sum(len(a) for a in pd),
-                    "first_divergence_min": min(diverged) if diverged else None})
-    return out
+def summarize_profile(path: str) -> dict:
+    """profile.summarize, with frames of pdserve imported through a symlink to services/ (a checkout's shim)
+    named as services/ frames, so they are charged to their line rather than to their file's name."""
+    from . import profile
 
-
-def big_pools(res: dict, vocab_of) -> None:
-    """Start-up time and memory per token with pools of 2,097,152 tokens on the long preset (bf16, a 1,048,576-token
-    context): pdserve's prefill and decode pools, and a vLLM KV cache of as many tokens. Memory per token is the
-    resident-memory growth over the same checkpoint's 32k row (smaller pools, a 65,536-token context), per token
-    of pool added; both are read after one served request (a page never touched is not resident)."""
-    from .side_by_side import Pdserve, Vllm, measure
-    from .workload import make_prompts
-
-    path = checkpoint("long:bfloat16")
-    facts = model_facts(path)
-    context = facts["max_position_embeddings"]
-    prompts = make_prompts(1024, 1, vocab_of(path))
-    out = res.setdefault("big_pools", {"pool_tokens": BIG_POOL, "context": context,
-                                       "kv_bytes_per_token": facts["kv_bytes_per_token"]})
-    for name, start in (("pdserve", lambda: Pdserve(path, context, BIG_POOL, BIG_POOL)),
-                        ("vLLM-CPU", lambda: Vllm(path, context, BIG_POOL, facts["kv_bytes_per_token"],
-                                                  facts["dtype"], os.path.join(RESULTS, "vllm-serve-big.log")))):
-        log(f"{name}: pools of {BIG_POOL:,} tokens, context {context:,} ...")
-        try:
-            system = start()
-        except Exception as e:  # noqa: BLE001 - the other system's figures still count
-            out[name] = {"error": f"{type(e).__name__}: {e}"[:1500]}
-            log(f"  {name} did not start: {out[name]['error'][:300]}")
-            continue
-        try:
-            rss_start = system.rss()
-            s, _ = measure(system, "big pools", prompts, 1, MAX_TOKENS)
-            out[name] = {"startup_s": system.startup_s, "rss_start": rss_start, "rss_served": system.rss(),
-                         "served": s.num_errors == 0, "ttft": s.ttft_p50, "error": s.extra.get("first_error")}
-            if name == "vLLM-CPU":
-                out[name]["kv_cache_tokens"] = system.peer.kv_cache_tokens()
-            log(f"  started in {system.startup_s:.1f} s; resident after one request: "
-                + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in out[name]["rss_served"].items()))
-        finally:
-            system.close()
+    with open(path) as f:
+        text = f.read()
+    shimmed = re.sub(r"\((?:[^ ;()]*/)?pdserve/", "(services/", text)
+    if shimmed != text:
+        with open(path, "w") as f:
+            f.write(shimmed)
+    return {**profile.summarize(path), "file": os.path.relpath(path, ROOT)}
 
 
 def start_system(kind: str, row: Row, path: str, facts: dict):
@@ -215,12 +179,44 @@ def start_system(kind: str, row: Row, path: str, facts: dict):
                 facts["dtype"], log_path)
 
 
+def run_system(kind: str, row: Row, path: str, facts: dict, res: dict, ids: dict, mode: str, profile: bool) -> int:
+    """One system's start, its cells on this row (and py-spy at the worst missed cell); 1 when it failed."""
+    try:
+        system = start_system(kind, row, path, facts)
+    except Exception as e:  # noqa: BLE001 - one system failing still leaves the other's numbers
+        msg = f"{row.name}: {kind} did not start: {type(e).__name__}: {e}"
+        log(msg[:500])
+        res["errors"].append(msg[:2000])
+        return 1
+    try:
+        start = {"row": row.name, "system": kind, "startup_s": system.startup_s, "rss": system.rss()}
+        if kind == "vLLM-CPU":
+            start.update(kv_cache_tokens=system.peer.kv_cache_tokens(), log_lines=system.peer.lines)
+        res["startup"].append(start)
+        log(f"  {kind} ready in {system.startup_s:.1f} s")
+        run_row(system, row, facts["vocab_size"], res, ids)
+        if kind == "pdserve" and profile and (missed := misses(res, row)):
+            _, p, c, what = missed[0]
+            log(f"  pdserve misses the target at prompt {p} × concurrency {c} ({what}): profiling it")
+            profile_cell(system, row, p, c, facts["vocab_size"], mode, res)
+        return 0
+    except Exception as e:  # noqa: BLE001
+        msg = f"{row.name}: {kind}: {type(e).__name__}: {e}"
+        log(f"FAILED {msg[:500]}")
+        res["errors"].append(msg[:2000])
+        return 1
+    finally:
+        system.close()
+
+
 def parse(argv=None):
     p = argparse.ArgumentParser(prog="python -m pdserve.bench.run_vllm", description=__doc__)
     p.add_argument("--quick", action="store_true", help="prompt 128 and 1,024 at concurrency 1 and 4 only, no big "
-                                                       "pools: ~6 minutes once the venv exists")
+                                                       "pools: ~2 minutes a repeat once the venv exists")
     p.add_argument("--no-profile", action="store_true", help="skip py-spy at a missed cell")
     p.add_argument("--no-big-pools", action="store_true", help="skip the 2,097,152-token pools")
+    p.add_argument("--repeats", type=int, default=1, help="each row this many times, the systems' order swapped "
+                                                          "each time (the other load drifts; repeats show by how much)")
     p.add_argument("--report-only", action="store_true", help="rebuild the table from the last JSON")
     return p.parse_args(argv)
 
@@ -233,11 +229,20 @@ def main(argv=None) -> int:
 
     if args.report_only:
         with open(json_path) as f:
-            write_report(json.load(f), RESULTS)
+            res = json.load(f)
+        for svc, p in res.get("profile", {}).get("services", {}).items():  # raw stacks, where still here
+            if os.path.exists(os.path.join(ROOT, p["file"])):
+                res["profile"]["services"][svc] = summarize_profile(os.path.join(ROOT, p["file"]))
+        with open(json_path, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+        write_report(res, RESULTS)
         return 0
     os.environ.setdefault("GLOG_minloglevel", "2")
     os.makedirs(RESULTS, exist_ok=True)
     from . import vllm_venv
+    from .big_pools import big_pools
+    from .side_by_side import compare_ids
+
     vllm_venv.ensure()
     t0 = time.perf_counter()
     cores = os.cpu_count() or 2
@@ -246,47 +251,25 @@ def main(argv=None) -> int:
            "threads": {"pdserve": f"prefill and decode {max(1, cores // 2)} intra-op thread each (half the cores, "
                                   "the services' default); gateway and broker: Python event loops",
                        "vLLM-CPU": "its default on this host, as its log says (vllm-serve-*.log)"}}
-    vocab_of = lambda path: model_facts(path)["vocab_size"]  # noqa: E731
     ids: dict = {}
     profiled = args.no_profile
     rc = 0
-    for row in plan(args.quick):
-        path = checkpoint(row.checkpoint)
+    for base in plan(args.quick):
+        path = checkpoint(base.checkpoint)
         facts = model_facts(path)
-        res["rows"].append({**asdict(row), **facts, "model": os.path.relpath(path, ROOT)})
-        log(f"{row.name}: {os.path.relpath(path, ROOT)} ({facts['dtype']}), prompts {row.prompt_lens}, "
-            f"concurrency {row.concurrencies}, vLLM first, then pdserve")
-        for kind in ("vLLM-CPU", "pdserve"):
-            try:
-                system = start_system(kind, row, path, facts)
-            except Exception as e:  # noqa: BLE001 - one system failing still leaves the other's numbers
-                msg = f"{row.name}: {kind} did not start: {type(e).__name__}: {e}"
-                log(msg[:500])
-                res["errors"].append(msg[:2000])
-                rc = 1
-                continue
-            try:
-                start = {"row": row.name, "system": kind, "startup_s": system.startup_s, "rss": system.rss()}
-                if kind == "vLLM-CPU":
-                    start.update(kv_cache_tokens=system.peer.kv_cache_tokens(), log_lines=system.peer.lines)
-                res["startup"].append(start)
-                log(f"  {kind} ready in {system.startup_s:.1f} s")
-                run_row(system, row, facts["vocab_size"], res, ids)
-                if kind == "pdserve" and not profiled and (missed := misses(res, row)):
-                    _, p, c, what = missed[0]
-                    log(f"  pdserve misses the target at prompt {p} × concurrency {c} ({what}): profiling it")
-                    profile_cell(system, row, p, c, facts["vocab_size"], mode, res)
-                    profiled = True
-            except Exception as e:  # noqa: BLE001
-                msg = f"{row.name}: {kind}: {type(e).__name__}: {e}"
-                log(f"FAILED {msg[:500]}")
-                res["errors"].append(msg[:2000])
-                rc = 1
-            finally:
-                system.close()
+        res["rows"].append({**asdict(base), **facts, "model": os.path.relpath(path, ROOT)})
+        for k in range(args.repeats):
+            # a repeat is a row of its own name, and swaps the order: drift in the other load then favours neither
+            row = replace(base, name=base.name if k == 0 else f"{base.name}, run {k + 1}")
+            order = ("vLLM-CPU", "pdserve") if k % 2 == 0 else ("pdserve", "vLLM-CPU")
+            log(f"{row.name}: {os.path.relpath(path, ROOT)} ({facts['dtype']}), prompts {row.prompt_lens}, "
+                f"concurrency {row.concurrencies}, {order[0]} first")
+            for kind in order:
+                rc |= run_system(kind, row, path, facts, res, ids, mode, profile=not profiled)
+                profiled = profiled or "profile" in res
     res["tokens"] = compare_ids(ids)
     if not args.quick and not args.no_big_pools:
-        big_pools(res, vocab_of)
+        big_pools(res, RESULTS)
     res["elapsed_s"] = time.perf_counter() - t0
     with open(json_path, "w") as f:
         json.dump(res, f, indent=1, default=str)

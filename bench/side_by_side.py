@@ -12,9 +12,17 @@ import urllib.request
 from pdserve import launcher
 
 from .httpload import run_http_load
-from .stack import _TICK, machine_cpu_seconds
+from .stack import _TICK
 from .vllm_peer import VllmPeer, group_rss_bytes
 from .workload import Record, Summary, percentile, summarize
+
+
+def machine_seconds() -> tuple[float, float]:
+    """(task, interrupt) CPU seconds every core has spent since boot (/proc/stat): user, nice, system and steal,
+    then irq and softirq, which no process is charged with (loopback TCP's receive path runs there)."""
+    with open("/proc/stat") as f:
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
+    return (user + nice + system + steal) / _TICK, (irq + softirq) / _TICK
 
 
 def group_cpu_seconds(pgids: list[int]) -> float:
@@ -95,10 +103,11 @@ def measure(system, row_name: str, prompts: list[list[int]], concurrency: int,
             max_tokens: int) -> tuple[Summary, list[Record]]:
     """One closed-loop cell, with the CPU the system spent on it and the cores everything else kept busy."""
     pg = system.pgids()
-    c0, m0, p0, t0 = group_cpu_seconds(pg), machine_cpu_seconds(), time.process_time(), time.perf_counter()
+    c0, (m0, i0), p0, t0 = group_cpu_seconds(pg), machine_seconds(), time.process_time(), time.perf_counter()
     records, wall = run_http_load(system.url, system.model, prompts, concurrency, max_tokens, system.extra_body)
     sys_cpu, client = group_cpu_seconds(pg) - c0, time.process_time() - p0
     dt = time.perf_counter() - t0
+    m1, i1 = machine_seconds()
     ok = [r for r in records if r.error is None and r.token_times]
     # a server that sends several tokens in one event (or a client that reads two events at once) shows gaps of 0:
     # each request's mean gap, (last - first) / (tokens - 1), as guidellm reports it, is robust to that
@@ -106,9 +115,29 @@ def measure(system, row_name: str, prompts: list[list[int]], concurrency: int,
     extra = {"ttft_p90": percentile([r.ttft for r in ok], 90), "itl_req_p50": percentile(means, 50),
              "cpu_s_per_request": sys_cpu / len(records) if records else float("nan"),
              "client_cpu_s": client,
-             # cores kept busy by neither system nor client (other users' work on a shared host): the noise floor
-             "other_cores": max(0.0, machine_cpu_seconds() - m0 - sys_cpu - client) / dt if dt else float("nan")}
+             # cores kept busy in processes other than the system's and the client's (other users' work on a
+             # shared host): the noise floor; interrupt time is apart, since the system's own loopback traffic
+             # (pdserve's RPCs and KV transfers, vLLM's ZeroMQ) is served there too
+             "other_cores": max(0.0, m1 - m0 - sys_cpu - client) / dt if dt else float("nan"),
+             "irq_cores": (i1 - i0) / dt if dt else float("nan")}
     errors = [r.error for r in records if r.error]
     if errors:
         extra["first_error"] = errors[0]
     return summarize(system.name, row_name, len(prompts[0]), concurrency, records, wall, extra), records
+
+
+def compare_ids(ids: dict) -> list[dict]:
+    """Greedy outputs of the same prompts, pdserve against vLLM, per cell."""
+    out = []
+    for (system, row, p, c), pd in ids.items():
+        if system != "pdserve" or ("vLLM-CPU", row, p, c) not in ids:
+            continue
+        vl = ids[("vLLM-CPU", row, p, c)]
+        same = sum(a == b for a, b in zip(pd, vl))
+        tokens = sum(x == y for a, b in zip(pd, vl) for x, y in zip(a, b))
+        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(pd, vl)]
+        diverged = [i for i in first if i is not None]
+        out.append({"row": row, "prompt_len": p, "concurrency": c, "requests": len(pd), "identical": same,
+                    "tokens_equal": tokens, "tokens": sum(len(a) for a in pd),
+                    "first_divergence_min": min(diverged) if diverged else None})
+    return out

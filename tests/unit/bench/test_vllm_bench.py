@@ -87,16 +87,21 @@ def test_name_shim_is_found_as_vllm_and_owns_only_its_files(tmp_path):
                                                         for n in ("METADATA", "INSTALLER", "RECORD"))
 
 
-def _run(system, p, c, tok_s, ttft):
+def _run(system, p, c, tok_s, ttft, errors=0):
     return {"system": system, "preset": "tiny", "prompt_len": p, "concurrency": c, "out_tok_s": tok_s,
-            "ttft_p50": ttft}
+            "ttft_p50": ttft, "num_errors": errors, "num_requests": 4}
 
 
 def test_verdicts_follow_the_target():
     runs = [_run("pdserve", 1024, 4, 99.0, 0.05), _run("vLLM-CPU", 1024, 4, 100.0, 0.06),
             _run("pdserve", 128, 1, 10.0, 9.0), _run("vLLM-CPU", 128, 1, 100.0, 0.01),
-            _run("pdserve", 4096, 16, 200.0, 0.5), _run("vLLM-CPU", 4096, 16, 100.0, 0.4)]
+            _run("pdserve", 4096, 16, 200.0, 0.5), _run("vLLM-CPU", 4096, 16, 100.0, 0.4),
+            # one request of four served, fast: its figures beat vLLM's, but the cell is a miss
+            _run("pdserve", 32768, 4, 2.0, 0.1, errors=3), _run("vLLM-CPU", 32768, 4, 1.0, 0.2),
+            _run("pdserve", 128, 4, 2.0, 0.1), _run("vLLM-CPU", 128, 4, 1.0, 0.2, errors=1)]
     pairs = pair_runs(runs)
     assert verdict(1024, 4, *pairs[("tiny", 1024, 4)]) == "tok/s MISSED, TTFT met"
     assert verdict(128, 1, *pairs[("tiny", 128, 1)]) == "(no target)"  # neither concurrency >= 4 nor prompt >= 1,024
     assert verdict(4096, 16, *pairs[("tiny", 4096, 16)]) == "tok/s met, TTFT MISSED"
+    assert verdict(32768, 4, *pairs[("tiny", 32768, 4)]) == "MISSED (pdserve 3 of 4 failed)"
+    assert verdict(128, 4, *pairs[("tiny", 128, 4)]) == "not compared (vLLM 1 of 4 failed)"
