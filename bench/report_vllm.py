@@ -74,7 +74,9 @@ def tokens_table(res: dict) -> list[str]:
            "| first divergence |", "|---|---:|---:|---:|---:|---:|"]
     for t in res["tokens"]:
         first = "none" if t["first_divergence_min"] is None else f"token {t['first_divergence_min']}"
-        out.append(f"| {t.get('row', '')} | {t['prompt_len']:,} | {t['concurrency']} | {t['identical']} / {t['requests']} "
+        failed = f" ({t['failed']} failed, not compared)" if t.get("failed") else ""
+        out.append(f"| {t.get('row', '')} | {t['prompt_len']:,} | {t['concurrency']} "
+                   f"| {t['identical']} / {t['requests']}{failed} "
                    f"| {t['tokens_equal']} / {t['tokens']} | {first} |")
     return out
 

@@ -132,12 +132,12 @@ def compare_ids(ids: dict) -> list[dict]:
     for (system, row, p, c), pd in ids.items():
         if system != "pdserve" or ("vLLM-CPU", row, p, c) not in ids:
             continue
-        vl = ids[("vLLM-CPU", row, p, c)]
-        same = sum(a == b for a, b in zip(pd, vl))
-        tokens = sum(x == y for a, b in zip(pd, vl) for x, y in zip(a, b))
-        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(pd, vl)]
+        # a request that failed before its first token streamed nothing to compare: counted apart
+        both = [(a, b) for a, b in zip(pd, ids[("vLLM-CPU", row, p, c)]) if a and b]
+        first = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in both]
         diverged = [i for i in first if i is not None]
-        out.append({"row": row, "prompt_len": p, "concurrency": c, "requests": len(pd), "identical": same,
-                    "tokens_equal": tokens, "tokens": sum(len(a) for a in pd),
-                    "first_divergence_min": min(diverged) if diverged else None})
+        out.append({"row": row, "prompt_len": p, "concurrency": c, "requests": len(both),
+                    "failed": len(pd) - len(both), "identical": sum(a == b for a, b in both),
+                    "tokens_equal": sum(x == y for a, b in both for x, y in zip(a, b)),
+                    "tokens": sum(len(a) for a, _ in both), "first_divergence_min": min(diverged) if diverged else None})
     return out

@@ -11,6 +11,7 @@ import pytest
 
 from pdserve.bench.httpload import run_http_load
 from pdserve.bench.report_vllm import pair_runs, verdict
+from pdserve.bench.side_by_side import compare_ids
 from pdserve.bench.vllm_venv import write_name_shim
 
 
@@ -105,3 +106,11 @@ def test_verdicts_follow_the_target():
     assert verdict(4096, 16, *pairs[("tiny", 4096, 16)]) == "tok/s met, TTFT MISSED"
     assert verdict(32768, 4, *pairs[("tiny", 32768, 4)]) == "MISSED (pdserve 3 of 4 failed)"
     assert verdict(128, 4, *pairs[("tiny", 128, 4)]) == "not compared (vLLM 1 of 4 failed)"
+
+
+def test_token_ids_are_compared_only_where_both_streamed():
+    ids = {("pdserve", "tiny", 128, 4): [[5, 6, 7], [5, 6, 7], []],   # the third failed before its first token
+           ("vLLM-CPU", "tiny", 128, 4): [[5, 6, 7], [5, 9, 7], [1, 2, 3]],
+           ("pdserve", "tiny", 128, 16): [[1]]}                      # vLLM did not run this cell
+    assert compare_ids(ids) == [{"row": "tiny", "prompt_len": 128, "concurrency": 4, "requests": 2, "failed": 1,
+                                 "identical": 1, "tokens_equal": 5, "tokens": 6, "first_divergence_min": 1}]
