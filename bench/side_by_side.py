@@ -13,7 +13,7 @@ from pdserve import launcher
 
 from .httpload import run_http_load
 from .stack import _TICK
-from .vllm_peer import VllmPeer, group_rss_bytes
+from .vllm_peer import VllmPeer, group_rss_bytes, group_stats
 from .workload import Record, Summary, percentile, summarize
 
 
@@ -27,18 +27,7 @@ def machine_seconds() -> tuple[float, float]:
 
 def group_cpu_seconds(pgids: list[int]) -> float:
     """User + system CPU seconds so far of every live process in these process groups."""
-    want, total = set(pgids), 0.0
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rpartition(")")[2].split()
-            if int(fields[2]) in want:
-                total += (int(fields[11]) + int(fields[12])) / _TICK
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
+    return sum((int(fields[11]) + int(fields[12])) / _TICK for _, fields in group_stats(pgids))
 
 
 def served_model(url: str) -> str:

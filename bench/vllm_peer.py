@@ -25,17 +25,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def group_rss_bytes(pgid: int) -> int:
-    """Resident bytes of every process in one process group (a server and the workers it forked)."""
-    total = 0
+def group_stats(pgids) -> list[tuple[int, list[str]]]:
+    """(pid, the fields of /proc/<pid>/stat after the command name) of every live process in these process groups
+    (field 2 of that list is the process group)."""
+    want, out = set(pgids), []
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rpartition(")")[2].split()
-            if int(fields[2]) != pgid:  # field 5 of stat: the process group
-                continue
+            if int(fields[2]) in want:
+                out.append((int(pid), fields))
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
+def group_rss_bytes(pgid: int) -> int:
+    """Resident bytes of every process in one process group (a server and the workers it forked)."""
+    total = 0
+    for pid, _ in group_stats([pgid]):
+        try:
             with open(f"/proc/{pid}/status") as f:
                 total += next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
         except (OSError, ValueError, IndexError, StopIteration):
