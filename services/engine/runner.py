@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..common.prefix import chain_seed, checkpoint_identity
 from .context import AttentionContext, reset_context, set_context
 from .dtypes import kv_dtype as pick_kv_dtype
 from .kv_pool import KVPool, PoolLayout
@@ -53,6 +54,7 @@ class ModelRunner:
         fraction of what the device has left after them)."""
         self.device = torch.device(device) if device is not None else pick_device()
         self.model = load_model(model_dir, self.device, dtype)
+        self.checkpoint = checkpoint_identity(model_dir)  # the prefix chain's checkpoint term
         self.config = self.model.config
         self.dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         self.kv_dtype = pick_kv_dtype(kv_dtype, self.dtype)
@@ -68,6 +70,10 @@ class ModelRunner:
     @property
     def page_size(self) -> int:
         return self.layout.page_size
+
+    def chain_seed(self, scope: bytes) -> bytes:
+        """Where this engine's prefix chains start under a scope (pdserve.common.prefix)."""
+        return chain_seed(scope, self.checkpoint, self.page_size, self.kv_dtype)
 
     def describe(self, context_length: int) -> str:
         """The start-up line: what the weights and the pool take, and how the pool compares with the context."""

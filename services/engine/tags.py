@@ -2,7 +2,8 @@
 
 A tag is TAG_WORDS int64 words per page, in a region separate from the page bytes:
 owner_hi, owner_lo (the request's 128-bit key), epoch, generation, page_index, num_tokens,
-checksum (CRC-32C of the page bytes as written), magic.
+checksum (CRC-32C of the page bytes as written), magic, chain_hi, chain_lo (the page's prefix chain key,
+pdserve.common.prefix, on a full page written under a prefix scope; 0 otherwise).
 
 CRC-32C (Castagnoli), not zlib's CRC-32: the `crc32c` package computes it with the CPU's CRC
 instruction at ~20 GB/s, against ~3 GB/s for zlib, which made the checksum the largest guard
@@ -13,10 +14,11 @@ from __future__ import annotations
 import crc32c
 import torch
 
-TAG_WORDS = 8
+TAG_WORDS = 10
 TAG_NBYTES = TAG_WORDS * 8
-TAG_MAGIC = 0x7064736572766531  # "pdserve1"
-OWNER_HI, OWNER_LO, EPOCH, GENERATION, PAGE_INDEX, NUM_TOKENS, CHECKSUM, MAGIC = range(TAG_WORDS)
+TAG_MAGIC = 0x7064736572766532  # "pdserve2": the record with the chain words
+OWNER_HI, OWNER_LO, EPOCH, GENERATION, PAGE_INDEX, NUM_TOKENS, CHECKSUM, MAGIC, CHAIN_HI, CHAIN_LO = range(TAG_WORDS)
+CHAIN = slice(CHAIN_HI, CHAIN_LO + 1)
 OWNERSHIP = slice(OWNER_HI, PAGE_INDEX + 1)  # the words a lease fixes; expected_tags gives them per page
 
 
@@ -35,23 +37,34 @@ def owner_words(owner: bytes) -> tuple[int, int]:
 def make_tag(owner: bytes, epoch: int, generation: int, page_index: int, num_tokens: int,
              checksum: int) -> list[int]:
     hi, lo = owner_words(owner)
-    return [hi, lo, _s64(epoch), _s64(generation), page_index, num_tokens, checksum, _s64(TAG_MAGIC)]
+    return [hi, lo, _s64(epoch), _s64(generation), page_index, num_tokens, checksum, _s64(TAG_MAGIC), 0, 0]
+
+
+def chain_tensor(chains: list[bytes]) -> torch.Tensor:
+    """Chain keys as tag words: [len(chains), 2]."""
+    return torch.tensor([[_s64(int.from_bytes(k[:8], "big")), _s64(int.from_bytes(k[8:], "big"))] for k in chains],
+                        dtype=torch.int64).reshape(-1, 2)
 
 
 def make_tags(owner: bytes, epoch: int, generations: list[int], num_tokens: int, page_size: int,
-              checksums: list[int]) -> torch.Tensor:
-    """The tags of one request's first len(generations) pages holding num_tokens tokens: [n, TAG_WORDS],
-    built column by column (make_tag row by row costs ~3 µs a page in Python)."""
+              checksums: list[int], first_index: int = 0, chains: list[bytes] = ()) -> torch.Tensor:
+    """The tags of len(generations) pages of one request, from its page first_index on, holding num_tokens tokens:
+    [n, TAG_WORDS], built column by column (make_tag row by row costs ~3 µs a page in Python). chains: the chain
+    keys of the first len(chains) of these pages (full pages under a prefix scope); the others carry 0."""
     n = len(generations)
+    if len(chains) > n:
+        raise ValueError(f"{len(chains)} chain keys for {n} pages")
     hi, lo = owner_words(owner)
-    t = torch.empty((n, TAG_WORDS), dtype=torch.int64)
+    t = torch.zeros((n, TAG_WORDS), dtype=torch.int64)
     t[:, OWNER_HI], t[:, OWNER_LO], t[:, EPOCH], t[:, MAGIC] = hi, lo, _s64(epoch), _s64(TAG_MAGIC)
     t[:, GENERATION] = torch.tensor([_s64(g) for g in generations], dtype=torch.int64)
-    t[:, PAGE_INDEX] = torch.arange(n)
+    t[:, PAGE_INDEX] = torch.arange(first_index, first_index + n)
     t[:, NUM_TOKENS] = page_size
     if n:
         t[n - 1, NUM_TOKENS] = num_tokens - (n - 1) * page_size
     t[:, CHECKSUM] = torch.tensor(checksums, dtype=torch.int64)
+    if len(chains):
+        t[:len(chains), CHAIN] = chain_tensor(list(chains))
     return t
 
 
