@@ -30,7 +30,7 @@ GUARD_SECONDS = Histogram("pdserve_guard_seconds",
 # begin_write_wait: what prefill still waits for KeepAlive + BeginWrite once its forward pass (which they
 # overlap) is done
 GUARD_KINDS = ("grant_rpc", "begin_write_rpc", "begin_write_wait", "end_write_rpc", "validate_rpc", "release_rpc",
-               "checksum", "prompt_verify", "step_tag_check", "checksum_sweep")
+               "checksum", "prompt_verify", "step_tag_check", "checksum_sweep", "prefix_check")
 SWEEP_CYCLE_STEPS = Gauge("pdserve_checksum_sweep_cycle_steps",
                           "Decode steps within which every prompt page of the running batch is re-checksummed "
                           "(ceil(prompt pages / --checksum-sweep-pages); 0 when the sweep is off or idle)")
@@ -63,12 +63,20 @@ GROWTH_PAGES = Counter("pdserve_kv_growth_pages_total", "Pages decode leased to 
 PREEMPTIONS = Counter("pdserve_preemptions_total", "Running requests decode preempted because its KV pool ran dry")
 RESUBMISSIONS = Counter("pdserve_resubmissions_total", "Preempted requests the gateway resubmitted (prompt + the "
                         "tokens streamed) to continue their stream", ["outcome"])
+PREFIX_LOOKUPS = Counter("pdserve_prefix_cache_lookup_pages_total",
+                         "Decode: prompt pages looked up in its pool's prefix cache, by result (hit: shared and "
+                         "checked; miss: not cached; refused: cached but failed its check, so recomputed)", ["result"])
+PREFIX_REFUSED = Counter("pdserve_prefix_cache_refused_total",
+                         "Decode: cached pages refused by their check before any read, by reason", ["reason"])
+PREFIX_RESULTS = ("hit", "miss", "refused")
+PREFIX_REFUSAL_REASONS = ("TAG_MISSING", "TAG_EPOCH", "TAG_GENERATION", "TAG_PAGE_INDEX", "TAG_NUM_TOKENS",
+                          "TAG_CHAIN", "CHECKSUM")
 
 VIOLATION_REASONS = ("COVERAGE_MISMATCH", "TAG_MISSING", "TAG_OWNER", "TAG_EPOCH", "TAG_GENERATION",
                      "TAG_PAGE_INDEX", "TAG_NUM_TOKENS", "CHECKSUM", "STEP_TAG_MISMATCH",
                      "LEASE_NOT_CURRENT", "WRITER_ACTIVE", "EPOCH_MISMATCH", "REVOKED", "CANARY",
                      "LEASE_ALREADY_WRITTEN", "DESTINATION_MISMATCH", "PROMPT_PAGE_CHANGED", "NOTICE_MISMATCH",
-                     "PROMPT_MISMATCH", "GROWTH_REFUSED")
+                     "PROMPT_MISMATCH", "GROWTH_REFUSED", "TAG_CHAIN")
 ADMISSION_REASONS = ("EMPTY_PROMPT", "PROMPT_TOO_LONG", "CONTEXT_EXCEEDED", "DECODE_POOL_EXCEEDED",
                      "PREFILL_POOL_EXCEEDED", "BAD_MAX_TOKENS", "TOKEN_OUT_OF_VOCAB", "BAD_TEMPERATURE",
                      "BAD_TOP_P", "OVERLOADED", "LAYOUT_MISMATCH", "BAD_DESTINATION")
@@ -98,6 +106,11 @@ def init_metrics(service: str, pools: list[str] = ()) -> None:
         PREFILL_DROPPED.labels(r)
     for o in RESUBMISSION_OUTCOMES:
         RESUBMISSIONS.labels(o)
+    if service == "decode":
+        for r in PREFIX_RESULTS:
+            PREFIX_LOOKUPS.labels(r)
+        for r in PREFIX_REFUSAL_REASONS:
+            PREFIX_REFUSED.labels(r)
     for p in pools:
         POOL_CONTEXT_RATIO.labels(p)
         POOL_SHORTFALL.labels(p)

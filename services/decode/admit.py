@@ -8,8 +8,10 @@ from ..engine.sampler import SamplingParams
 from .verify import Violation
 
 
-def admit_decode(request, num_prompt_tokens: int, max_tokens: int, vocab_size: int) -> SamplingParams:
-    """The request's sampling, once it fits its allocation (num_prompt_tokens, max_tokens)."""
+def admit_decode(request, num_prompt_tokens: int, max_tokens: int, vocab_size: int,
+                 ids_checked: bool = False) -> SamplingParams:
+    """The request's sampling, once it fits its allocation (num_prompt_tokens, max_tokens). ids_checked: the
+    prompt ids came with a prefix scope and were checked against the prompt's digest (reuse.plan_prefix)."""
     if request.num_prompt_tokens != num_prompt_tokens:
         raise Violation("COVERAGE_MISMATCH", f"decode asked for a {request.num_prompt_tokens}-token prompt; "
                                              f"allocated for {num_prompt_tokens}")
@@ -28,7 +30,7 @@ def admit_decode(request, num_prompt_tokens: int, max_tokens: int, vocab_size: i
             raise invalid("BAD_PROMPT_IDS", f"repetition_penalty {sampling.repetition_penalty} needs the "
                                             f"{num_prompt_tokens} prompt token ids; got {len(ids)}")
         check_tokens(ids, vocab_size)
-    elif len(ids):
+    elif len(ids) and not ids_checked:
         raise invalid("BAD_PROMPT_IDS", f"{len(ids)} prompt token ids sent, but only repetition_penalty reads "
                                         f"them and it is off")
     return sampling

@@ -9,8 +9,8 @@ an allocation Decode took meanwhile was released while it decoded (issue 18, hol
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import grpc
 
@@ -28,6 +28,11 @@ class Allocation:
     # why it ended before anyone took it (revoked, released, expired, drained, moved): what a Run waiting for its
     # notice reports, rather than guessing from its absence
     ended: PdError | None = None
+    # prefix reuse (reuse.py): the first num_shared leases are cached pages, checked, read-only to this request
+    num_shared: int = 0
+    shared_checksums: list[int] = field(default_factory=list)
+    shared_words: Any = None  # their ownership words as checked (torch [num_shared, 5]), for the per-step check
+    plan: Any = None  # reuse.PrefixPlan of a request with a prefix scope
 
 
 class Allocations:

@@ -56,6 +56,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preempt-after", type=float, default=0.5,
                    help="seconds a running request may lack a page for its next step (the pool dry) before the "
                         "youngest running request is preempted (PREEMPTED; the gateway resubmits it)")
+    p.add_argument("--prefix-cache", choices=("on", "off"), default="on",
+                   help="decode-side prefix reuse: share checked cached pages of a request's prefix scope and publish "
+                        "its full prompt pages (off: neither; the chain words prefill writes are still checked)")
     p.add_argument("--canary", action="store_true",
                    help="tests: fill released pages with a marker and refuse a verified page that carries it")
 
@@ -115,7 +118,8 @@ async def _start(args, tls) -> DecodeServicer:
                               sweep_every=args.checksum_sweep_every, queue_limit=args.allocation_queue_limit,
                               queue_timeout_s=args.allocation_queue_timeout, headroom_pages=args.headroom_pages,
                               growth_pages=args.growth_pages, preempt_after_s=args.preempt_after,
-                              allocation_timeout_per_token_s=args.allocation_timeout_per_token)
+                              allocation_timeout_per_token_s=args.allocation_timeout_per_token,
+                              prefix_cache=args.prefix_cache == "on")
     servicer.transfer = transfer  # held for the process's life: the engine unregisters the pool when collected
     while True:  # SERVING only once the pool is allocated, registered and checked
         try:

@@ -148,11 +148,12 @@ class Notices:
         # the notice must cover every prompt page: one it leaves out may still have this writer active on it
         n = pages_for(alloc.num_prompt_tokens, self.page_size)
         named = [(x.page, x.generation) for x in notice.leases]
-        if notice.epoch != alloc.epoch or named != alloc.leases[:n]:
+        if notice.epoch != alloc.epoch or named != alloc.leases[alloc.num_shared:n]:
             LEASE_VIOLATIONS.labels("decode", "NOTICE_MISMATCH").inc()
             raise PdError(grpc.StatusCode.DATA_LOSS, "NOTICE_MISMATCH",
                           f"the write-done notice of {owner.hex()} names {len(named)} leases of epoch "
-                          f"{notice.epoch:#x}; its {n} prompt pages are {alloc.leases[:n]} of epoch {alloc.epoch:#x}")
+                          f"{notice.epoch:#x}; the {n - alloc.num_shared} prompt pages prefill writes are "
+                          f"{alloc.leases[alloc.num_shared:n]} of epoch {alloc.epoch:#x}")
         if notice.prompt_digest != digest:
             # the leases were written with another prompt's KV (a replayed or hostile Prefill won BeginWrite):
             # tags and checksums are the writer's own and match; only the digest tells (found by the formal model)

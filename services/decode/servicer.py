@@ -14,7 +14,7 @@ from ..common.config import DEFAULT_HEADROOM_PAGES, pages_for, pages_needed, pag
 from ..common.drain import draining_error
 from ..common.errors import PdError, invalid
 from ..common.faults import FAULTS
-from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS, TIMEOUTS
+from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS, PREFIX_LOOKUPS, PREFIX_REFUSED, TIMEOUTS
 from ..common.tasks import spawn
 from ..common.proto import broker_pb2, common_pb2, decode_pb2, decode_pb2_grpc
 from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, logprobs_to_pb
@@ -24,6 +24,7 @@ from ..engine.sampler import SamplingParams
 from .admit import admit_decode
 from .allocations import Allocation, Allocations
 from .growth import Growth
+from .reuse import PrefixPlan, first_bad_shared, plan_prefix, shared_words
 from .run import GrantQueue, Notices
 from .scheduler import Scheduler, Sequence, raise_if_ended
 from .sweep import PromptRecord
@@ -45,7 +46,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                  check_checksums: bool = True, canary: bool = False, sweep_pages: int = 8, max_blind_s: float = 1.0,
                  sweep_every: int = 1, queue_limit: int = 256, queue_timeout_s: float = 30.0,
                  headroom_pages: int = DEFAULT_HEADROOM_PAGES, growth_pages: int = 8, preempt_after_s: float = 0.5,
-                 allocation_timeout_per_token_s: float = 0.005):
+                 allocation_timeout_per_token_s: float = 0.005, prefix_cache: bool = True):
         self.check_checksums, self.canary = check_checksums, canary
         self.runner, self.pool, self.broker = runner, runner.pool, broker
         self.session = transfer_session
@@ -68,6 +69,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.layout_pb = layout_to_pb(self.pool.layout, TAG_NBYTES)
         self.eos = frozenset(runner.config.eos_token_ids)
         self.draining = False  # set on SIGTERM (drain.py): GetInfo reports it, Allocate refuses
+        # prefix reuse (reuse.py): off, decode still checks the chain words prefill writes, but shares and
+        # publishes nothing
+        self.prefix_cache = prefix_cache
+        self.readonly: dict[bytes, set[int]] = {}  # owner -> its pages that are cached (shared): never canary-filled
+        self.publishing: dict[bytes, asyncio.Task] = {}  # owner -> its Publish in flight, awaited by its Release
 
     @property
     def pool_id(self) -> str:  # the current incarnation: a move to another broker changes it
@@ -126,13 +132,63 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return pages_up_front(num_prompt_tokens, max_tokens, self.pool.page_size, self.headroom_pages)
 
     def destination(self, alloc: Allocation) -> common_pb2.Destination:
+        k = alloc.num_shared
         return common_pb2.Destination(pool_id=alloc.pool_id, transfer_session=self.session,
                                       data_base=self.pool.data_ptr, tag_base=self.pool.tag_ptr, epoch=alloc.epoch,
-                                      leases=leases_to_pb(alloc.leases), layout=self.layout_pb)
+                                      leases=leases_to_pb(alloc.leases[k:]), layout=self.layout_pb, cached_pages=k)
 
     async def grant(self, owner: bytes, num_prompt_tokens: int, max_tokens: int, need: int,
-                    deadline: float | None) -> Allocation:
-        """Leases `need` pages from the broker (RESOURCE_EXHAUSTED when the pool is short) as a new allocation."""
+                    deadline: float | None, plan: PrefixPlan | None = None) -> Allocation:
+        """Leases `need` pages from the broker (RESOURCE_EXHAUSTED when the pool is short) as a new allocation. With
+        a prefix plan, the leading pages the broker shares are checked here, before anything reads them; a bad one
+        is reported and the grant redone without it and what follows (at most twice, then nothing is shared)."""
+        lookup = plan.lookup[:need - 1] if plan is not None else []
+        for attempt in range(3):
+            resp, leases, pool_id = await self._grant_once(owner, need, deadline, lookup if attempt < 2 else [],
+                                                           plan)
+            k = resp.num_shared
+            if k > len(lookup) or len(resp.shared_checksums) != k:
+                spawn(self.release(owner, resp.epoch, leases))
+                raise PdError(grpc.StatusCode.INTERNAL, "BAD_GRANT", f"the broker shared {k} cached pages with "
+                                                                     f"{len(resp.shared_checksums)} checksums; "
+                                                                     f"{len(lookup)} were looked up")
+            bad = None
+            if k:
+                self.readonly[owner] = {p for p, _ in leases[:k]}
+                with GUARD_SECONDS.labels("prefix_check").time():
+                    bad = first_bad_shared(self.pool, resp.epoch, leases[:k], lookup, list(resp.shared_checksums),
+                                           self.check_checksums)
+            if plan is not None and lookup:
+                good = k if bad is None else bad[0]
+                PREFIX_LOOKUPS.labels("hit").inc(good)
+                PREFIX_LOOKUPS.labels("refused").inc(k - good)
+                PREFIX_LOOKUPS.labels("miss").inc(len(lookup) - k)
+            if bad is None:
+                alloc = Allocation(resp.epoch, leases, num_prompt_tokens, max_tokens,
+                                   time.monotonic() + self._allocation_timeout(num_prompt_tokens), pool_id,
+                                   num_shared=k, shared_checksums=list(resp.shared_checksums), plan=plan)
+                if k:
+                    alloc.shared_words = shared_words(self.pool, leases[:k])
+                return self.allocations.add(owner, alloc)
+            i, reason, message = bad
+            PREFIX_REFUSED.labels(reason).inc()
+            log.warning("request %s: %s", owner.hex(), message)
+            await asyncio.shield(self._unpublish_and_release(owner, resp.epoch, leases, leases[i:i + 1], reason))
+            lookup = lookup[:i]
+        raise AssertionError("unreachable: the last attempt shares nothing")
+
+    async def _unpublish_and_release(self, owner: bytes, epoch: int, leases, bad, reason: str) -> None:
+        """While still a reader of the bad page, take it out of the cache; then end this grant."""
+        try:
+            await call(self.broker.Unpublish(broker_pb2.UnpublishRequest(
+                pool_id=self.pool_id, owner=owner, epoch=epoch, leases=leases_to_pb(bad), reason=reason),
+                timeout=self.rpc_timeout_s), "broker Unpublish")
+        except PdError as e:  # it stays cached: the next reader's check refuses it again
+            log.warning("Unpublish of %s failed: %s", bad, e)
+        await self.release(owner, epoch, leases)
+
+    async def _grant_once(self, owner: bytes, need: int, deadline: float | None, lookup: list[bytes],
+                          plan: PrefixPlan | None):
         if (err := self.blind_error()) is not None:
             raise err
         if self.growth.blocks_new_grants():
@@ -146,7 +202,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.pending_grants.add(owner)
         pool_id = self.pool_id  # a move while the Grant is in flight must not relabel its leases
         rpc = asyncio.ensure_future(call(self.broker.Grant(broker_pb2.GrantRequest(
-            pool_id=pool_id, owner=owner, num_pages=need, epoch=self.epoch),
+            pool_id=pool_id, owner=owner, num_pages=need, epoch=self.epoch, prefix_chains=lookup,
+            scope_tag=plan.tag if plan is not None and lookup else b""),
             timeout=timeout_within(deadline, self.rpc_timeout_s, "before broker Grant")), "broker Grant"))
         try:
             with GUARD_SECONDS.labels("grant_rpc").time():
@@ -167,9 +224,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             spawn(self.release(owner, resp.epoch, leases))
             raise PdError(grpc.StatusCode.INTERNAL, "BAD_GRANT", f"asked the broker for {need} pages, granted "
                                                                  f"{len(leases)}")
-        return self.allocations.add(owner, Allocation(resp.epoch, leases, num_prompt_tokens, max_tokens,
-                                                      time.monotonic() + self._allocation_timeout(num_prompt_tokens),
-                                                      pool_id))
+        return resp, leases, pool_id
 
     async def _extend(self, items: list[tuple[bytes, int]]) -> list:
         """One broker Extend for many running sequences (growth.py): per item its new leases or the refusal."""
@@ -198,7 +253,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.pending_grants.discard(owner)
         if not rpc.cancelled() and rpc.exception() is None:
             resp = rpc.result()
-            spawn(self.release(owner, resp.epoch, leases_from_pb(resp.leases)))
+            leases = leases_from_pb(resp.leases)
+            if resp.num_shared:
+                self.readonly[owner] = {p for p, _ in leases[:resp.num_shared]}
+            spawn(self.release(owner, resp.epoch, leases))
 
     async def Release(self, request, context) -> decode_pb2.DecodeReleaseResponse:
         alloc = self.allocations.end(request.request_id, PdError(
@@ -228,8 +286,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if len(request.prompt_digest) != 16:
             raise invalid("BAD_PROMPT_DIGEST", f"prompt_digest must be 16 bytes, got {len(request.prompt_digest)}")
         need = self.admit_allocation(owner, request.num_prompt_tokens, sampling.max_tokens)
+        plan = plan_prefix(request.prefix_scope, request.prompt_token_ids, request.num_prompt_tokens,
+                           request.prompt_digest, self.runner.config.vocab_size, self.runner.chain_seed,
+                           self.pool.page_size, self.prefix_cache)
         alloc = await self.queue.granted(
-            lambda: self.grant(owner, request.num_prompt_tokens, sampling.max_tokens, need, deadline), need,
+            lambda: self.grant(owner, request.num_prompt_tokens, sampling.max_tokens, need, deadline, plan), need,
             self.pool_id, deadline)
         fut = self.notices.expect(owner)
         try:
@@ -259,14 +320,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # from here the request's pages are released exactly once: by the scheduler once it runs the sequence,
         # else by the finally below, whatever ends this call (error, finish, or cancellation). While joining,
         # the scheduler already knows the sequence, so a revocation or Release in that window is not lost.
-        seq = Sequence(owner, alloc.epoch, alloc.leases, expected_tags(owner, alloc.epoch, alloc.leases),
-                       alloc.num_prompt_tokens, SamplingParams(), self.eos, [request.first_token])
+        expected = expected_tags(owner, alloc.epoch, alloc.leases)
+        if alloc.num_shared:  # cached pages carry their publisher's tag, checked when they were shared
+            expected[:alloc.num_shared] = alloc.shared_words
+        seq = Sequence(owner, alloc.epoch, alloc.leases, expected, alloc.num_prompt_tokens, SamplingParams(),
+                       self.eos, [request.first_token])
         self.scheduler.join(seq)
         try:
             await self._verify(request, owner, alloc, seq, deadline, validate)
+            checksums = [*alloc.shared_checksums, *request.coverage.checksums]
             if self.check_checksums:  # verification proved the pages' bytes carry these checksums
-                seq.prompt = PromptRecord.of(alloc.leases, alloc.num_prompt_tokens, self.pool.page_size,
-                                             list(request.coverage.checksums))
+                seq.prompt = PromptRecord.of(alloc.leases, alloc.num_prompt_tokens, self.pool.page_size, checksums)
+            if alloc.plan is not None and self.prefix_cache:
+                self.publishing[owner] = spawn(self._publish(owner, alloc, checksums))
             seq.max_pages = pages_needed(alloc.num_prompt_tokens, seq.sampling.max_tokens, self.pool.page_size)
             raise_if_ended(seq)
             if (err := self.blind_error()) is not None:
@@ -303,12 +369,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                           f"{self.pool_id} epoch {self.epoch:#x}")
         try:
             seq.sampling = admit_decode(request, alloc.num_prompt_tokens, alloc.max_tokens,
-                                        self.runner.config.vocab_size)
-            seq.prompt_token_ids = torch.tensor(request.prompt_token_ids, dtype=torch.int64)
+                                        self.runner.config.vocab_size, ids_checked=alloc.plan is not None)
+            if seq.sampling.repetition_penalty != 1.0:
+                seq.prompt_token_ids = torch.tensor(request.prompt_token_ids, dtype=torch.int64)
             cov = request.coverage
             with GUARD_SECONDS.labels("prompt_verify").time():
                 verify_prompt_pages(self.pool, owner, alloc.epoch, alloc.leases, alloc.num_prompt_tokens,
-                                    cov.num_tokens, list(cov.checksums), self.check_checksums)
+                                    cov.num_tokens, list(cov.checksums), self.check_checksums, alloc.num_shared,
+                                    alloc.plan.chains if alloc.plan is not None else None)
                 if self.canary:
                     check_canaries(self.pool, alloc.leases, alloc.num_prompt_tokens)
             if not validate:
@@ -341,7 +409,28 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def _release_seq(self, seq: Sequence) -> None:
         await self.release(seq.owner, seq.epoch, seq.leases)
 
+    async def _publish(self, owner: bytes, alloc: Allocation, checksums: list[int]) -> None:
+        """Offers the request's full prompt pages it did not get from the cache to later requests of its scope;
+        a page the broker makes cached is read-only from now on (decode never writes a full prompt page)."""
+        k, plan = alloc.num_shared, alloc.plan
+        items = alloc.leases[k:plan.num_publishable]
+        if not items:
+            return
+        try:
+            resp = await call(self.broker.Publish(broker_pb2.PublishRequest(
+                pool_id=alloc.pool_id, owner=owner, epoch=alloc.epoch, leases=leases_to_pb(items),
+                chains=plan.chains[k:plan.num_publishable], checksums=checksums[k:plan.num_publishable],
+                scope_tag=plan.tag), timeout=self.rpc_timeout_s), "broker Publish")
+        except PdError as e:
+            log.warning("Publish of %d pages of %s failed (they stay its own): %s", len(items), owner.hex(), e)
+            return
+        published = {p for (p, _), ok in zip(items, resp.published) if ok}
+        if published:
+            self.readonly.setdefault(owner, set()).update(published)
+
     async def release(self, owner: bytes, epoch: int, leases: list[tuple[int, int]]) -> None:
+        if (publish := self.publishing.pop(owner, None)) is not None:
+            await asyncio.wait([publish], timeout=self.rpc_timeout_s)  # which pages are cached decides the canary
         if self.scheduler.holds(owner):
             # a step may still read or write these pages: the broker would free them at once. Stop the sequence
             # instead; the scheduler releases it between steps (defence in depth: every path that takes an
@@ -351,10 +440,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.scheduler.revoke(owner, PdError(grpc.StatusCode.INTERNAL, "RELEASE_WHILE_HELD",
                                                  f"request {owner.hex()} was to be released while decoding"))
             return
+        readonly = self.readonly.pop(owner, ())  # cached pages others may read: never filled
         if self.canary:
             # before the broker can re-grant them: a page nobody rewrites keeps the marker, and a verified
             # page that still carries it would prove stale bytes got through
-            self.pool.fill([p for p, _ in leases], CANARY_BYTE)
+            self.pool.fill([p for p, _ in leases if p not in readonly], CANARY_BYTE)
         try:
             if FAULTS.fire("decode.fail_release") is not None:
                 raise PdError(grpc.StatusCode.UNAVAILABLE, "FAULT", "fault point decode.fail_release")

@@ -10,8 +10,8 @@ import torch
 from ..common.config import pages_for
 from ..common.metrics import CANARY_HITS
 from ..engine.kv_pool import KVPool
-from ..engine.tags import (CHECKSUM, EPOCH, GENERATION, MAGIC, NUM_TOKENS, OWNER_HI, OWNER_LO, OWNERSHIP,
-                           PAGE_INDEX, TAG_MAGIC, _s64, expected_tags)
+from ..engine.tags import (CHAIN, CHECKSUM, EPOCH, GENERATION, MAGIC, NUM_TOKENS, OWNER_HI, OWNER_LO, OWNERSHIP,
+                           PAGE_INDEX, TAG_MAGIC, _s64, chain_tensor, expected_tags)
 
 
 class Violation(Exception):
@@ -23,37 +23,48 @@ class Violation(Exception):
 
 def verify_prompt_pages(pool: KVPool, owner: bytes, epoch: int, leases: list[tuple[int, int]],
                         num_prompt_tokens: int, coverage_tokens: int, coverage_checksums: list[int],
-                        check_bytes: bool = True) -> None:
-    """After prefill reports done: every prompt page must carry this lease's tag, token counts must add
-    up to the prompt (a short transfer leaves stale tags behind) and the bytes must match the checksum."""
+                        check_bytes: bool = True, first: int = 0, chains: list[bytes] | None = None) -> None:
+    """After prefill reports done: every prompt page it wrote (those from `first` on: the ones before are cached
+    pages, checked when they were shared) must carry this lease's tag, token counts must add up to the prompt (a
+    short transfer leaves stale tags behind) and the bytes must match the checksum. chains (with a prefix scope):
+    each full page's tag must carry its chain key, as decode computed it from the prompt's own token ids."""
     ps = pool.page_size
     n = pages_for(num_prompt_tokens, ps)
-    if coverage_tokens != num_prompt_tokens or len(coverage_checksums) != n:
+    written = num_prompt_tokens - first * ps
+    if coverage_tokens != written or len(coverage_checksums) != n - first:
         raise Violation("COVERAGE_MISMATCH", f"prefill reports {coverage_tokens} tokens in "
                                              f"{len(coverage_checksums)} pages; the prompt is {num_prompt_tokens} "
-                                             f"tokens in {n} pages")
+                                             f"tokens in {n} pages, {first} of them cached")
     if len(leases) < n:
         raise Violation("COVERAGE_MISMATCH", f"{n} prompt pages but only {len(leases)} leases")
-    pages = [p for p, _ in leases[:n]]
-    tags = pool.tags[pages]  # [n, TAG_WORDS]
-    want = expected_tags(owner, epoch, leases[:n])
+    pages = [p for p, _ in leases[first:n]]
+    tags = pool.tags[pages]  # [n - first, TAG_WORDS]
+    want = expected_tags(owner, epoch, leases[:n])[first:]
     # one vectorised comparison; the per-page walk below only runs to name the first bad page
     ok = (tags[:, MAGIC] == _s64(TAG_MAGIC)) & (tags[:, OWNERSHIP] == want).all(dim=1)
     if not bool(ok.all()):
         i = int((~ok).nonzero()[0, 0])
-        _raise_tag_violation(tags[i], want[i], i, pages[i], epoch, leases[i][1])
+        _raise_tag_violation(tags[i], want[i], first + i, pages[i], epoch, leases[first + i][1])
     counts = tags[:, NUM_TOKENS].tolist()
-    expect = [min(ps, num_prompt_tokens - i * ps) for i in range(n)]
+    expect = [min(ps, num_prompt_tokens - i * ps) for i in range(first, n)]
     if counts != expect:
-        raise Violation("TAG_NUM_TOKENS", f"page token counts add up to {sum(counts)}, the prompt is "
-                                          f"{num_prompt_tokens} tokens (pages {counts[:8]}...)")
+        raise Violation("TAG_NUM_TOKENS", f"page token counts add up to {sum(counts)}, the {n - first} written "
+                                          f"pages hold {written} tokens (pages {counts[:8]}...)")
+    if chains is not None:
+        full = min(len(chains), n) - first
+        if full > 0:
+            ok = (tags[:full, CHAIN] == chain_tensor(chains[first:first + full])).all(dim=1)
+            if not bool(ok.all()):
+                i = int((~ok).nonzero()[0, 0])
+                raise Violation("TAG_CHAIN", f"prompt page {first + i} (physical page {pages[i]}) carries another "
+                                             f"prefix chain than this prompt's own tokens give")
     if not check_bytes:
         return
     actual = pool.checksums(pages)
     tagged = tags[:, CHECKSUM].tolist()
     if actual != tagged or actual != coverage_checksums:
-        i = next(i for i in range(n) if actual[i] != tagged[i] or actual[i] != coverage_checksums[i])
-        raise Violation("CHECKSUM", f"prompt page {i} (physical page {pages[i]}): bytes have CRC-32C "
+        i = next(i for i in range(len(pages)) if actual[i] != tagged[i] or actual[i] != coverage_checksums[i])
+        raise Violation("CHECKSUM", f"prompt page {first + i} (physical page {pages[i]}): bytes have CRC-32C "
                                     f"{actual[i]:#010x}, tag says {tagged[i]:#010x}, prefill reported "
                                     f"{coverage_checksums[i]:#010x}")
 

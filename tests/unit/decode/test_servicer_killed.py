@@ -42,8 +42,8 @@ class Broker:
                 raise self.grant_error
             pages = list(range(self.next_page, self.next_page + req.num_pages))
             self.next_page += req.num_pages
-            return SimpleNamespace(epoch=EPOCH, leases=[common_pb2.PageLease(page=p, generation=self.generation)
-                                                        for p in pages])
+            return broker_pb2.GrantResponse(epoch=EPOCH, leases=[common_pb2.PageLease(page=p, generation=self.generation)
+                                                                 for p in pages])
         return answer()
 
     def Validate(self, req, timeout):
