@@ -36,12 +36,13 @@ class _Conn:
                 pass
             self.writer = None
 
-    async def post_stream(self, path: str, body: bytes):
+    async def post_stream(self, path: str, body: bytes, headers: dict | None = None):
         """Yields the payload of every `data:` event of one streamed POST; the connection stays open after it."""
         if self.writer is None:
             await self.open()
+        more = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self.writer.write(f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                          f"Content-Type: application/json\r\nAccept: text/event-stream\r\n"
+                          f"Content-Type: application/json\r\nAccept: text/event-stream\r\n{more}"
                           f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
         await self.writer.drain()
         r = self.reader

@@ -58,7 +58,7 @@ class VllmPeer:
     """One `vllm serve` of model_dir: `with VllmPeer(...) as v: v.url ...`."""
 
     def __init__(self, model_dir: str, name: str, max_model_len: int, kv_cache_bytes: int, dtype: str,
-                 log_path: str, timeout_s: float = 900.0):
+                 log_path: str, timeout_s: float = 900.0, prefix_caching: bool = False):
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -70,9 +70,9 @@ class VllmPeer:
                      # named, never auto: on CPU vLLM's auto turns a float32 checkpoint into bfloat16, and pdserve
                      # serves a checkpoint in its own dtype
                      "--dtype", dtype,
-                     # the bench sends random prompts, but a warm-up prompt must not seed a cache that pdserve
-                     # (which has no prefix cache) is measured without
-                     "--no-enable-prefix-caching", "--seed", "0"]
+                     # the throughput bench sends random prompts, and a warm-up prompt must not seed a cache the
+                     # other system is measured without; the prefix-cache bench turns it on for both
+                     "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", "--seed", "0"]
         env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         self._log = open(log_path, "w")

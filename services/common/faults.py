@@ -32,6 +32,10 @@ KNOWN = {
                                "before its first step (a late data-only write)",
     "decode.stall_step": "sleep ARG ms (default 1000) inside the next decode step's worker thread, before its forward "
                          "pass (a stalled step while the event loop keeps renewing)",
+    "decode.corrupt_cached": "corrupt, in place, the first cached page the next Grant shares, before decode checks it: "
+                             "ARG bit_flip (one byte), foreign_tag (another request's tag and chain), "
+                             "stale_generation (the tag one generation behind), late_write (another page's bytes "
+                             "land on it, tag untouched)",
     "decode.fail_release": "drop the next Release to the broker as if the RPC failed (the pages leak until reconciled)",
     "broker.cut_watch": "end the next revocation stream to loop with UNAVAILABLE (a cut stream; decode resumes "
                         "from its cursor)",

@@ -24,7 +24,7 @@ from ..engine.sampler import SamplingParams
 from .admit import admit_decode
 from .allocations import Allocation, Allocations
 from .growth import Growth
-from .reuse import PrefixPlan, first_bad_shared, plan_prefix, shared_words
+from .reuse import PrefixPlan, corrupt_in_place, first_bad_shared, plan_prefix, shared_words
 from .run import GrantQueue, Notices
 from .scheduler import Scheduler, Sequence, raise_if_ended
 from .sweep import PromptRecord
@@ -155,6 +155,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             bad = None
             if k:
                 self.readonly[owner] = {p for p, _ in leases[:k]}
+                if (arg := FAULTS.fire("decode.corrupt_cached")) is not None:
+                    corrupt_in_place(self.pool, leases[0][0], arg)
                 with GUARD_SECONDS.labels("prefix_check").time():
                     bad = first_bad_shared(self.pool, resp.epoch, leases[:k], lookup, list(resp.shared_checksums),
                                            self.check_checksums)
