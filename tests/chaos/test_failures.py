@@ -33,7 +33,9 @@ def drained(stack):
         if e.code() == grpc.StatusCode.NOT_FOUND:  # a restarted broker that decode has not re-registered with yet
             return False
         raise
-    return s.num_leased == 0 and s.num_quarantined == 0 and s.num_free == s.num_pages
+    # cached pages (prefix reuse) are neither leased nor free: unread, they are evictable
+    return (s.num_leased == 0 and s.num_quarantined == 0 and s.num_shared_reads == 0
+            and s.num_free + s.num_cached == s.num_pages)
 
 
 def test_late_write_after_abort_lands_only_on_quarantined_pages(chaos, oracle):

@@ -42,8 +42,8 @@ def two(model_dir):
 
 def drained(stack) -> bool:
     states = stack.pool_states()
-    return len(states) == 2 and all(s.num_leased == 0 and s.num_quarantined == 0 and s.num_free == s.num_pages
-                                    for s in states)
+    return len(states) == 2 and all(s.num_leased == 0 and s.num_quarantined == 0 and s.num_shared_reads == 0
+                                    and s.num_free + s.num_cached == s.num_pages for s in states)
 
 
 def served_runs(stack, index: int) -> float:

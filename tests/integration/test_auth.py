@@ -80,8 +80,8 @@ def test_a_prefill_identity_cannot_grant_or_revoke(stack):
         assert "prefill/prefill0" in err.message and method in err.message
         assert _denials(stack, "broker", method, "ROLE_NOT_ALLOWED") == denied[method] + 1
     after = stack.broker.GetPoolState(pb.GetPoolStateRequest(pool_id=pool), timeout=5)
-    assert after.num_free + after.num_leased + after.num_quarantined == before.num_free + before.num_leased + \
-        before.num_quarantined and after.num_leased <= before.num_leased
+    assert after.num_free + after.num_leased + after.num_quarantined + after.num_cached == before.num_free + \
+        before.num_leased + before.num_quarantined + before.num_cached and after.num_leased <= before.num_leased
 
 
 def test_a_decode_identity_cannot_begin_a_write(stack):

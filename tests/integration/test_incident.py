@@ -132,4 +132,4 @@ def test_no_page_leaked(small):
     small.clear_faults()
     for s in wait_no_leases(small):
         assert s.num_leased == 0
-        assert s.num_free + s.num_quarantined == s.num_pages
+        assert s.num_free + s.num_quarantined + s.num_cached == s.num_pages

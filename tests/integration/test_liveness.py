@@ -49,7 +49,7 @@ def state(stack):
 
 def drained(stack) -> bool:
     s = state(stack)
-    return s.num_free == s.num_pages and s.num_leased == 0 and s.num_quarantined == 0
+    return s.num_free + s.num_cached == s.num_pages and s.num_leased == 0 and s.num_quarantined == 0
 
 
 def wait_for(pred, timeout: float, what: str) -> float:
@@ -126,7 +126,7 @@ def test_a_lost_grant_reply_is_revoked_and_drains(live):
         allocate(live, 100, 8)
     assert from_rpc_error(e.value).reason == "FAULT_LOST_REPLY"
     s = state(live)
-    assert s.num_leased == pages_needed(100, 8, 16) and s.num_free == s.num_pages - s.num_leased  # the grant happened
+    assert s.num_leased == pages_needed(100, 8, 16) and s.num_free == s.num_pages - s.num_leased - s.num_cached  # the grant happened
     took = wait_for(lambda: drained(live), GRACE + LOCK_DELAY + 3, "the unheld owner to be revoked and drained")
     assert took >= LOCK_DELAY  # through quarantine, never straight back to FREE
 
