@@ -31,7 +31,12 @@ FAULTS = ["prefill.short_transfer", "prefill.skip_page", "prefill.bit_flip", "pr
 FAULT_ARGS = {"prefill.delay_before_write": "1500", "transfer.fail_then_land": "5000", "prefill.slow_transfer": "3000"}
 # faults armed on the broker or decode: a Grant whose reply is lost, a Release that fails (both reclaimed by the
 # broker's reconciliation), a revocation stream cut (decode resumes from its cursor and re-checks its leases)
-OTHER_FAULTS = [("broker", "broker.lose_grant_reply"), ("decode", "decode.fail_release"), ("broker", "broker.cut_watch")]
+OTHER_FAULTS = [("broker", "broker.lose_grant_reply"), ("decode", "decode.fail_release"), ("broker", "broker.cut_watch"),
+                ("decode", "decode.corrupt_cached")]
+# a third of the prompts start with one 48-token (3-page) prefix of the schedule: the prefix cache serves them, and
+# decode.corrupt_cached corrupts a cached page in place (a miss and a recompute, never output)
+SHARED_PREFIX, SHARED_SHARE = 48, 0.35
+CORRUPTIONS = ["bit_flip", "foreign_tag", "stale_generation", "late_write"]
 DISRUPTIONS = ["kill_prefill", "pause_prefill", "pause_decode", "kill_broker", "pause_broker", "none", "hostile",
                "cut_watch"]
 TYPED = {"DATA_LOSS", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED"}
@@ -78,6 +83,8 @@ def test_chaos_schedule(chaos, oracle, seed):
     assert "error" not in warm, warm
     rng = random.Random(seed)
     canaries = chaos.metric("decode", "pdserve_canary_hits_total")
+    cache = {r: chaos.metric("decode", "pdserve_prefix_cache_lookup_pages_total", {"result": r}) for r in ("hit", "refused")}
+    shared = [rng.randrange(2, 512) for _ in range(SHARED_PREFIX)]
     jobs = []
     for i in range(REQUESTS_PER_SCHEDULE):
         r = rng.random()
@@ -85,11 +92,14 @@ def test_chaos_schedule(chaos, oracle, seed):
             jobs.append(("overlong", [rng.randrange(2, 512) for _ in range(2048 + rng.randrange(1, 500))], 4, None))
             continue
         prompt = [rng.randrange(2, 512) for _ in range(rng.randrange(1, 200))]
+        if rng.random() < SHARED_SHARE:
+            prompt = shared + prompt
         cancel = rng.uniform(0.0, 0.4) if r < 0.25 else None
         jobs.append(("cancelled" if cancel is not None else "normal", prompt, rng.randrange(1, 8), cancel))
     choices = [("prefill", f) for f in FAULTS] + OTHER_FAULTS
     faults = [(rng.randrange(REQUESTS_PER_SCHEDULE), *rng.choice(choices), rng.randrange(2)) for _ in range(6)]
     late = {i: str(rng.choice([200, 2500, 5000])) for i, _, name, _ in faults if name == "transfer.fail_then_land"}
+    late.update({i: rng.choice(CORRUPTIONS) for i, _, name, _ in faults if name == "decode.corrupt_cached"})
     disruption = DISRUPTIONS[seed % len(DISRUPTIONS)]
     disrupt_at = rng.randrange(10, 60)
     print(f"  disruption={disruption} at request {disrupt_at}; faults={[(i, f) for i, _, f, _ in faults]}", flush=True)
@@ -146,4 +156,6 @@ def test_chaos_schedule(chaos, oracle, seed):
             assert p.alive(), f"seed {seed}: {name} died:\n{''.join(p.lines[-30:])}"
     expired = chaos.metric("decode", "pdserve_timeouts_total", {"stage": "allocation"})
     print(f"  quiescent at {time.monotonic() - start:.1f}s (allocations expired by their bound so far: "
-          f"{expired:.0f})", flush=True)
+          f"{expired:.0f}); cached pages read {chaos.metric('decode', 'pdserve_prefix_cache_lookup_pages_total', {'result': 'hit'}) - cache['hit']:.0f}, "
+          f"refused {chaos.metric('decode', 'pdserve_prefix_cache_lookup_pages_total', {'result': 'refused'}) - cache['refused']:.0f}",
+          flush=True)
