@@ -106,7 +106,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             pool_pages=self.pool.num_pages, page_size=self.pool.page_size,
             eos_token_id=cfg.eos_token_id if cfg.eos_token_id is not None else -1,
             layout=self.layout_pb,
-            free_pages=state.num_free, draining=self.draining, queue_depth=self.queue_depth())
+            # unread cached pages are evicted by the next Grant that needs them: free, as far as admission goes
+            free_pages=state.num_free + state.num_evictable, draining=self.draining, queue_depth=self.queue_depth())
 
     def queue_depth(self) -> int:  # waiting for pages, allocated, not yet decoding, plus every sequence decoding
         return len(self.queue) + len(self.allocations) + len(self.scheduler.joining) + len(self.scheduler.running)
