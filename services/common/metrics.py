@@ -63,6 +63,11 @@ GROWTH_PAGES = Counter("pdserve_kv_growth_pages_total", "Pages decode leased to 
 PREEMPTIONS = Counter("pdserve_preemptions_total", "Running requests decode preempted because its KV pool ran dry")
 RESUBMISSIONS = Counter("pdserve_resubmissions_total", "Preempted requests the gateway resubmitted (prompt + the "
                         "tokens streamed) to continue their stream", ["outcome"])
+# prefix reuse (issue 20): requests the gateway routed to the backend holding their prefix, or by load (no backend
+# known to hold it, or the one that does is too loaded)
+PREFIX_ROUTES = Counter("pdserve_gateway_prefix_routes_total", "Requests with a prefix scope the gateway routed, by "
+                        "role and by what decided: affinity (the backend last sent their prefix) or load",
+                        ["role", "result"])
 
 VIOLATION_REASONS = ("COVERAGE_MISMATCH", "TAG_MISSING", "TAG_OWNER", "TAG_EPOCH", "TAG_GENERATION",
                      "TAG_PAGE_INDEX", "TAG_NUM_TOKENS", "CHECKSUM", "STEP_TAG_MISMATCH",
@@ -98,6 +103,10 @@ def init_metrics(service: str, pools: list[str] = ()) -> None:
         PREFILL_DROPPED.labels(r)
     for o in RESUBMISSION_OUTCOMES:
         RESUBMISSIONS.labels(o)
+    if service == "gateway":
+        for role in ("prefill", "decode"):
+            for result in ("affinity", "load"):
+                PREFIX_ROUTES.labels(role, result)
     for p in pools:
         POOL_CONTEXT_RATIO.labels(p)
         POOL_SHORTFALL.labels(p)
