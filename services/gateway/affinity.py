@@ -37,7 +37,8 @@ def route_keys(scope: bytes, token_ids: Sequence[int], page_size: int) -> list[t
     num_pages = (len(token_ids) - 1) // page_size if scope else 0
     if num_pages <= 0:
         return []
-    raw = memoryview(np.asarray(token_ids[:num_pages * page_size], dtype="<i4").tobytes())
+    # fromiter with a count: no copy of a long prompt's list before its conversion
+    raw = memoryview(np.fromiter(token_ids, dtype="<i4", count=num_pages * page_size).tobytes())
     step = page_size * 4
     h = hashlib.blake2b(digest_size=16, person=b"pdserve-route-v1")
     h.update(len(scope).to_bytes(4, "little") + scope + page_size.to_bytes(4, "little"))
