@@ -71,6 +71,11 @@ PREFIX_REFUSED = Counter("pdserve_prefix_cache_refused_total",
 PREFIX_RESULTS = ("hit", "miss", "refused")
 PREFIX_REFUSAL_REASONS = ("TAG_MISSING", "TAG_EPOCH", "TAG_GENERATION", "TAG_PAGE_INDEX", "TAG_NUM_TOKENS",
                           "TAG_CHAIN", "CHECKSUM")
+# prefix reuse (issue 20): requests the gateway routed to the backend holding their prefix, or by load (no backend
+# known to hold it, or the one that does is too loaded)
+PREFIX_ROUTES = Counter("pdserve_gateway_prefix_routes_total", "Requests with a prefix scope the gateway routed, by "
+                        "role and by what decided: affinity (the backend last sent their prefix) or load",
+                        ["role", "result"])
 
 VIOLATION_REASONS = ("COVERAGE_MISMATCH", "TAG_MISSING", "TAG_OWNER", "TAG_EPOCH", "TAG_GENERATION",
                      "TAG_PAGE_INDEX", "TAG_NUM_TOKENS", "CHECKSUM", "STEP_TAG_MISMATCH",
@@ -111,6 +116,10 @@ def init_metrics(service: str, pools: list[str] = ()) -> None:
             PREFIX_LOOKUPS.labels(r)
         for r in PREFIX_REFUSAL_REASONS:
             PREFIX_REFUSED.labels(r)
+    if service == "gateway":
+        for role in ("prefill", "decode"):
+            for result in ("affinity", "load"):
+                PREFIX_ROUTES.labels(role, result)
     for p in pools:
         POOL_CONTEXT_RATIO.labels(p)
         POOL_SHORTFALL.labels(p)

@@ -1,13 +1,13 @@
-"""The API key on the public gRPC port: the key the HTTP API asks for (`--api-key`, else PDSERVE_API_KEY), sent as
-`authorization: Bearer KEY` metadata. Health and reflection stay open, as /health does over HTTP: probes and
-tooling carry no key, and neither reaches a model or a KV page."""
+"""The API key on the public gRPC port: a key the HTTP API takes (`--api-keys-file`, `--api-key`, else
+PDSERVE_API_KEY; keys.py), sent as `authorization: Bearer KEY` metadata. Health and reflection stay open, as /health
+does over HTTP: probes and tooling carry no key, and neither reaches a model or a KV page. The tenant of the key is
+looked up again by the servicer (tenant_of_metadata), which fails closed without one."""
 from __future__ import annotations
-
-import hmac
 
 import grpc
 
 from ..common.errors import PdError, to_status
+from .keys import ApiKeys
 
 API_KEY = "API_KEY"
 OPEN = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
@@ -17,14 +17,9 @@ REFUSAL = PdError(grpc.StatusCode.UNAUTHENTICATED, API_KEY,
                   "(`pdserve generate` sends PDSERVE_API_KEY or --api-key)")
 
 
-def has_key(metadata, expected: bytes) -> bool:
-    """Exactly one `authorization` entry, equal to `Bearer KEY` in constant time: two entries could make a proxy
-    and this check read different ones."""
-    given = [value for key, value in metadata or () if key == "authorization"]
-    if len(given) != 1:
-        return False
-    value = given[0] if isinstance(given[0], bytes) else given[0].encode()
-    return hmac.compare_digest(value, expected)
+def refused() -> PdError:
+    """REFUSAL to raise (a fresh one each time: a raised exception carries its traceback along)."""
+    return PdError(REFUSAL.code, REFUSAL.reason, REFUSAL.message)
 
 
 async def _refuse(request, context):
@@ -35,16 +30,15 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
     """Outermost on the gateway's public server: a call without the key reaches no handler. Every method but health
     and reflection needs it, so a service added to the port later is closed until someone opens it here."""
 
-    def __init__(self, key: str):
-        if not key:
-            raise ValueError("an empty API key would let every caller in")
-        self._expected = b"Bearer " + key.encode()
+    def __init__(self, keys: ApiKeys):
+        self._keys = keys
         # one refusing handler per method, built once: a flood of calls without a key allocates no handlers
         self._refusals: dict[str, grpc.RpcMethodHandler] = {}
 
     async def intercept_service(self, continuation, handler_call_details):
         method = handler_call_details.method
-        if method.startswith(OPEN) or has_key(handler_call_details.invocation_metadata, self._expected):
+        if method.startswith(OPEN) or \
+                self._keys.tenant_of_metadata(handler_call_details.invocation_metadata) is not None:
             return await continuation(handler_call_details)
         if method in self._refusals:
             return self._refusals[method]

@@ -20,6 +20,7 @@ from prometheus_client import Gauge
 from ..common.proto import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from ..common.server import GRPC_OPTIONS
 from ..common.tls import TlsConfig, secure_channel
+from .affinity import PrefixMap
 from .discovery import is_ip, split_host_port
 from .router import DRAINING, PENDING, READY, REFUSED, RETIRING, STATES, UNREACHABLE, Backend, Router
 
@@ -44,11 +45,13 @@ def engine_key(info) -> tuple:
 
 class Backends:
     def __init__(self, tls: TlsConfig | None, load_interval_s: float = 0.5,
-                 on_change: Callable[[], None] = lambda: None):
+                 on_change: Callable[[], None] = lambda: None, max_load_gap: int = 4,
+                 prefix_entries: int = 1 << 16):
         self.tls = tls
         self.load_interval_s = load_interval_s
         self.on_change = on_change
-        self.routers = {role: Router(role) for role in STUBS}
+        self.routers = {role: Router(role, prefixes=PrefixMap(prefix_entries), max_load_gap=max_load_gap)
+                        for role in STUBS}
         self.key: tuple | None = None  # model/vocab/page layout of the first admitted backend
         self._tasks: dict[Backend, asyncio.Task] = {}
         init_backend_metrics()

@@ -24,7 +24,8 @@ from .discovery import Discovery
 from .drain import drain
 from .limits import DEFAULT_MAX_CONCURRENT, ConcurrencyLimit
 from .openai.app import Front, create_app
-from .openai.server import HttpServer, add_http_args, api_key, http_limits
+from .openai.server import HttpServer, add_http_args, api_keys, http_limits
+from .scope import add_prefix_args, scoping_from_args
 from .servicer import Capacity, GatewayServicer
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=25.0,
                    help="on SIGTERM, seconds running streams get to finish while new requests are refused "
                         "UNAVAILABLE (DRAINING); keep under the pod's terminationGracePeriodSeconds")
+    add_prefix_args(p)
     add_tls_args(p, "the gateway's channels to prefill and decode (its public gRPC and HTTP APIs stay plaintext)")
 
 
@@ -152,7 +154,7 @@ class Health:
 
 async def serve(args) -> None:
     check_unsafe("gateway", args)
-    limits, key = http_limits(args), api_key(args)
+    limits, keys, scoping = http_limits(args), api_keys(args), scoping_from_args(args)
     tls = tls_from_args(args, "gateway", "gateway")
     try:
         concurrency = ConcurrencyLimit(args.max_concurrent_requests)
@@ -170,14 +172,17 @@ async def serve(args) -> None:
         except ChatTemplateError as e:
             raise SystemExit(f"gateway: {args.model}: {e}") from None
     init_metrics("gateway")
-    backends = Backends(tls, args.load_interval)
+    backends = Backends(tls, args.load_interval, max_load_gap=args.prefix_route_max_load_gap,
+                        prefix_entries=args.prefix_route_entries)
     servicer = GatewayServicer(backends.routers["prefill"], backends.routers["decode"], None, None,
                                args.prefill_timeout, args.token_timeout, args.write_notice_timeout,
-                               args.max_resubmissions, args.prefill_timeout_per_token)
+                               args.max_resubmissions, args.prefill_timeout_per_token, keys, scoping)
+    log.info("gateway: prefix cache %s%s", "on, scope " + scoping.scope if scoping.enabled else "off",
+             f", routed by prefix within a load gap of {args.prefix_route_max_load_gap}" if scoping.enabled else "")
     servicer.concurrency = concurrency
     svc = Service("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
                   args.host, args.port, args.metrics_port, tls=None,  # public API: plaintext by design
-                  metrics_host=args.metrics_host, guards=(ApiKeyInterceptor(key),) if key else ())
+                  metrics_host=args.metrics_host, guards=(ApiKeyInterceptor(keys),) if keys is not None else ())
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, svc.server)
     health = Health(svc, servicer, backends)
     backends.on_change = health.on_change
@@ -193,7 +198,7 @@ async def serve(args) -> None:
     http = None
     if args.http_port >= 0:
         front = Front(servicer, cap.model, limits, template)
-        http = HttpServer(create_app(front, key), args.host, args.http_port, front.limits,
+        http = HttpServer(create_app(front, keys), args.host, args.http_port, front.limits,
                           args.drain_timeout)
         args.http_port = await http.start()
         print(f"PDSERVE_HTTP port={args.http_port}", flush=True)

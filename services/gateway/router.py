@@ -1,4 +1,4 @@
-"""Routing over prefill and decode instances by their load.
+"""Routing over prefill and decode instances by their load, and by where a prompt's prefix most likely is.
 
 Each backend's load comes from its GetInfo, polled every --load-interval (backends.py): free pages and queue
 depth. Between two polls the gateway adds what it sent there itself and the poll cannot have seen yet (a
@@ -9,6 +9,10 @@ Decode: a backend with room for the request's pages first, then the lowest queue
 pages; prefill: the lowest queue depth. Ties go round-robin. Draining, refused, unreachable and removed
 backends get no new work while any routable one is left (an unreachable one is tried only when no backend
 of the role answered its last poll: the call itself then gives the clear error).
+
+Prefix affinity (affinity.py; a request with a prefix scope): the ready, not excluded backend last sent the
+longest prefix of the prompt is picked instead, unless it lacks the free pages the load choice has, or its queue
+is more than max_load_gap deeper: a cached prefix saves its forward pass and transfer, not a wait behind a queue.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ from dataclasses import dataclass, field
 import grpc
 
 from ..common.errors import PdError
+from ..common.metrics import PREFIX_ROUTES
+from .affinity import PrefixMap
 
 # backend states (the gateway's pdserve_gateway_backends{role,state} gauge counts them)
 PENDING, READY, DRAINING, UNREACHABLE, REFUSED, RETIRING = (
@@ -79,17 +85,22 @@ class Backend:
 
 
 class Router:
-    def __init__(self, role: str, backends: list[Backend] = ()):
+    def __init__(self, role: str, backends: list[Backend] = (), prefixes: PrefixMap | None = None,
+                 max_load_gap: int = 4):
         self.role = role
         self.all: list[Backend] = list(backends)
         self._tick = itertools.count()
+        self.prefixes = PrefixMap() if prefixes is None else prefixes
+        self.max_load_gap = max_load_gap
 
     @property
     def backends(self) -> list[Backend]:
         """The backends that take new work now."""
         return [b for b in self.all if b.state == READY]
 
-    def pick(self, exclude: set[str] = frozenset(), pages: int = 0) -> Backend:
+    def pick(self, exclude: set[str] = frozenset(), pages: int = 0,
+             prefix: list[tuple[int, bytes]] = ()) -> Backend:
+        """prefix: the request's route keys (affinity.route_keys); empty: by load alone."""
         ready = self.backends
         pool = ready or [b for b in self.all if b.state == UNREACHABLE]
         if not pool:
@@ -102,5 +113,27 @@ class Router:
             best = min(candidates, key=lambda b: (b.free_pages() < pages, b.queue_depth(), -b.free_pages(), b._order))
         else:
             best = min(candidates, key=lambda b: (b.queue_depth(), b.in_flight, b._order))
+        if prefix:
+            best = self._affine(best, ready, exclude, pages, prefix)
         best._order = next(self._tick)
         return best
+
+    def _affine(self, best: Backend, ready: list[Backend], exclude: set[str], pages: int,
+                prefix: list[tuple[int, bytes]]) -> Backend:
+        # only a backend that takes work and was not excluded by this request's retry: a failed or draining one
+        # must not win back its traffic by holding a prefix
+        eligible = {b.target: b for b in ready if b.target not in exclude}
+        hit = self.prefixes.longest(prefix, eligible)
+        chosen = best
+        if hit is not None and self._near(eligible[hit[1]], best, pages):
+            chosen = eligible[hit[1]]
+        won = hit is not None and chosen is eligible[hit[1]]
+        PREFIX_ROUTES.labels(self.role, "affinity" if won else "load").inc()
+        self.prefixes.record(prefix, chosen.target)
+        return chosen
+
+    def _near(self, b: Backend, best: Backend, pages: int) -> bool:
+        """b's load is within the bound of the load choice's."""
+        if pages and b.free_pages() < pages <= best.free_pages():
+            return False
+        return b.queue_depth() - best.queue_depth() <= self.max_load_gap

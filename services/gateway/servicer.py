@@ -1,4 +1,4 @@
-"""Gateway gRPC servicer: admission, request ids, routing, streaming.
+"""Gateway gRPC servicer: admission, tenants and prefix scopes, request ids, routing, streaming.
 
 A client disconnect cancels only the decode stream: a prefill that has started runs to its
 EndWrite, and its decode allocation is released after it.
@@ -21,9 +21,13 @@ from ..common.proto import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc
 from ..common.deadline import deadline_exceeded, deadline_of, timeout_within
 from ..common.wire import call, prompt_digest, sampling_from_pb
 from .admit import admit
+from .affinity import route_keys
+from .api_key import refused
+from .keys import NO_KEYS_TENANT, ApiKeys
 from .limits import ConcurrencyLimit
 from .responses import Responses
 from .router import Backend, Router, Ticket
+from .scope import Scoping
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,7 @@ class _Stream:
     last: float | None = None  # when the last token went out
     resubmissions: int = 0
     resubmitted_at: int = 0  # len(ids) when the current submission went out: decode counts from there
+    scope: bytes = b""  # the request's prefix scope (scope.py), the same for every submission; b"": no reuse
 
 
 def _retrieve(task: asyncio.Future) -> None:
@@ -58,7 +63,8 @@ def _retrieve(task: asyncio.Future) -> None:
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(self, prefills: Router, decodes: Router, tokenizer, cap: Capacity | None,
                  rpc_timeout_s: float = 60.0, token_timeout_s: float = 60.0, notice_timeout_s: float = 5.0,
-                 max_resubmissions: int = 3, prefill_timeout_per_token_s: float = 0.005):
+                 max_resubmissions: int = 3, prefill_timeout_per_token_s: float = 0.005,
+                 keys: ApiKeys | None = None, scoping: Scoping = Scoping()):
         self.token_timeout_s = token_timeout_s
         # a prompt's forward pass grows with its length: the prefill bound (and the wait for its first token) is
         # rpc_timeout_s + this per prompt token, so a 1M-token prompt is not cut off by a bound sized for 4k
@@ -74,6 +80,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.draining = False  # set on SIGTERM (drain.py): Generate refuses, running streams finish
         self.active = 0  # Generate calls (gRPC and HTTP) not yet ended
         self.concurrency = ConcurrencyLimit()  # no limit unless main.py sets --max-concurrent-requests
+        self.keys = keys  # None: no API key, every caller is of one tenant
+        self.scoping = scoping
 
     def _capacity(self) -> Capacity:
         if self.cap is None or self.tokenizer is None:
@@ -94,12 +102,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return admit(request, self.cap, self.tokenizer)
 
     async def Generate(self, request, context):
-        async for msg in self.generate(request, deadline_of(context)):
+        tenant = NO_KEYS_TENANT
+        if self.keys is not None:
+            # the interceptor let the call in; the tenant is read here again, and a call that got past without a
+            # key (a server built without the interceptor) is refused rather than served as nobody's
+            tenant = self.keys.tenant_of_metadata(context.invocation_metadata())
+            if tenant is None:
+                raise refused()
+        async for msg in self.generate(request, deadline_of(context), tenant):
             yield msg
 
-    async def generate(self, request, deadline: float | None = None):
+    def tenant_or_refuse(self, tenant: str | None) -> str:
+        if tenant is not None:
+            return tenant
+        if self.keys is not None:
+            raise refused()  # the caller's key was never looked up: fail closed
+        return NO_KEYS_TENANT
+
+    async def generate(self, request, deadline: float | None = None, tenant: str | None = None):
         """The GenerateResponses of one request. deadline (absolute time.monotonic() seconds) bounds every
-        internal call: past it the request ends with DEADLINE_EXCEEDED and its pages are given back.
+        internal call: past it the request ends with DEADLINE_EXCEEDED and its pages are given back. tenant: the
+        caller's API key's tenant (keys.py); it and request.cache_salt decide the prefix scope.
 
         A request decode preempted (its pool ran dry: UNAVAILABLE / PREEMPTED, carrying how many tokens it
         streamed) is resubmitted as prompt + the tokens streamed so far, through prefill, with max_tokens what is
@@ -113,9 +136,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             if self.draining:
                 raise draining_error("gateway", "new requests are refused; send them to another gateway")
+            tenant = self.tenant_or_refuse(tenant)
             tokens, sampling = self.admit(request)
+            scope = self.scoping.scope_of(tenant, request.cache_salt)
             self.concurrency.enter(self.active)  # after admission: a request that can never fit is not told to retry
-            client = _Stream()
+            client = _Stream(scope=scope)
             while True:
                 try:
                     async for msg in self._attempts(tokens, sampling, request, start, deadline, client):
@@ -168,13 +193,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             left.max_tokens = sampling.max_tokens - len(client.ids)
             sampling = left
         tried: set[str] = set()
+        prefix = route_keys(client.scope, tokens, self.cap.page_size)
         for attempt in range(2):
             request_id = secrets.token_bytes(16)
             # the Backend objects, not their addresses, carry the request: Decode reaches the pod that
             # answered Allocate whatever discovery does meanwhile (a gone backend's channel outlives it)
             need = pages_up_front(len(tokens), sampling.max_tokens, self.cap.page_size)
-            decode = self.decodes.pick(exclude=tried, pages=need)
-            prefill = self.prefills.pick(exclude=tried)
+            decode = self.decodes.pick(exclude=tried, pages=need, prefix=prefix)
+            prefill = self.prefills.pick(exclude=tried, prefix=prefix)
             tickets = (decode.take(need), prefill.take())
             sent = len(client.ids)
             try:
@@ -199,9 +225,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         the pool is full) and sends the destination; prefill writes there and acks to the broker; the broker's
         write-done notice starts decode, whose first token comes down the same stream."""
         run = decode_pb2.RunRequest(request_id=request_id, num_prompt_tokens=len(tokens), sampling=sampling,
-                                    prompt_digest=prompt_digest(tokens))
-        if sampling_from_pb(sampling).repetition_penalty != 1.0:
-            run.prompt_token_ids.extend(tokens)  # the penalty counts prompt tokens
+                                    prompt_digest=prompt_digest(tokens), prefix_scope=client.scope)
+        # the penalty counts prompt tokens; a scope's chain is computed by decode from the ids themselves
+        if client.scope or sampling_from_pb(sampling).repetition_penalty != 1.0:
+            run.prompt_token_ids.extend(tokens)
         stream = decode.stub.Run(run, timeout=None if deadline is None else max(0.0, deadline - time.monotonic()))
         pf = None
         try:
@@ -211,7 +238,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             Backend.settle(tickets[0])
             want_prompt_lps = request.HasField("prompt_logprobs") and not client.ids
             preq = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=tokens, sampling=sampling,
-                                              destination=ev.destination,
+                                              destination=ev.destination, prefix_scope=client.scope,
                                               prompt_logprobs=request.prompt_logprobs if want_prompt_lps else None)
             bound = self.rpc_timeout_s + len(tokens) * self.prefill_timeout_per_token_s
             timeout = timeout_within(deadline, bound, "before the prefill call")

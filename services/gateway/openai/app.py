@@ -1,8 +1,7 @@
-"""The FastAPI application: request ids and the API key around every route, the error object for every
-failure, /health, /v1/models and the two generation routes."""
+"""The FastAPI application: request ids and the API key (and with it the tenant) around every route, the error
+object for every failure, /health, /v1/models and the two generation routes."""
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 import uuid
@@ -14,6 +13,8 @@ from starlette.exceptions import HTTPException
 
 from ...common.drain import draining_error
 from ...common.errors import PdError
+from ..keys import NO_KEYS_TENANT, ApiKeys
+from ..scope import check_cache_salt
 from . import chat, completions
 from .errors import ApiError
 from .generation import ClientGone
@@ -42,6 +43,14 @@ class Front:
         if opts is not None and opts.continuous_usage_stats and not opts.include_usage:
             raise ApiError(400, "invalid_value", "stream_options.continuous_usage_stats needs include_usage: true",
                            param="stream_options.continuous_usage_stats")
+        if body.cache_salt is not None:
+            if not body.cache_salt:  # as vLLM: an empty salt is a client's mistake, not "no salt"
+                raise ApiError(400, "invalid_value", "cache_salt must be a non-empty string if given",
+                               param="cache_salt")
+            try:
+                check_cache_salt(body.cache_salt)
+            except PdError as e:
+                raise ApiError(400, "invalid_value", e.message, param="cache_salt") from None
         if self.servicer.draining:
             raise ApiError.from_pd(draining_error("gateway", "new requests are refused; send them to another "
                                                              "gateway"))
@@ -49,10 +58,11 @@ class Front:
 
 class Envelope:
     """Pure ASGI (a BaseHTTPMiddleware would buffer streams and hide disconnects): X-Request-Id in (echoed)
-    or out (made up), and the API key on everything but /health."""
+    or out (made up), and the API key on everything but /health; the key's tenant goes to the routes as
+    request.state.tenant."""
 
-    def __init__(self, app, api_key: str | None):
-        self.app, self.api_key = app, api_key
+    def __init__(self, app, keys: ApiKeys | None):
+        self.app, self.keys = app, keys
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -65,23 +75,27 @@ class Envelope:
                 err = ApiError(400, "bad_request_id", f"X-Request-Id is {len(rid)} bytes; the limit is "
                                                       f"{MAX_REQUEST_ID}", param="X-Request-Id")
             rid = f"req-{uuid.uuid4().hex}".encode()
-        scope.setdefault("state", {})["request_id"] = rid.decode("latin-1")
+        state = scope.setdefault("state", {})
+        state["request_id"] = rid.decode("latin-1")
 
         async def send_with_id(msg):
             if msg["type"] == "http.response.start":
                 msg["headers"] = [*msg.get("headers", []), (b"x-request-id", rid)]
             await send(msg)
 
-        if err is None and self.api_key and scope["path"] != "/health":
-            given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self.api_key.encode()):
+        state["tenant"] = NO_KEYS_TENANT if self.keys is None else None
+        if err is None and self.keys is not None and scope["path"] != "/health":
+            # one Authorization header, as over gRPC: a proxy and this check could read different ones of two
+            given = [v for k, v in scope["headers"] if k == b"authorization"]
+            state["tenant"] = self.keys.tenant_of(given[0]) if len(given) == 1 else None
+            if state["tenant"] is None:
                 err = ApiError(401, "invalid_api_key", "missing or wrong API key (Authorization: Bearer ...)")
         if err is not None:
             return await err.response()(scope, receive, send_with_id)
         await self.app(scope, receive, send_with_id)
 
 
-def create_app(front: Front, api_key: str | None) -> Envelope:
+def create_app(front: Front, keys: ApiKeys | None) -> Envelope:
     app = FastAPI(title="pdserve", openapi_url=None, docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
@@ -131,4 +145,4 @@ def create_app(front: Front, api_key: str | None) -> Envelope:
     async def _chat(request: Request):
         return await chat.handle(front, request)
 
-    return Envelope(app, api_key)
+    return Envelope(app, keys)

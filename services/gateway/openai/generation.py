@@ -46,7 +46,15 @@ def build(body: Sampling, prompt: str | list[int], max_tokens: int, choice: int,
         req.logprobs = logprobs
     if prompt_logprobs is not None:
         req.prompt_logprobs = prompt_logprobs
+    if body.cache_salt is not None:
+        req.cache_salt = body.cache_salt
     return req
+
+
+def tenant_of(request: Request) -> str | None:
+    """The tenant the Envelope found for the caller's key; None (refused by the servicer when it has keys) if the
+    request never passed the Envelope."""
+    return getattr(request.state, "tenant", None)
 
 
 @dataclass
@@ -90,16 +98,16 @@ def client_deadline(request: Request) -> float | None:
     return time.monotonic() + seconds
 
 
-async def merged(servicer, reqs: list[gateway_pb2.GenerateRequest], rid: str, deadline: float | None = None
-                 ) -> AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]]:
+async def merged(servicer, reqs: list[gateway_pb2.GenerateRequest], rid: str, deadline: float | None = None,
+                 tenant: str | None = None) -> AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]]:
     """(choice index, message) from all calls as they arrive; the first error ends them all. Close it
     (contextlib.aclosing) so that the calls are cancelled with it. deadline (time.monotonic()) bounds every
-    internal call of every choice."""
+    internal call of every choice; tenant: the caller's (tenant_of)."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, req) -> None:
         try:
-            async for r in servicer.generate(req, deadline):
+            async for r in servicer.generate(req, deadline, tenant):
                 if r.request_id:
                     log.info("http request %s choice %d: internal request %s", rid, i, r.request_id.hex())
                 queue.put_nowait((i, r))
@@ -124,9 +132,9 @@ async def merged(servicer, reqs: list[gateway_pb2.GenerateRequest], rid: str, de
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _gather(servicer, reqs, rid: str, deadline: float | None) -> list[Output]:
+async def _gather(servicer, reqs, rid: str, deadline: float | None, tenant: str | None) -> list[Output]:
     outs = [Output() for _ in reqs]
-    gen = merged(servicer, reqs, rid, deadline)
+    gen = merged(servicer, reqs, rid, deadline, tenant)
     try:
         async for i, r in gen:
             outs[i].add(r)
@@ -160,4 +168,5 @@ async def until_disconnect(request: Request, work, rid: str):
 
 async def collect(servicer, reqs, request: Request, rid: str) -> list[Output]:
     """Runs every call to its end, unless the client leaves first or its deadline passes."""
-    return await until_disconnect(request, _gather(servicer, reqs, rid, client_deadline(request)), rid)
+    return await until_disconnect(request, _gather(servicer, reqs, rid, client_deadline(request), tenant_of(request)),
+                                  rid)

@@ -43,6 +43,7 @@ class Sampling(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # logged with the request id, as OpenAI uses it: to trace abuse to an end user
+    cache_salt: str | None = None  # vLLM's: requests of other salts never share cached KV (at most 256 bytes)
 
     def stops(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

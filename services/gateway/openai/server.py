@@ -17,6 +17,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ..keys import ApiKeys, KeysFileError
 from .errors import ApiError
 
 log = logging.getLogger(__name__)
@@ -124,8 +125,12 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     d = Limits()
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on the HTTP API except /health, and as gRPC metadata "
-                        "`authorization: Bearer KEY` on the gRPC API except health and reflection; default: env "
-                        "PDSERVE_API_KEY, else no key")
+                        "`authorization: Bearer KEY` on the gRPC API except health and reflection; its tenant is "
+                        "`default`; default: env PDSERVE_API_KEY, else no key")
+    p.add_argument("--api-keys-file", default=None, metavar="PATH",
+                   help="API keys and their tenants, one `TENANT: KEY` a line (# comments); each request is of its "
+                        "key's tenant (prefix caching never shares KV across tenants unless --prefix-cache-scope "
+                        "global); replaces --api-key and PDSERVE_API_KEY")
     p.add_argument("--http-max-body-bytes", type=int, default=d.max_body_bytes,
                    help="largest request body, counted as it arrives (Content-Length or chunked); larger: 413")
     p.add_argument("--http-max-header-bytes", type=int, default=d.max_header_bytes,
@@ -149,9 +154,21 @@ def http_limits(args) -> Limits:
     return limits
 
 
-def api_key(args) -> str | None:
-    """--api-key, else PDSERVE_API_KEY; an empty key is refused (it would read as "no key")."""
+def api_keys(args) -> ApiKeys | None:
+    """--api-keys-file, else --api-key, else PDSERVE_API_KEY (one key, tenant `default`); an empty key is refused
+    (it would read as "no key")."""
+    if args.api_keys_file is not None:
+        if args.api_key is not None:
+            raise SystemExit("gateway: --api-key and --api-keys-file both given; put the key in the file")
+        if os.environ.get("PDSERVE_API_KEY"):
+            log.warning("gateway: PDSERVE_API_KEY is ignored: --api-keys-file %s decides the keys", args.api_keys_file)
+        try:
+            keys = ApiKeys.from_file(args.api_keys_file)
+        except KeysFileError as e:
+            raise SystemExit(f"gateway: --api-keys-file {e}") from None
+        log.info("gateway: API keys of %d tenant(s) from %s", len(keys.tenants), args.api_keys_file)
+        return keys
     key = args.api_key if args.api_key is not None else os.environ.get("PDSERVE_API_KEY")
     if key is not None and not key.strip():
         raise SystemExit("gateway: the API key (--api-key or PDSERVE_API_KEY) is empty")
-    return key
+    return None if key is None else ApiKeys.single(key)

@@ -11,7 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from ...common.errors import PdError
 from .errors import ApiError
-from .generation import merged, until_disconnect
+from .generation import merged, tenant_of, until_disconnect
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ async def _first(gen):
 async def open_stream(servicer, reqs, request, rid: str):
     """The merged calls and their first message; raises the refusal of a request that never started, or
     ClientGone when the client leaves while it waits (in the admission queue, during prefill)."""
-    gen = merged(servicer, reqs, rid)
+    gen = merged(servicer, reqs, rid, tenant=tenant_of(request))
     return gen, await until_disconnect(request, _first(gen), rid)
 
 

@@ -1,9 +1,10 @@
 """The gRPC API key check (issue 18, hole 7): exactly one `authorization: Bearer KEY` entry lets a call in."""
 import pytest
 
-from pdserve.gateway.api_key import OPEN, ApiKeyInterceptor, has_key
+from pdserve.gateway.api_key import OPEN
+from pdserve.gateway.keys import ApiKeys
 
-EXPECTED = b"Bearer sk-1"
+KEYS = ApiKeys.single("sk-1")
 
 
 @pytest.mark.parametrize("metadata, ok", [
@@ -13,6 +14,7 @@ EXPECTED = b"Bearer sk-1"
     ((), False),
     ((("authorization", "Bearer sk-2"),), False),
     ((("authorization", "Bearer sk-1x"),), False),
+    ((("authorization", "Bearer sk-"),), False),
     ((("authorization", "sk-1"),), False),
     ((("authorization", "bearer sk-1"),), False),
     ((("x-api-key", "Bearer sk-1"),), False),
@@ -21,11 +23,12 @@ EXPECTED = b"Bearer sk-1"
     ((("authorization", "Bearer sk-2"), ("authorization", "Bearer sk-1")), False),
 ])
 def test_only_one_exact_bearer_entry_passes(metadata, ok):
-    assert has_key(metadata, EXPECTED) is ok
+    assert (KEYS.tenant_of_metadata(metadata) == "default") is ok
+    assert (KEYS.tenant_of_metadata(metadata) is None) is not ok
 
 
 def test_an_empty_key_is_refused_and_only_health_and_reflection_are_open():
     with pytest.raises(ValueError, match="empty API key"):
-        ApiKeyInterceptor("")
+        ApiKeys.single("")
     assert all(not m.startswith("/pdserve.") for m in OPEN)
     assert "/grpc.health.v1.Health/" in OPEN

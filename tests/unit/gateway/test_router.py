@@ -87,3 +87,100 @@ def test_unreachable_ones_only_when_none_answers_and_none_at_all_is_a_clear_unav
         Router("decode", [backend("x", state=DRAINING), backend("y", state=REFUSED)]).pick()
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and e.value.reason == "NO_BACKEND"
     assert "2 known" in e.value.message and "1 draining" in e.value.message and "1 refused" in e.value.message
+
+
+# prefix affinity (issue 20)
+from pdserve.common.metrics import PREFIX_ROUTES  # noqa: E402
+from pdserve.gateway.affinity import PrefixMap, checkpoints, route_keys  # noqa: E402
+
+SCOPE = b"s" * 16
+BASE = list(range(100, 100 + 16 * 8 + 1))  # 8 full pages and a last token
+
+
+def routes(role, result):
+    return PREFIX_ROUTES.labels(role, result)._value.get()
+
+
+def test_route_keys_name_the_scope_the_position_and_every_token_before():
+    keys = route_keys(SCOPE, BASE, 16)
+    assert [k for k, _ in keys] == list(range(1, 9))
+    assert route_keys(b"t" * 16, BASE, 16)[0][1] != keys[0][1]  # another scope
+    changed = BASE[:16 * 5] + [7] + BASE[16 * 5 + 1:]  # a token of page 6
+    assert route_keys(SCOPE, changed, 16)[:5] == keys[:5]
+    assert all(x != y for x, y in zip(route_keys(SCOPE, changed, 16)[5:], keys[5:]))  # page 6 and every one after
+    assert all(x != y for x, y in zip(route_keys(SCOPE, [7] + BASE[1:], 16), keys))  # the first token: every page
+    assert route_keys(SCOPE, BASE[:16], 16) == [] and route_keys(b"", BASE, 16) == []  # no full page; cache off
+    assert route_keys(SCOPE, BASE[:16 * 3], 16) == keys[:2]  # the last token's page is not a full page
+    assert checkpoints(40) == list(range(1, 17)) + [18, 20, 22, 24, 26, 28, 30, 32, 36, 40]
+    assert len(checkpoints(1 << 16)) == 16 + 8 * 12 + 1 - 1  # 8 per doubling past 16, the last one included
+
+
+def test_the_backend_last_sent_the_longest_prefix_is_picked_over_a_slightly_less_loaded_one():
+    a, b = backend("a", free=100, depth=0), backend("b", free=100, depth=0)
+    r = Router("decode", [a, b])
+    short = route_keys(SCOPE, BASE[:16 * 4 + 1], 16)
+    assert r.pick(pages=1, prefix=short) is a  # nothing known: by load
+    long = route_keys(SCOPE, BASE, 16)
+    before = routes("decode", "affinity")
+    a.info.queue_depth = 1
+    assert r.pick(pages=1, prefix=long) is a  # its first 4 pages went to a; a is busier, within the gap
+    a.info.queue_depth = 10
+    assert r.pick(pages=1, prefix=long) is b  # past the gap: by load, and b is the one last sent all 8 pages
+    a.info.queue_depth, b.info.queue_depth = 0, 2  # b is busier now, within the gap
+    assert r.pick(pages=1, prefix=long) is b
+    assert r.pick(pages=1, prefix=short) is b  # the 4-page prefix went with the 8 pages
+    other = route_keys(SCOPE, BASE[:16 * 2] + [1] * (16 * 6 + 1), 16)  # shares 2 pages only
+    assert r.pick(pages=1, prefix=other) is b
+    assert r.pick(pages=1, prefix=route_keys(b"t" * 16, BASE, 16)) is a  # another scope: by load
+    assert routes("decode", "affinity") == before + 4
+
+
+def test_past_the_load_gap_or_without_room_the_least_loaded_wins():
+    a, b = backend("a", free=100, depth=0), backend("b", free=100, depth=0)
+    r = Router("prefill", [a, b], max_load_gap=3)
+    keys = route_keys(SCOPE, BASE, 16)
+    r.prefixes.record(keys, "a")
+    a.info.queue_depth = 3
+    assert r.pick(prefix=keys) is a  # 3 deeper: within the gap
+    a.info.queue_depth = 4
+    before = routes("prefill", "load")
+    assert r.pick(prefix=keys) is b  # 4 deeper: past it
+    assert routes("prefill", "load") == before + 1
+    assert r.prefixes.longest(keys, {"a", "b"}) == (8, "b")  # b was sent it last
+    d, e = backend("d", free=5, depth=0), backend("e", free=50, depth=0)
+    rd = Router("decode", [d, e])
+    rd.prefixes.record(keys, "d")
+    assert rd.pick(pages=10, prefix=keys) is e  # d holds the prefix but has no room for the request
+    e.info.free_pages = 8
+    assert rd.pick(pages=10, prefix=keys) is e  # no room anywhere: the load rule decides, as before
+
+
+def test_an_excluded_or_draining_backend_is_never_picked_for_its_prefix():
+    a, b = backend("a", free=100, depth=0), backend("b", free=100, depth=3)
+    r = Router("decode", [a, b])
+    keys = route_keys(SCOPE, BASE, 16)
+    r.prefixes.record(keys[:4], "b")
+    r.prefixes.record(keys, "a")
+    assert r.pick(pages=1, prefix=keys, exclude={"a"}) is b  # a's longer prefix is excluded: b's shorter one
+    r.prefixes.record(keys, "a")
+    a.state = DRAINING
+    assert r.pick(pages=1, prefix=keys) is b
+    a.state, b.state = READY, UNREACHABLE
+    r.prefixes.record(keys, "b")
+    assert r.pick(pages=1, prefix=keys) is a  # b answers no poll: never for affinity
+    a.state = DRAINING  # nothing takes work: the unreachable one is tried, but not for affinity
+    before = routes("decode", "affinity")
+    assert r.pick(pages=1, prefix=keys) is b and routes("decode", "affinity") == before
+
+
+def test_the_prefix_map_is_bounded_and_forgets_the_least_recently_used():
+    m = PrefixMap(max_entries=3)
+    keys = route_keys(SCOPE, BASE, 16)
+    m.record(keys[:2], "a")
+    m.record(keys[2:4], "b")
+    assert len(m) == 3 and m.longest(keys[:1], {"a", "b"}) is None  # keys[0] went first
+    assert m.longest(keys[:2], {"a", "b"}) == (2, "a") and m.longest(keys, {"a", "b"}) == (4, "b")
+    m.record(keys, "c")
+    assert len(m) == 3 and m.longest(keys, {"a", "b", "c"}) == (8, "c") and m.longest(keys[:5], {"c"}) is None
+    with pytest.raises(ValueError):
+        PrefixMap(0)
