@@ -28,7 +28,7 @@ class PrefixLeases:
         """The prefix cache events since the last call (hits, published, evicted_lru, evicted_corrupt,
         cross_scope)."""
         counts, self.prefix_counts = self.prefix_counts, Counter()
-        return counts
+        return +counts  # without the zero entries
 
     def publish(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], chains: Sequence[bytes],
                 checksums: Sequence[int], scope_tag: bytes) -> list[bool]:
