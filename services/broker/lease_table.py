@@ -77,7 +77,8 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
         return self.grant_with_prefix(pool_id, owner, num_pages, epoch)[0]
 
     def grant_with_prefix(self, pool_id: str, owner: bytes, num_pages: int, epoch: int,
-                          prefix_chains: Sequence[bytes] = (), scope_tag: bytes = b"") -> tuple[list[Lease], int, list[int]]:
+                          prefix_chains: Sequence[bytes] = (),
+                          scope_tag: bytes = b"") -> tuple[list[Lease], int, list[int]]:
         """All or nothing: (leases, num_shared, their published checksums). The first num_shared leases are cached
         pages of the longest run of prefix_chains from the first that this pool indexes under scope_tag (at most
         num_pages - 1: the page of the last prompt token is always written), leased read-only at the generation

@@ -92,8 +92,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                     context: grpc.aio.ServicerContext) -> broker_pb2.GrantResponse:
         await self._refuse_if_stopping(context, "Grant")
         leases, num_shared, checksums = await self._call(
-            context, self._table.grant_with_prefix, request.pool_id, request.owner, request.num_pages, request.epoch,
-            list(request.prefix_chains), request.scope_tag)
+            context, self._table.grant_with_prefix, request.pool_id, request.owner, request.num_pages,
+            request.epoch, list(request.prefix_chains), request.scope_tag)
         self._grants.inc()
         self._publish(request.pool_id)
         if FAULTS.fire("broker.lose_grant_reply") is not None:
