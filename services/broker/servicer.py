@@ -260,7 +260,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
 
     def stop_accepting(self) -> None:
         self.stopping = True
-        log.warning("broker stopping: refusing RegisterPool, Grant, BeginWrite and KeepAlive from now on")
+        log.warning("broker stopping: refusing RegisterPool, Grant, Publish, BeginWrite and KeepAlive from now on")
 
     async def _refuse_if_stopping(self, context: grpc.aio.ServicerContext, method: str) -> None:
         if self.stopping:

@@ -351,3 +351,26 @@ def test_grant_publish_unpublish_and_pool_state_over_grpc_with_their_metrics():
                 grpc.StatusCode.INVALID_ARGUMENT, "BAD_CHAIN")
             assert "chains[0] is 1 bytes" in err.message
     asyncio.run(main())
+
+
+def test_a_stopping_broker_refuses_publish_but_takes_unpublish_and_counts_a_refused_grants_cross_scope_match():
+    async def main():
+        table = LeaseTable(lock_delay_s=LOCK_DELAY, clock=FakeClock())
+        async with serving(table) as (servicer, stub, registry):
+            epoch = (await stub.RegisterPool(pb.RegisterPoolRequest(pool_id=POOL, num_pages=2, region=REGION))).epoch
+            leases = table.grant(POOL, A, 2, epoch)
+            table.begin_write(POOL, A, epoch, leases, "w", 1.0)
+            table.end_write(POOL, A, epoch, leases, "w", True)
+            table.publish(POOL, A, epoch, leases[:1], K[:1], [5], T)
+            # under another scope tag, and short of pages: refused, the match is counted all the same
+            await grpc_refused(stub.Grant(pb.GrantRequest(pool_id=POOL, owner=B, num_pages=2, epoch=epoch,
+                                                          prefix_chains=K[:1], scope_tag=U)),
+                               grpc.StatusCode.RESOURCE_EXHAUSTED, "POOL_EXHAUSTED")
+            assert registry.get_sample_value("pdserve_prefix_cache_cross_scope_total", {"service": "broker"}) == 1
+            servicer.stop_accepting()
+            await grpc_refused(stub.Publish(pb.PublishRequest(pool_id=POOL, owner=A, epoch=epoch, leases=lease_msgs(
+                leases[1:]), chains=K[1:2], checksums=[6], scope_tag=T)), grpc.StatusCode.UNAVAILABLE, "BROKER_STOPPING")
+            un = await stub.Unpublish(pb.UnpublishRequest(pool_id=POOL, owner=A, epoch=epoch,
+                                                          leases=lease_msgs(leases[:1]), reason="CHECKSUM"))
+            assert un.num_unpublished == 1 and table.pool_state(POOL)["num_cached"] == 1
+    asyncio.run(main())
