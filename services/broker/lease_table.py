@@ -105,6 +105,7 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
             page = pool.pages[page_id]
             page.readers = page.readers | {owner}
             pool.cache.mark_read(page_id)
+        pool.cache.num_reads += len(shared)
         self.prefix_counts["hits"] += len(shared)
         pool.owners[owner] = shared + taken
         pool.granted_at[owner] = self._clock()
@@ -326,7 +327,7 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
 
     def pool_state(self, pool_id: str) -> dict[str, int]:
         pool = self._pool(pool_id)
-        num_reads = sum(len(pool.pages[page_id].readers) for page_id in pool.cache.cached)
+        num_reads = pool.cache.num_reads
         return {"epoch": self.epoch, "num_pages": pool.num_pages, "num_free": len(pool.free),
                 # an owner's list holds its shared pages too, one entry per reader's share
                 "num_leased": sum(len(p) for p in pool.owners.values()) - num_reads,
@@ -364,6 +365,7 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
             page = pool.pages[page_id]
             if page.state is PageState.CACHED:
                 page.readers = page.readers - {owner}
+                pool.cache.num_reads -= 1
                 if pin is not None:
                     page.pins = page.pins | {pin}
                     pool.cache.pinned.add(page_id)

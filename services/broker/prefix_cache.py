@@ -16,6 +16,9 @@ class PrefixCache:
         self.lru: OrderedDict[int, None] = OrderedDict()  # unread indexed pages, least recently read first
         self.pinned: set[int] = set()  # cached pages that revoked readers' holders still pin
         self.cached: set[int] = set()
+        # reader shares summed over the cached pages, kept as they change: pool_state runs after every call, and
+        # a pool at the incident's scale caches ~10^5 pages
+        self.num_reads = 0
 
     def find(self, chain: bytes) -> int | None:
         return self.index.get(chain)

@@ -58,6 +58,7 @@ class PrefixLeases:
                 page.state, page.owner, page.readers = PageState.CACHED, None, frozenset((owner,))
                 page.chain, page.checksum, page.scope_tag = chain, checksum, scope_tag
                 pool.cache.add(page_id, chain)
+                pool.cache.num_reads += 1
             published.append(ok)
         self.prefix_counts["published"] += sum(published)
         return published
