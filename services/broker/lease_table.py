@@ -5,16 +5,19 @@ step of the formal model; the servicer only translates messages and errors."""
 import heapq
 import secrets
 import time
+from collections import Counter
 from dataclasses import replace
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
-from .pages import OWNER_NBYTES, Lease, LeaseError, Page, PageState, PoolPages, Revocation, check_owner
+from .pages import (OWNER_NBYTES, Lease, LeaseError, Page, PageState, PoolPages, Revocation, check_owner,
+                    check_prefix_args)
+from .prefix_leases import PrefixLeases
 from .reader_liveness import ReaderLiveness
 
 __all__ = ["OWNER_NBYTES", "Lease", "LeaseError", "LeaseTable", "Page", "PageState", "Revocation"]
 
 
-class LeaseTable(ReaderLiveness):
+class LeaseTable(ReaderLiveness, PrefixLeases):
     """All pools of one broker incarnation; a new table is a new epoch, and nothing of an old one validates."""
 
     def __init__(self, lock_delay_s: float = 2.0, default_writer_ttl_s: float = 30.0,
@@ -33,6 +36,7 @@ class LeaseTable(ReaderLiveness):
         self._liveness: dict[str, float] = {}  # holder id -> monotonic expiry
         self.reader_ttl_s, self.reconcile_grace_s = reader_ttl_s, reconcile_grace_s
         self._check_reader_bounds()
+        self.prefix_counts: Counter[str] = Counter()
 
     def register_pool(self, pool_id: str, num_pages: int, quarantined: Iterable[int] = (), region=None) -> int:
         """`quarantined`: pages a decode held under an earlier epoch (the broker restarted). Writes of that
@@ -69,25 +73,45 @@ class LeaseTable(ReaderLiveness):
         return self.epoch
 
     def grant(self, pool_id: str, owner: bytes, num_pages: int, epoch: int) -> list[Lease]:
+        """An exclusive grant (no prefix reuse): grant_with_prefix's leases alone."""
+        return self.grant_with_prefix(pool_id, owner, num_pages, epoch)[0]
+
+    def grant_with_prefix(self, pool_id: str, owner: bytes, num_pages: int, epoch: int,
+                          prefix_chains: Sequence[bytes] = (),
+                          scope_tag: bytes = b"") -> tuple[list[Lease], int, list[int]]:
+        """All or nothing: (leases, num_shared, their published checksums). The first num_shared leases are cached
+        pages of the longest run of prefix_chains from the first that this pool indexes under scope_tag (at most
+        num_pages - 1: the page of the last prompt token is always written), leased read-only at the generation
+        they were cached at; the rest are fresh pages at one new generation. Unread cached pages are evicted,
+        least recently read first, before a grant is refused for want of free pages."""
         check_owner(owner)
         if num_pages <= 0:
             raise LeaseError("INVALID_ARGUMENT", "BAD_NUM_PAGES", f"num_pages {num_pages} must be > 0")
+        check_prefix_args(prefix_chains, scope_tag)
         pool = self._pool(pool_id, epoch)
         self.check_reader(pool)
         if owner in pool.owners:
             raise LeaseError("ALREADY_EXISTS", "OWNER_HAS_LEASE",
                              f"owner {owner.hex()} holds {len(pool.owners[owner])} pages of pool {pool_id}")
-        if len(pool.free) < num_pages:
-            raise LeaseError("RESOURCE_EXHAUSTED", "POOL_EXHAUSTED", f"pool {pool_id} has {len(pool.free)} free pages"
-                             f" of {pool.num_pages}; {num_pages} requested")
+        shared = self._shared_run(pool, prefix_chains[:num_pages - 1], scope_tag)
+        self._make_room(pool, num_pages - len(shared), shared,
+                        f"{num_pages} requested ({len(shared)} of them cached)")
         generation, pool.next_generation = pool.next_generation, pool.next_generation + 1
-        taken = [heapq.heappop(pool.free) for _ in range(num_pages)]  # ascending: popped from a min-heap
+        taken = [heapq.heappop(pool.free) for _ in range(num_pages - len(shared))]  # ascending: from a min-heap
         for page_id in taken:
             page = pool.pages[page_id]
             page.state, page.owner, page.generation = PageState.LEASED, owner, generation
-        pool.owners[owner] = taken
+        for page_id in shared:
+            page = pool.pages[page_id]
+            page.readers = page.readers | {owner}
+            pool.cache.mark_read(page_id)
+        pool.cache.num_reads += len(shared)
+        self.prefix_counts["hits"] += len(shared)
+        pool.owners[owner] = shared + taken
         pool.granted_at[owner] = self._clock()
-        return [(page_id, generation) for page_id in taken]
+        return ([(page_id, pool.pages[page_id].generation) for page_id in shared]
+                + [(page_id, generation) for page_id in taken],
+                len(shared), [pool.pages[page_id].checksum for page_id in shared])
 
     def extend(self, pool_id: str, epoch: int, items: list[tuple[bytes, int]]) -> list[list[Lease] | LeaseError]:
         """Pages on demand: more pages for owners that hold leases here now, one result per item (the new leases,
@@ -108,10 +132,7 @@ class LeaseTable(ReaderLiveness):
                     raise LeaseError("FAILED_PRECONDITION", "OWNER_NOT_LEASED",
                                      f"owner {owner.hex()} holds no leases in pool {pool_id} "
                                      f"({self._why_ended(pool, owner)}); {num_pages} growth pages refused")
-                if len(pool.free) < num_pages:
-                    raise LeaseError("RESOURCE_EXHAUSTED", "POOL_EXHAUSTED",
-                                     f"pool {pool_id} has {len(pool.free)} free pages of {pool.num_pages}; "
-                                     f"{num_pages} growth pages requested for {owner.hex()}")
+                self._make_room(pool, num_pages, [], f"{num_pages} growth pages requested for {owner.hex()}")
             except LeaseError as e:
                 results.append(e)
                 continue
@@ -201,6 +222,8 @@ class LeaseTable(ReaderLiveness):
                 continue
             page.active_writer = None
             pool.writing.discard(page_id)
+            if success:
+                page.written_generation = generation
             if page.state is PageState.QUARANTINED and page.generation == generation:
                 pool.free_page(page_id)
                 num_unquarantined += 1
@@ -218,7 +241,8 @@ class LeaseTable(ReaderLiveness):
     def validate(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease]) -> None:
         leases = list(leases)
         for (_, generation), page in zip(leases, self._pool(pool_id, epoch).checked_pages(owner, leases)):
-            page.sealed_generation = generation  # decode has checked these bytes: no writer may begin again
+            # decode has checked these bytes: no writer may begin again
+            page.sealed_generation = page.written_generation = generation
 
     def release(self, pool_id: str, owner: bytes, epoch: int) -> tuple[int, int]:
         if epoch != self.epoch:
@@ -234,11 +258,14 @@ class LeaseTable(ReaderLiveness):
         holder = f"revoked/{pool_id}/{owner.hex()}"
         for page_id in pool.owners.get(owner, []):
             page = pool.pages[page_id]
-            if page.active_writer is None:
+            if page.state is PageState.LEASED and page.active_writer is None:
                 page.active_writer = (holder, page.generation)
                 pool.writing.add(page_id)
         held = bool(pool.owners.get(owner))
-        counts = self._end_leases(pool, owner)
+        # a cached page is never written, so it is not quarantined: only this reader's share ends. Its step may
+        # still read the page, though, and what it reads must not be another request's KV by then: the holder
+        # pins the page against eviction until the same acknowledgement and lock_delay as the exclusive pages
+        counts = self._end_leases(pool, owner, pin=holder)
         event = pool.revocations.append(owner, self.epoch, reason)
         if held:
             self._liveness[holder] = float("inf")  # held until the reader's acknowledgement
@@ -275,6 +302,13 @@ class LeaseTable(ReaderLiveness):
         now = self._clock()
         num_freed = 0
         for pool in self._pools.values():
+            for page_id in list(pool.cache.pinned):
+                page = pool.pages[page_id]
+                page.pins = frozenset(h for h in page.pins if now < self._liveness.setdefault(
+                    h, now + self.default_writer_ttl_s) + self.lock_delay_s)
+                if not page.pins:
+                    pool.cache.pinned.discard(page_id)
+                    self._settle(pool, page_id)
             for page_id in list(pool.writing):  # deadlines are not ordered by page or by time: look at all
                 page = pool.pages[page_id]
                 writer_id, _ = page.active_writer
@@ -293,16 +327,23 @@ class LeaseTable(ReaderLiveness):
 
     def pool_state(self, pool_id: str) -> dict[str, int]:
         pool = self._pool(pool_id)
+        num_reads = pool.cache.num_reads
         return {"epoch": self.epoch, "num_pages": pool.num_pages, "num_free": len(pool.free),
-                "num_leased": sum(len(p) for p in pool.owners.values()),
-                "num_quarantined": len(pool.quarantined), "num_writing": len(pool.writing)}
+                # an owner's list holds its shared pages too, one entry per reader's share
+                "num_leased": sum(len(p) for p in pool.owners.values()) - num_reads,
+                "num_quarantined": len(pool.quarantined), "num_writing": len(pool.writing),
+                "num_cached": len(pool.cache.cached), "num_shared_reads": num_reads}
+
+    def num_unread_cached(self, pool_id: str) -> int:
+        """Cached pages nobody reads or pins: what a short Grant or Extend may evict."""
+        return len(self._pool(pool_id).cache.lru)
 
     def leases_of(self, pool_id: str, owner: bytes) -> list[Lease]:
         pool = self._pool(pool_id)
         return [(page_id, pool.pages[page_id].generation) for page_id in pool.owners.get(owner, [])]
 
     def page_info(self, pool_id: str, page_id: int) -> Page:  # a copy, for tests and debugging
-        return replace(self._pool(pool_id).pages[page_id])
+        return replace(self._pool(pool_id).pages[page_id])  # its sets are frozen: nothing of it is shared
 
     def pool_ids(self) -> list[str]:
         return list(self._pools)
@@ -315,11 +356,21 @@ class LeaseTable(ReaderLiveness):
             raise LeaseError("NOT_FOUND", "UNKNOWN_POOL", f"pool {pool_id!r} is not one of {len(self._pools)} pools")
         return pool
 
-    def _end_leases(self, pool: PoolPages, owner: bytes) -> tuple[int, int]:
+    def _end_leases(self, pool: PoolPages, owner: bytes, pin: str | None = None) -> tuple[int, int]:
+        """(pages freed, pages quarantined); a cached page the owner read is neither: only its share ends (pin:
+        the holder that keeps the page from eviction for as long as a step of the owner may still read it)."""
         num_freed = num_quarantined = 0
         pool.granted_at.pop(owner, None)
         for page_id in pool.owners.pop(owner, []):
             page = pool.pages[page_id]
+            if page.state is PageState.CACHED:
+                page.readers = page.readers - {owner}
+                pool.cache.num_reads -= 1
+                if pin is not None:
+                    page.pins = page.pins | {pin}
+                    pool.cache.pinned.add(page_id)
+                self._settle(pool, page_id)
+                continue
             page.owner = None
             if page.active_writer is None:
                 pool.free_page(page_id)
@@ -330,4 +381,3 @@ class LeaseTable(ReaderLiveness):
                 pool.quarantined.add(page_id)
                 num_quarantined += 1
         return (num_freed, num_quarantined)
-

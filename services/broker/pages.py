@@ -1,15 +1,20 @@
 """Page and pool state of the broker's lease table, and the error its operations raise: data only, the
-transitions live in LeaseTable."""
+transitions live in LeaseTable.
+
+A CACHED page (prefix reuse) has no owner: it is leased read-only to a set of readers (owners whose lease lists
+hold it), is never written again, and is found by its chain key in the pool's PrefixCache."""
 
 import enum
 import heapq
 from dataclasses import dataclass, field
+from .prefix_cache import PrefixCache
 from .revocation_log import Revocation, RevocationLog
 
 OWNER_NBYTES = 16
 Lease = tuple[int, int]  # (page, generation)
-PageState = enum.Enum("PageState", ["FREE", "LEASED", "QUARANTINED"])
-__all__ = ["OWNER_NBYTES", "Lease", "LeaseError", "Page", "PageState", "PoolPages", "Revocation"]
+PageState = enum.Enum("PageState", ["FREE", "LEASED", "QUARANTINED", "CACHED"])
+__all__ = ["CHAIN_NBYTES", "OWNER_NBYTES", "SCOPE_TAG_NBYTES", "Lease", "LeaseError", "Page", "PageState", "PoolPages",
+           "Revocation"]
 
 
 class LeaseError(Exception):
@@ -30,6 +35,16 @@ class Page:
     # a lease generation is written at most once: BeginWrite of this generation is refused from the first
     # BeginWrite or decode's Validate on (a retry or replay would rewrite pages decode already checked)
     sealed_generation: int = 0
+    # the generation a writer's successful EndWrite (or decode's Validate) covered: only such a page is ever
+    # cached, so a failed, abandoned or never-begun write stays out of every later lookup
+    written_generation: int = 0
+    # CACHED only: owners reading it, the broker's holders of revoked readers whose step may still read it (it is
+    # not evicted until they end), and what its publisher said it is
+    readers: frozenset[bytes] = frozenset()
+    pins: frozenset[str] = frozenset()
+    chain: bytes = b""
+    checksum: int = 0
+    scope_tag: bytes = b""
 
 
 @dataclass(slots=True)
@@ -48,6 +63,7 @@ class PoolPages:
     region: object = None  # where decode registered the pool's bytes (opaque here; a PoolRegion message)
     # revoked owners whose pages wait for the reader's acknowledgement: owner -> (quarantine holder, revocation seq)
     unacked: dict[bytes, tuple[str, int]] = field(default_factory=dict)
+    cache: PrefixCache = field(default_factory=PrefixCache)
 
     def __post_init__(self) -> None:
         self.pages = [Page() for _ in range(self.num_pages)]
@@ -56,6 +72,7 @@ class PoolPages:
     def free_page(self, page_id: int) -> None:
         page = self.pages[page_id]
         page.state, page.owner = PageState.FREE, None
+        page.readers, page.pins, page.chain, page.checksum, page.scope_tag = frozenset(), frozenset(), b"", 0, b""
         self.quarantined.discard(page_id)
         heapq.heappush(self.free, page_id)
 
@@ -99,3 +116,19 @@ def check_owner(owner: bytes) -> None:
     if not isinstance(owner, bytes) or len(owner) != OWNER_NBYTES:
         got = len(owner) if isinstance(owner, bytes) else type(owner).__name__
         raise LeaseError("INVALID_ARGUMENT", "BAD_OWNER", f"owner must be {OWNER_NBYTES} bytes; got {got}")
+
+
+CHAIN_NBYTES, SCOPE_TAG_NBYTES = 16, 8  # pdserve.common.prefix's KEY_NBYTES and SCOPE_TAG_NBYTES
+
+
+def check_prefix_args(chains, scope_tag: bytes, what: str = "prefix_chains") -> None:
+    """Refuses chain keys and a scope tag of the wrong size (a scope tag is required with any chain)."""
+    bad = [i for i, chain in enumerate(chains) if not isinstance(chain, bytes) or len(chain) != CHAIN_NBYTES]
+    if bad:
+        first = chains[bad[0]]
+        got = f"{len(first)} bytes" if isinstance(first, bytes) else type(first).__name__
+        raise LeaseError("INVALID_ARGUMENT", "BAD_CHAIN", f"{what}[{bad[0]}] is {got}, not {CHAIN_NBYTES} bytes "
+                                                          f"({len(bad)} of {len(chains)} chain keys are malformed)")
+    if (chains or scope_tag) and len(scope_tag) != SCOPE_TAG_NBYTES:
+        raise LeaseError("INVALID_ARGUMENT", "BAD_SCOPE_TAG",
+                         f"scope_tag is {len(scope_tag)} bytes, not {SCOPE_TAG_NBYTES}, with {len(chains)} chain keys")

@@ -28,7 +28,9 @@ _CODES = {
 # created up front so a dashboard shows 0, not "no data", before the first violation
 _VIOLATION_REASONS = ("EPOCH_MISMATCH", "LEASE_NOT_CURRENT", "WRITER_ACTIVE", "LEASE_ALREADY_WRITTEN",
                       "LANDING_BOUND_EXCEEDS_LOCK_DELAY")
-_PAGE_STATES = ("free", "leased", "quarantined")
+_PAGE_STATES = ("free", "leased", "quarantined", "cached")
+_CACHE_STATES = ("read", "unread")  # unread: what a short Grant or Extend may evict
+_EVICTION_REASONS = ("lru", "corrupt")
 
 
 def _leases(msgs) -> list[tuple[int, int]]:
@@ -48,8 +50,27 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         self._violations = Counter("pdserve_lease_violations_total", "Refused lease checks",
                                    ["service", "reason"], registry=registry)
         self._grants = Counter("pdserve_broker_grants_total", "Successful page grants", registry=registry)
+        self._cache_pages = Gauge("pdserve_prefix_cache_pages", "Cached prefix pages of a decode pool: read (by "
+                                  "an owner, or pinned by a revoked one) or unread", ["pool", "state"],
+                                  registry=registry)
+        self._shared_reads = Gauge("pdserve_prefix_cache_shared_reads", "Reader shares of cached pages, summed over "
+                                   "the pages of a decode pool (0 at quiescence)", ["pool"], registry=registry)
+        self._hits = Counter("pdserve_prefix_cache_hits_total", "Cached pages shared by Grants", ["service"],
+                             registry=registry)
+        self._published = Counter("pdserve_prefix_cache_published_total", "Pages Publish made cached",
+                                  registry=registry)
+        self._evictions = Counter("pdserve_prefix_cache_evictions_total", "Cached pages taken out of the cache "
+                                  "(lru: unread, for a short Grant or Extend; corrupt: unpublished by a reader)",
+                                  ["reason"], registry=registry)
+        # a chain cached under another scope's tag: never shared, and it should never happen
+        self._cross_scope = Counter("pdserve_prefix_cache_cross_scope_total", "Chain matches under another "
+                                    "prefix scope, refused", ["service"], registry=registry)
         for reason in _VIOLATION_REASONS:
             self._violations.labels("broker", reason)
+        self._hits.labels("broker")
+        self._cross_scope.labels("broker")
+        for reason in _EVICTION_REASONS:
+            self._evictions.labels(reason)
         for pool_id in table.pool_ids():
             self._publish(pool_id)
 
@@ -70,16 +91,34 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
     async def Grant(self, request: broker_pb2.GrantRequest,
                     context: grpc.aio.ServicerContext) -> broker_pb2.GrantResponse:
         await self._refuse_if_stopping(context, "Grant")
-        leases = await self._call(context, self._table.grant, request.pool_id, request.owner,
-                                  request.num_pages, request.epoch)
+        leases, num_shared, checksums = await self._call(
+            context, self._table.grant_with_prefix, request.pool_id, request.owner, request.num_pages,
+            request.epoch, list(request.prefix_chains), request.scope_tag)
         self._grants.inc()
         self._publish(request.pool_id)
         if FAULTS.fire("broker.lose_grant_reply") is not None:
             await abort(context, PdError(grpc.StatusCode.UNAVAILABLE, "FAULT_LOST_REPLY",
                                          f"fault point: the grant to {request.owner.hex()} happened, its reply is lost"))
         return broker_pb2.GrantResponse(
-            epoch=self._table.epoch,
-            leases=[common_pb2.PageLease(page=p, generation=g) for p, g in leases])
+            epoch=self._table.epoch, leases=[common_pb2.PageLease(page=p, generation=g) for p, g in leases],
+            num_shared=num_shared, shared_checksums=checksums)
+
+    async def Publish(self, request: broker_pb2.PublishRequest,
+                      context: grpc.aio.ServicerContext) -> broker_pb2.PublishResponse:
+        await self._refuse_if_stopping(context, "Publish")
+        published = await self._call(context, self._table.publish, request.pool_id, request.owner, request.epoch,
+                                     _leases(request.leases), list(request.chains), list(request.checksums),
+                                     request.scope_tag)
+        self._publish(request.pool_id)
+        return broker_pb2.PublishResponse(published=published)
+
+    async def Unpublish(self, request: broker_pb2.UnpublishRequest,
+                        context: grpc.aio.ServicerContext) -> broker_pb2.UnpublishResponse:
+        # not refused while stopping: it only takes pages out of the cache
+        num = await self._call(context, self._table.unpublish, request.pool_id, request.owner, request.epoch,
+                               _leases(request.leases), request.reason)
+        self._publish(request.pool_id)
+        return broker_pb2.UnpublishResponse(num_unpublished=num)
 
     async def Extend(self, request: broker_pb2.ExtendRequest,
                      context: grpc.aio.ServicerContext) -> broker_pb2.ExtendResponse:
@@ -206,9 +245,11 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         """Drops fenced, drained pools and their metric series (one set per decode incarnation otherwise)."""
         gone = self._table.forget_pools()
         for pool_id in gone:
-            for name in _PAGE_STATES:
+            for gauge, labels in [*((self._pages, (pool_id, n)) for n in _PAGE_STATES),
+                                  *((self._cache_pages, (pool_id, n)) for n in _CACHE_STATES),
+                                  (self._shared_reads, (pool_id,))]:
                 try:
-                    self._pages.remove(pool_id, name)
+                    gauge.remove(*labels)
                 except KeyError:
                     pass
             for wake in self._watchers.get(pool_id, ()):
@@ -219,7 +260,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
 
     def stop_accepting(self) -> None:
         self.stopping = True
-        log.warning("broker stopping: refusing RegisterPool, Grant, BeginWrite and KeepAlive from now on")
+        log.warning("broker stopping: refusing RegisterPool, Grant, Publish, BeginWrite and KeepAlive from now on")
 
     async def _refuse_if_stopping(self, context: grpc.aio.ServicerContext, method: str) -> None:
         if self.stopping:
@@ -250,6 +291,18 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         state = self._table.pool_state(pool_id)
         for name in _PAGE_STATES:
             self._pages.labels(pool_id, name).set(state[f"num_{name}"])
+        num_unread = self._table.num_unread_cached(pool_id)
+        self._cache_pages.labels(pool_id, "unread").set(num_unread)
+        self._cache_pages.labels(pool_id, "read").set(state["num_cached"] - num_unread)
+        self._shared_reads.labels(pool_id).set(state["num_shared_reads"])
+
+    def _count_prefix_events(self) -> None:
+        counts = self._table.take_prefix_counts()
+        self._hits.labels("broker").inc(counts["hits"])
+        self._published.inc(counts["published"])
+        self._cross_scope.labels("broker").inc(counts["cross_scope"])
+        for reason in _EVICTION_REASONS:
+            self._evictions.labels(reason).inc(counts[f"evicted_{reason}"])
 
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args,
                     is_lease_check: bool = False) -> T:
@@ -261,3 +314,5 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 log.warning("lease check refused: %s %s", e.reason, e.message)
             await abort(context, PdError(_CODES[e.kind], e.reason, e.message))
             raise  # abort() raises; this only keeps the return type honest
+        finally:  # a refused Grant too may have met a chain cached under another scope
+            self._count_prefix_events()

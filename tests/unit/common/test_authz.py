@@ -26,6 +26,7 @@ EXPECTED = {
     "RegisterPool": {"decode"}, "Grant": {"decode"}, "Validate": {"decode"}, "Release": {"decode"},
     "WatchRevocations": {"decode"}, "KeepAlive": {"decode", "prefill"}, "BeginWrite": {"prefill"},
     "EndWrite": {"prefill"}, "Revoke": {"operator"}, "GetPoolState": {"decode", "operator"},
+    "Extend": {"decode"}, "Publish": {"decode"}, "Unpublish": {"decode"},
 }
 
 
@@ -100,7 +101,10 @@ D0, P0 = "decode/d0", "prefill/p0"
 POOL = "decode/d0/127.0.0.1-1-2-ab"
 # string and bytes fields judged to name no pool, holder, writer or owner: anything added here needs a reason
 NOT_IDS = {("RegisterPool", "region.transfer_session"),  # an address; prefill writes only where it was registered
-           ("RegisterPool", "region.layout.dtype"), ("EndWrite", "prompt_digest"), ("Revoke", "reason")}
+           ("RegisterPool", "region.layout.dtype"), ("EndWrite", "prompt_digest"), ("Revoke", "reason"),
+           # fingerprints: they only choose among the cached pages of the caller's own pool
+           ("Grant", "prefix_chains"), ("Grant", "scope_tag"), ("Publish", "chains"), ("Publish", "scope_tag"),
+           ("Unpublish", "reason")}
 
 
 def _leaf_types(descriptor, prefix=""):
@@ -171,6 +175,8 @@ EXPECTED_IDS = {
     ("Grant", "pool_id"): {"decode": OWN}, ("Grant", "owner"): {"decode": IN_POOL},
     ("Extend", "pool_id"): {"decode": OWN}, ("Extend", "owners"): {"decode": IN_POOL},
     ("Validate", "pool_id"): {"decode": OWN}, ("Validate", "owner"): {"decode": IN_POOL},
+    ("Publish", "pool_id"): {"decode": OWN}, ("Publish", "owner"): {"decode": IN_POOL},
+    ("Unpublish", "pool_id"): {"decode": OWN}, ("Unpublish", "owner"): {"decode": IN_POOL},
     ("Release", "pool_id"): {"decode": OWN}, ("Release", "owner"): {"decode": IN_POOL},
     ("WatchRevocations", "pool_id"): {"decode": OWN},
     ("GetPoolState", "pool_id"): {"decode": OWN, "operator": ANYTHING},
@@ -200,6 +206,11 @@ HONEST = [
     ("RegisterPool", D0, pb.RegisterPoolRequest(pool_id=POOL, num_pages=4, region=pb.PoolRegion(
         transfer_session="127.0.0.1:9", data_base=1, tag_base=2))),
     ("Grant", D0, pb.GrantRequest(pool_id=POOL, owner=OWNER, num_pages=2, epoch=5)),
+    ("Grant", D0, pb.GrantRequest(pool_id=POOL, owner=OWNER, num_pages=3, epoch=5, prefix_chains=[b"k" * 16] * 2,
+                                  scope_tag=b"t" * 8)),
+    ("Publish", D0, pb.PublishRequest(pool_id=POOL, owner=OWNER, epoch=5, leases=LEASE, chains=[b"k" * 16],
+                                      checksums=[7], scope_tag=b"t" * 8)),
+    ("Unpublish", D0, pb.UnpublishRequest(pool_id=POOL, owner=OWNER, epoch=5, leases=LEASE, reason="CHECKSUM")),
     ("Extend", D0, pb.ExtendRequest(pool_id=POOL, epoch=5, owners=[OWNER, b"o" * 16], num_pages=[8, 2])),
     ("Validate", D0, pb.ValidateRequest(pool_id=POOL, owner=OWNER, epoch=5, leases=LEASE)),
     ("Release", D0, pb.ReleaseRequest(pool_id=POOL, owner=OWNER, epoch=5)),
@@ -301,3 +312,19 @@ def test_long_lists_are_shown_with_a_count():
     req = pb.KeepAliveRequest(holder_id="prefill/p0/w", more_holder_ids=[f"revoked/x/{i}" for i in range(9)])
     message = authz.check_resource(BROKER + "KeepAlive", P0, req)[1]
     assert "'revoked/x/3' and 5 more" in message and "revoked/x/4" not in message
+
+
+@pytest.mark.parametrize("method", ["Publish", "Unpublish"])
+def test_prefix_cache_calls_are_a_decodes_own_pool_only(method):
+    """Publish and Unpublish act as Release: another pool's decode, and a prefill or gateway (even naming the pool
+    it writes into), are refused, each with the field or the role that refused it."""
+    honest = next(req for m, cn, req in HONEST if m == method and cn == D0)
+    assert authz.check_call(BROKER + method, "decode/d1") is None  # the method is decode's: the pool decides
+    reason, message = authz.check_resource(BROKER + method, "decode/d1", honest)
+    assert reason == authz.RESOURCE and repr(POOL) in message and " pool_id " in message
+    other = _with(honest, "pool_id", "decode/d1/127.0.0.1-1-2-ab")
+    reason, message = authz.check_resource(BROKER + method, D0, other)
+    assert reason == authz.RESOURCE and "'decode/d1/127.0.0.1-1-2-ab'" in message and " pool_id " in message
+    for cn in (P0, "gateway/g0", "operator/o"):
+        reason, message = authz.check_call(BROKER + method, cn)
+        assert reason == authz.ROLE and cn in message and method in message
