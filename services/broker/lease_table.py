@@ -332,7 +332,8 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
                 # an owner's list holds its shared pages too, one entry per reader's share
                 "num_leased": sum(len(p) for p in pool.owners.values()) - num_reads,
                 "num_quarantined": len(pool.quarantined), "num_writing": len(pool.writing),
-                "num_cached": len(pool.cache.cached), "num_shared_reads": num_reads}
+                "num_cached": len(pool.cache.cached), "num_shared_reads": num_reads,
+                "num_evictable": len(pool.cache.lru)}
 
     def num_unread_cached(self, pool_id: str) -> int:
         """Cached pages nobody reads or pins: what a short Grant or Extend may evict."""

@@ -151,7 +151,7 @@ def test_one_readers_release_leaves_the_page_cached_for_the_others():
     assert state(table, "num_cached", "num_shared_reads", "num_leased") == (2, 2, 1)
     assert table.release("p", B, EPOCH) == (1, 0)
     assert table.num_unread_cached("p") == 2
-    assert state(table, "num_cached", "num_shared_reads", "num_leased", "num_free") == (2, 0, 0, 6)
+    assert state(table, "num_cached", "num_shared_reads", "num_leased", "num_free", "num_evictable") == (2, 0, 0, 6, 2)
     # still found: a later grant of the same prefix reads them again
     assert table.grant_with_prefix("p", C, 3, EPOCH, K[:2], T)[1] == 2 and table.num_unread_cached("p") == 0
 
