@@ -142,6 +142,8 @@ class PrefillWorker:
             raise ValueError(f"{len(prompt.copies)} private pages for cached prompt pages {c}..{h - 1}")
         if prompt.copies:
             self.pool.kv[prompt.copies] = self.pool.kv[prompt.pages[c:h]]
+            if self.pool.kv.is_cuda:  # the transport reads the bytes behind torch's back: the copy must be done
+                torch.cuda.current_stream(self.pool.kv.device).synchronize()
         sources = prompt.copies + prompt.pages[max(c, h):]
         written = self.write(owner, sources, n - c * ps, target, check_alive, progress, first_index=c,
                              chains=prompt.chains[c:n // ps])
