@@ -54,6 +54,15 @@ PREFILL_GONE_AT_START = Counter("pdserve_prefill_forward_for_gone_total", "Promp
 PREFILL_BATCH = Histogram("pdserve_prefill_batch_sequences", "Sequences (or chunks) packed into one prefill forward "
                           "pass", buckets=(1, 2, 4, 8, 16, 32, 64))
 PREFILL_QUEUE = Gauge("pdserve_prefill_queue_depth", "Prompts waiting for a prefill forward pass")
+# prefill's own prefix cache (issue 20), in pages: prefix pages of prompts found cached (and checked) or not, pages
+# found with changed bytes (dropped and recomputed: should stay 0), pages cached now
+PREFIX_HIT_PAGES = Counter("pdserve_prefill_prefix_hit_pages_total", "Prompt prefix pages prefill reused from its "
+                           "own cache (their forward pass skipped)")
+PREFIX_MISS_PAGES = Counter("pdserve_prefill_prefix_miss_pages_total", "Prompt prefix pages prefill looked up in its "
+                            "own cache and computed")
+PREFIX_CORRUPT_PAGES = Counter("pdserve_prefill_prefix_corrupt_pages_total", "Cached prefix pages whose bytes no "
+                               "longer had their recorded CRC-32C when reused: dropped, recomputed")
+PREFIX_CACHED_PAGES = Gauge("pdserve_prefill_prefix_cached_pages", "Pages in prefill's own prefix cache")
 # overload (issue 12): requests refused because a per-server concurrency limit or a queue was full
 OVERLOAD_REJECTIONS = Counter("pdserve_overload_rejections_total", "Requests refused with RESOURCE_EXHAUSTED "
                               "because the service was saturated", ["service", "reason"])

@@ -5,6 +5,8 @@ at most half a pass, so short prompts behind it get the other half of every pass
 Work is dropped only before its first pass (its caller left, or its deadline passed): once a prompt's KV is being
 computed it runs to its end, since the write that follows must never stop half-way. Local pages are taken when a
 prompt's first pass is planned, so a queued prompt holds none; a head that does not fit waits, nothing overtakes it.
+A prompt whose prefix is in the local prefix cache starts its first pass after it, over the cached pages' KV; the
+cache gives back unused pages before a head waits for pages.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from ..common.errors import PdError
 from ..common.metrics import (OVERLOAD_REJECTIONS, PREFILL_BATCH, PREFILL_DROPPED, PREFILL_GONE_AT_START,
                               PREFILL_QUEUE, PREFILL_SEQUENCES)
 from ..engine.page_allocator import PageAllocator
+from .prefix_cache import PrefixCache
 from .worker import Forward, Prompt
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,7 @@ class Queued:
     left: bool = False  # the caller's RPC was cancelled
     done: int = 0  # tokens whose KV is in the pool
     started: bool = False  # planned into a pass: it holds pages and is no longer dropped
+    skipped: int = 0  # tokens whose KV the prefix cache had: the first pass starts after them
 
     def drop_reason(self, now: float) -> str | None:
         # first: gRPC cancels a call whose deadline passed, and that caller left because of its deadline
@@ -53,7 +57,8 @@ class Queued:
 
 class Batcher:
     def __init__(self, forward: ForwardFn, alloc: PageAllocator, page_size: int, max_batch_tokens: int = 2048,
-                 queue_limit: int = 256):
+                 queue_limit: int = 256, cache: PrefixCache | None = None):
+        """cache: the local prefix cache over alloc (None: pages come from alloc alone, no prefix is reused)."""
         if max_batch_tokens < 1 or queue_limit < 1:
             raise ValueError(f"max_batch_tokens ({max_batch_tokens}) and queue_limit ({queue_limit}) must be >= 1")
         self.forward = forward
@@ -61,6 +66,7 @@ class Batcher:
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
         self.queue_limit = queue_limit
+        self.cache = cache
         self._queue: deque[Queued] = deque()
         self._wake = asyncio.Event()  # pages were freed or a caller left
         self._task: asyncio.Task | None = None
@@ -146,12 +152,9 @@ class Batcher:
                 continue
             if full:
                 continue
-            if not item.started:
-                if not self.alloc.can_allocate(item.num_pages):
-                    full = True  # nothing overtakes it: a large prompt is not starved by small ones
-                    continue
-                item.prompt.pages = self.alloc.allocate(item.num_pages)
-                item.started = True
+            if not item.started and not self._start(item):
+                full = True  # nothing overtakes it: a large prompt is not starved by small ones
+                continue
             rest = len(item.prompt.token_ids) - item.done
             n = min(rest, budget)
             if rest > self.max_batch_tokens and self._is_short_waiting(item):
@@ -160,6 +163,43 @@ class Batcher:
             budget -= n
             full = budget == 0
         return batch
+
+    def _start(self, item: Queued) -> bool:
+        """Gives the prompt its local pages, or returns False when they do not fit now: the longest prefix the
+        cache holds (pinned, checked) followed by pages of its own, and one more own page for each cached page the
+        destination lacks (the write sends a copy, worker.send says why)."""
+        p = item.prompt
+        cache = self.cache
+        if cache is None:
+            if not self.alloc.can_allocate(item.num_pages):
+                return False
+            p.pages = self.alloc.allocate(item.num_pages)
+            item.started = True
+            return True
+        # prompt log-probabilities need the logits of every prompt position: such a prompt runs whole
+        reusable = (len(p.token_ids) - 1) // self.page_size if cache.enabled and p.prompt_logprobs is None else 0
+        # each cached page the destination lacks costs a copy: a hit that with its copies would need more pages
+        # than the pool has would wait for ever, so it is cut to what fits beside the prompt's own pages
+        reusable = max(0, min(reusable, p.cached_pages + self.alloc.num_pages - item.num_pages))
+        chains = p.chains[:reusable]
+        matched = cache.match(chains)
+        if not cache.can_allocate(self._own_pages(p, item.num_pages, len(matched)), keep=matched):
+            return False
+        hit = cache.acquire(chains) if chains else []
+        need = self._own_pages(p, item.num_pages, len(hit))
+        if not cache.can_allocate(need):  # a page of the hit had changed: the longer recompute does not fit now
+            cache.release(hit)
+            return False
+        own = cache.allocate(need)
+        p.pages, p.hit = hit + own[:item.num_pages - len(hit)], len(hit)
+        p.copies = own[item.num_pages - len(hit):]
+        item.done = item.skipped = len(hit) * self.page_size
+        item.started = True
+        return True
+
+    @staticmethod
+    def _own_pages(p: Prompt, num_pages: int, hit: int) -> int:
+        return num_pages - hit + max(0, hit - p.cached_pages)
 
     def _is_short_waiting(self, long: Queued) -> bool:
         """Whether a prompt that fits in half a pass waits: only then is the long one slowed down for it (among
@@ -172,7 +212,7 @@ class Batcher:
         """In the model's thread. A prompt whose caller went away between planning and now is counted: the bench
         checks that the drop above keeps this at 0."""
         now = time.monotonic()
-        first = [item for item, start, _ in batch if start == 0]
+        first = [item for item, start, _ in batch if start == item.skipped]
         PREFILL_GONE_AT_START.inc(sum(item.drop_reason(now) is not None for item in first))
         PREFILL_SEQUENCES.inc(len(first))
         PREFILL_BATCH.observe(len(batch))

@@ -42,6 +42,12 @@ def _mooncake_timeout(text: str) -> int:
     return int(value)
 
 
+def _at_least_zero(text: str) -> int:
+    if int(text) < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return int(text)
+
+
 def add_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p, "prefill", config.PREFILL_PORT, config.DEFAULT_PREFILL_POOL_TOKENS)
     p.add_argument("--writer-ttl", type=float, default=5.0, help="liveness lease of one write, seconds")
@@ -65,6 +71,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-write-bytes", type=_at_least_one, default=DEFAULT_MAX_WRITE_BYTES,
                    help="the write unit: no Mooncake batch call covers more bytes (a write is cut into calls at page "
                         "boundaries; one page must fit). The landing bound grows with it, not with the pool")
+    p.add_argument("--prefix-cache", choices=("on", "off"), default="on",
+                   help="keep the KV of prompt pages this prefill computed (per prefix scope, checksummed) and skip "
+                        "the forward pass over a cached prefix; off: every prompt is computed whole (chain keys are "
+                        "still written into the tags of requests that carry a prefix scope)")
+    p.add_argument("--prefix-cache-pages", type=_at_least_zero, default=None,
+                   help="at most this many pages of the prefill pool hold cached prefixes (default: any page no "
+                        "prompt needs; cached pages are evicted least recently used whenever a prompt needs them)")
 
 
 async def serve(args) -> None:
@@ -120,7 +133,11 @@ async def _start(args, tls) -> PrefillServicer:
     transfer = TransferEngine(args.host, args.protocol, timeout_s=args.mooncake_timeout, port=args.transfer_port,
                               max_write_bytes=args.max_write_bytes)
     worker = PrefillWorker(runner, transfer, checksums=not args.no_transfer_checksum,
-                           max_write_bytes=args.max_write_bytes)
+                           max_write_bytes=args.max_write_bytes, prefix_cache=args.prefix_cache == "on",
+                           prefix_cache_pages=args.prefix_cache_pages)
+    log.info("prefix cache: %s", "off" if not worker.cache.enabled else
+             f"on, at most {args.prefix_cache_pages} pages" if args.prefix_cache_pages is not None else
+             "on, up to the pool's unused pages")
     return PrefillServicer(worker, leases, context_length, max_prompt,
                            os.path.basename(os.path.normpath(args.model)), transfer_timeout_s=args.transfer_timeout,
                            max_batch_tokens=args.prefill_max_batch_tokens, queue_limit=args.prefill_queue_limit)

@@ -15,6 +15,7 @@ from ..common.errors import PdError, invalid
 from ..common.faults import FAULTS
 from ..common.metrics import (GUARD_SECONDS, LEASE_VIOLATIONS, SOURCE_PAGES_HELD, TIMEOUTS, TRANSFER_BYTES,
                               TRANSFER_FAILURES, TRANSFER_SECONDS)
+from ..common.prefix import KEY_NBYTES, page_chains
 from ..common.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from ..common.tasks import spawn
 from ..common.wire import (layout_to_pb, leases_from_pb, leases_to_pb, logprobs_to_pb, prompt_digest,
@@ -27,6 +28,8 @@ from .writelease import WriteLeases
 
 log = logging.getLogger(__name__)
 
+_CHAINS_INLINE_TOKENS = 1 << 15  # ~10 ms of hashing: longer prompts' chains are computed in a thread
+
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, worker: PrefillWorker, leases: WriteLeases, context_length: int, max_prompt: int,
@@ -38,7 +41,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.context_length = context_length
         self.max_prompt = max_prompt  # capped by the local pool
         self.model_name = model_name
-        self.batcher = Batcher(worker.forward, worker.alloc, worker.pool.page_size, max_batch_tokens, queue_limit)
+        self.batcher = Batcher(worker.forward, worker.alloc, worker.pool.page_size, max_batch_tokens, queue_limit,
+                               worker.cache)
         self.layout_pb = layout_to_pb(worker.pool.layout, TAG_NBYTES)
         self.draining = False  # set on SIGTERM (drain.py): GetInfo reports it, Prefill refuses
         self.in_flight: set[asyncio.Task] = set()  # queued for a forward pass or running, until EndWrite
@@ -50,11 +54,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             model=self.model_name, context_length=self.context_length, vocab_size=cfg.vocab_size,
             pool_pages=self.worker.pool.num_pages, page_size=self.worker.pool.page_size,
             eos_token_id=cfg.eos_token_id if cfg.eos_token_id is not None else -1,
-            layout=self.layout_pb, free_pages=self.worker.alloc.num_free, queue_depth=len(self.in_flight),
+            layout=self.layout_pb, free_pages=self.worker.alloc.num_free + self.worker.cache.num_idle,
+            queue_depth=len(self.in_flight),
             draining=self.draining)
 
     def _admit(self, request) -> list[tuple[int, int]]:
-        """The leases the prompt needs, after the admission checks."""
+        """The leases the prompt needs (one per page after the destination's cached pages), after the admission
+        checks."""
         tokens = request.token_ids
         check_tokens(tokens, self.worker.runner.config.vocab_size)
         check_sampling(request.sampling.max_tokens or 1, request.sampling.temperature, request.sampling.top_p or 1.0)
@@ -73,10 +79,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise invalid("LAYOUT_MISMATCH", f"destination layout {dest.layout} differs from prefill's {self.layout_pb}")
         if len(request.request_id) != 16:
             raise invalid("BAD_DESTINATION", f"request_id must be 16 bytes, got {len(request.request_id)}")
-        need = pages_for(n, self.worker.pool.page_size)
+        if len(request.prefix_scope) not in (0, KEY_NBYTES):
+            raise invalid("BAD_PREFIX_SCOPE", f"prefix_scope must be {KEY_NBYTES} bytes or empty, got "
+                                              f"{len(request.prefix_scope)}")
+        ps = self.worker.pool.page_size
+        total, cached = pages_for(n, ps), dest.cached_pages
+        if cached > (n - 1) // ps:
+            # the page of the last prompt token is always written: decode needs its tag to count the prompt
+            raise invalid("BAD_DESTINATION", f"destination has {cached} cached pages; a prompt of {n} tokens in "
+                                              f"pages of {ps} has at most {(n - 1) // ps}")
+        need = total - cached
         if len(dest.leases) < need:
-            raise invalid("BAD_DESTINATION", f"prompt is {n} tokens ({need} pages); destination leases "
-                                              f"{len(dest.leases)} pages")
+            raise invalid("BAD_DESTINATION", f"prompt is {n} tokens ({total} pages, {cached} cached); destination "
+                                              f"leases {len(dest.leases)} pages, {need} needed")
         return leases_from_pb(dest.leases[:need])
 
     def _target(self, request, region, leases) -> Target:
@@ -99,8 +114,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             raise draining_error("prefill", "no new Prefill call is taken")
         leases = self._admit(request)
         deadline = None if context is None else deadline_of(context)
-        queued = self.batcher.submit(Prompt(list(request.token_ids), sampling_from_pb(request.sampling),
-                                            request.prompt_logprobs if request.HasField("prompt_logprobs") else None),
+        tokens = list(request.token_ids)
+        chains = await self._chains(request.prefix_scope, tokens)
+        if self.draining:  # began while a long prompt's chain was hashed: nothing of it is queued yet
+            raise draining_error("prefill", "no new Prefill call is taken")
+        queued = self.batcher.submit(Prompt(tokens, sampling_from_pb(request.sampling),
+                                            request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
+                                            chains=chains, cached_pages=request.destination.cached_pages),
                                      deadline)
         work = asyncio.ensure_future(self._prefill(request, leases, deadline, queued))
         self.in_flight.add(work)
@@ -118,6 +138,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if not work.done():
             raise draining_error("prefill", "its drain timeout ended this call before the KV was written")
         return work.result()
+
+    async def _chains(self, scope: bytes, tokens: list[int]) -> list[bytes]:
+        """The chain key of every full page under the request's scope ([] without one). A hash per page costs
+        ~0.3 µs a token: a long prompt's (0.3 s for 1,048,576 tokens) is computed off the event loop."""
+        if not scope:
+            return []
+        args = (self.worker.runner.chain_seed(scope), tokens, self.worker.pool.page_size)
+        if len(tokens) < _CHAINS_INLINE_TOKENS:
+            return page_chains(*args)
+        return await asyncio.to_thread(page_chains, *args)
 
     def _work_done(self, work: asyncio.Task) -> None:
         self.in_flight.discard(work)
@@ -150,27 +180,26 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         # into this process's own pool: the pass reads and writes nothing of decode's, and nothing is posted to
         # decode before BeginWrite has succeeded
         begin = asyncio.ensure_future(self.leases.begin(pool_id, owner, epoch, leases_pb, writer_id, deadline))
-        n = len(request.token_ids)
+        prompt = queued.prompt
         try:
             fwd = await self.batcher.result(queued)
         except BaseException:
-            await self._free_local(queued.prompt.pages)
+            await self._free_local(prompt)
             if (renew := await self._begun(begin)) is not None:  # acknowledge the write that never posted
                 renew.cancel()
                 await self.leases.end(*end, False, nothing_posted=True)
             raise
         waited = time.perf_counter()
-        local = queued.prompt.pages
         try:
             expires, renew, region = await begin
         except BaseException:
-            await self._free_local(local)
+            await self._free_local(prompt)
             raise
         # what the lease RPCs still add to time to first token once they overlap the forward pass
         GUARD_SECONDS.labels("begin_write_wait").observe(time.perf_counter() - waited)
         progress = Progress()
         ok = False
-        write = coverage = None
+        write = coverage = written = None
         try:
             target = self._target(request, region, leases)
             if (arg := FAULTS.fire("prefill.delay_before_write")) is not None:
@@ -184,7 +213,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                     raise TransferError("liveness", f"writer {writer_id}: liveness lease has {left:.2f}s left, under "
                                                     f"the {self.leases.liveness_margin_s}s margin; not posting {stage}")
 
-            write = asyncio.ensure_future(asyncio.to_thread(self.worker.write, owner, local, n, target, check_alive,
+            write = asyncio.ensure_future(asyncio.to_thread(self.worker.send, owner, prompt, target, check_alive,
                                                             progress))
             try:
                 written = await asyncio.wait_for(asyncio.shield(write), self.transfer_timeout_s)
@@ -209,29 +238,32 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             renew.cancel()
             if write is not None and not write.done():
                 # the writer thread still holds the local pages and may still post: ack only once it returns
-                write.add_done_callback(lambda fut: spawn(self._late_finish(fut, local, progress, end)))
+                write.add_done_callback(lambda fut: spawn(self._late_finish(fut, prompt, progress, end)))
             else:
                 # a successful EndWrite carries what decode needs to start: the broker's notice hands it over
-                await self._finish(local, progress, end, ok, coverage, fwd.first_token,
-                                   prompt_digest(request.token_ids) if ok else b"")
+                await self._finish(prompt, progress, end, ok, coverage, fwd.first_token,
+                                   prompt_digest(request.token_ids) if ok else b"",
+                                   written.cacheable if ok else None)
 
-    async def _late_finish(self, write: asyncio.Future, local: list[int], progress: Progress, end: tuple) -> None:
+    async def _late_finish(self, write: asyncio.Future, prompt: Prompt, progress: Progress, end: tuple) -> None:
         """A write that outlived its timeout has returned: count how it ended, then acknowledge it."""
         err = write.exception()
         if isinstance(err, TransferError):
             TRANSFER_FAILURES.labels(err.stage).inc()
         log.warning("late write of %s ended after its timeout: %s", end[1].hex(), err or "completed")
-        await self._finish(local, progress, end, False)
+        await self._finish(prompt, progress, end, False)
 
-    async def _finish(self, local: list[int], progress: Progress, end: tuple, ok: bool, coverage=None,
-                      first_token: int = 0, digest: bytes = b"") -> None:
-        """Frees the source pages and acknowledges the write. A failed write that posted anything may still be
-        reading the source pages and landing bytes: the broker holds the destination for lock_delay from its
-        ack, and the source pages stay out of reuse for the landing bound from now (the call has returned)."""
+    async def _finish(self, prompt: Prompt, progress: Progress, end: tuple, ok: bool, coverage=None,
+                      first_token: int = 0, digest: bytes = b"", cacheable=None) -> None:
+        """Frees the source pages (a successful write's full prompt pages enter the prefix cache) and acknowledges
+        the write. A failed write that posted anything may still be reading the source pages and landing bytes:
+        the broker holds the destination for lock_delay from its ack, and the source pages stay out of reuse (and
+        out of the cache) for the landing bound from now (the call has returned)."""
         if ok or not progress.posted:
-            await self._free_local(local)
+            await self._free_local(prompt, cacheable)
         else:
-            spawn(self._free_local_after(local, self.leases.max_landing_s))
+            self._unpin(prompt)  # cached pages are context only: a write sends copies of them (worker.send)
+            spawn(self._free_local_after(prompt.own_pages, self.leases.max_landing_s))
         await self.leases.end(*end, ok, nothing_posted=not progress.posted, coverage=coverage,
                               first_token=first_token, prompt_digest=digest)
 
@@ -242,9 +274,24 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await asyncio.sleep(delay_s)
         finally:
             SOURCE_PAGES_HELD.dec(len(local))
-            await self._free_local(local)
+            if local:
+                self.worker.alloc.deallocate(local)
+            self.batcher.wake()
 
-    async def _free_local(self, local: list[int]) -> None:
-        if local:
-            self.worker.alloc.deallocate(local)
-            self.batcher.wake()  # a prompt may be waiting for these
+    def _unpin(self, prompt: Prompt) -> None:
+        self.worker.cache.release(prompt.pages[:prompt.hit])
+        prompt.pages, prompt.hit = prompt.pages[prompt.hit:], 0
+
+    async def _free_local(self, prompt: Prompt, cacheable=None) -> None:
+        """Gives back the prompt's local pages: its cache hit unpinned, the pages in cacheable (chain keys, pages,
+        checksums of a successful write's full prompt pages) to the cache, the rest freed."""
+        self._unpin(prompt)
+        own = prompt.own_pages
+        if cacheable is not None:
+            taken = set(cacheable[1])
+            own = [p for p in own if p not in taken]
+            self.worker.cache.insert(*cacheable)
+        if own:
+            self.worker.alloc.deallocate(own)
+        prompt.pages, prompt.copies = [], []
+        self.batcher.wake()  # a prompt may be waiting for these, or for the cache's pages it no longer pins

@@ -23,6 +23,7 @@ from ..engine.runner import Chunk, ModelRunner
 from ..engine.sampler import SamplingParams, TokenLogprobs, logprobs, sample_one
 from ..engine.tags import TAG_NBYTES, make_tags
 from ..kvtransfer.engine import DEFAULT_MAX_WRITE_BYTES, Run, TransferEngine, coalesce, split_calls
+from .prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +50,19 @@ class Prompt:
     token_ids: list[int]
     sampling: SamplingParams
     prompt_logprobs: int | None = None  # None: none asked for
-    pages: list[int] = field(default_factory=list)  # local pages, taken when its first pass is planned
+    # local pages in prompt order, taken when its first pass is planned: the first `hit` are the prefix cache's
+    # (pinned, read-only), the rest this prompt's own
+    pages: list[int] = field(default_factory=list)
     prompt_lps: list[TokenLogprobs] = field(default_factory=list)  # filled chunk by chunk
+    chains: list[bytes] = field(default_factory=list)  # chain key of each full page under its scope; [] without
+    cached_pages: int = 0  # the destination's: prompt pages already there, never sent
+    hit: int = 0
+    copies: list[int] = field(default_factory=list)  # own pages taking the bytes of cached pages cached_pages..hit-1
+
+    @property
+    def own_pages(self) -> list[int]:
+        """The local pages this prompt alone holds (freed or cached when it is done); the rest are pinned."""
+        return self.pages[self.hit:] + self.copies
 
 
 @dataclass(slots=True)
@@ -67,11 +79,15 @@ class Written:
     checksums: list[int]
     nbytes: int
     seconds: float
+    # what may enter the prefix cache now that the write succeeded: (chain keys, local pages, their CRC-32C)
+    cacheable: tuple[list[bytes], list[int], list[int]] | None = None
 
 
 class PrefillWorker:
     def __init__(self, runner: ModelRunner, transfer: TransferEngine, checksums: bool = True,
-                 max_write_bytes: int = DEFAULT_MAX_WRITE_BYTES):
+                 max_write_bytes: int = DEFAULT_MAX_WRITE_BYTES, prefix_cache: bool = True,
+                 prefix_cache_pages: int | None = None):
+        """prefix_cache_pages: at most this many pages in the local prefix cache (None: as the pool allows)."""
         self.runner = runner
         # the transfer checksum is the one guard an operator may switch off (--no-transfer-checksum)
         self.checksums = checksums
@@ -82,6 +98,7 @@ class PrefillWorker:
         self.max_write_bytes = max_write_bytes
         self.transfer = transfer
         self.alloc = PageAllocator(self.pool.num_pages)
+        self.cache = PrefixCache(self.alloc, self.pool.checksums, prefix_cache_pages if prefix_cache else 0)
         transfer.register(self.pool.data_ptr, self.pool.data_nbytes)
         transfer.register(self.pool.tag_ptr, self.pool.tag_nbytes)
 
@@ -112,10 +129,48 @@ class PrefillWorker:
         lp = logprobs(rows[-1:], [first], [p.sampling.logprobs])[0] if p.sampling.logprobs is not None else None
         return Forward(first, lp, p.prompt_lps)
 
+    def send(self, owner: bytes, prompt: Prompt, target: Target, check_alive: Callable[[str], None] = lambda s: None,
+             progress: Progress | None = None) -> Written:
+        """Writes the prompt's pages from the destination's cached_pages on into target.leases[0..]. A page of the
+        local prefix cache among them is copied into one of the prompt's own pages first: its tag row is about to
+        hold this request's tag, and another write may be posting the same cached page with its own tag at this
+        moment (a copy also keeps every cached page out of every write, so none ever waits out a failed write's
+        landing bound)."""
+        ps = self.pool.page_size
+        n, c, h = len(prompt.token_ids), prompt.cached_pages, prompt.hit
+        if len(prompt.copies) != max(0, h - c):
+            raise ValueError(f"{len(prompt.copies)} private pages for cached prompt pages {c}..{h - 1}")
+        if prompt.copies:
+            self.pool.kv[prompt.copies] = self.pool.kv[prompt.pages[c:h]]
+            if self.pool.kv.is_cuda:  # the transport reads the bytes behind torch's back: the copy must be done
+                torch.cuda.current_stream(self.pool.kv.device).synchronize()
+        sources = prompt.copies + prompt.pages[max(c, h):]
+        written = self.write(owner, sources, n - c * ps, target, check_alive, progress, first_index=c,
+                             chains=prompt.chains[c:n // ps])
+        written.cacheable = self._cacheable(prompt, written.checksums)
+        return written
+
+    def _cacheable(self, prompt: Prompt, checksums: list[int]):
+        """The prompt's full pages it computed itself, with their chain keys and CRC-32C (the write's where it
+        computed them: from before any fault could flip a byte of the page)."""
+        ps = self.pool.page_size
+        n, c, h = len(prompt.token_ids), prompt.cached_pages, prompt.hit
+        full = n // ps
+        if not self.cache.enabled or not prompt.chains or full <= h:
+            return None
+        crcs = {i: checksums[i - c] for i in range(max(h, c), full)} if self.checksums else {}
+        missing = [i for i in range(h, full) if i not in crcs]
+        if missing:
+            crcs.update(zip(missing, self.pool.checksums([prompt.pages[i] for i in missing])))
+        return prompt.chains[h:full], prompt.pages[h:full], [crcs[i] for i in range(h, full)]
+
     def write(self, owner: bytes, local_pages: list[int], num_tokens: int, target: Target,
-              check_alive: Callable[[str], None] = lambda stage: None, progress: Progress | None = None) -> Written:
-        """check_alive(stage) raises unless this writer's liveness lease still holds with a margin: a write
-        posted after the broker presumed us dead could land on a page it has re-granted."""
+              check_alive: Callable[[str], None] = lambda stage: None, progress: Progress | None = None,
+              first_index: int = 0, chains: list[bytes] = ()) -> Written:
+        """Writes num_tokens tokens held in local_pages as the request's pages first_index.. (chains: the chain
+        keys of the first len(chains) of them, full pages under a prefix scope). check_alive(stage) raises unless
+        this writer's liveness lease still holds with a margin: a write posted after the broker presumed us dead
+        could land on a page it has re-granted."""
         ps = self.pool.page_size
         n = pages_for(num_tokens, ps)
         if n > len(target.leases):
@@ -125,7 +180,7 @@ class PrefillWorker:
         with GUARD_SECONDS.labels("checksum").time():
             checksums = self.pool.checksums(local_pages[:n]) if self.checksums else [0] * n
         self.pool.tags[local_pages[:n]] = make_tags(owner, target.epoch, [g for _, g in target.leases[:n]],
-                                                    num_tokens, ps, checksums)
+                                                    num_tokens, ps, checksums, first_index, list(chains))
         idx = list(range(n))
         if FAULTS.fire("prefill.short_transfer") is not None:
             idx = idx[:1]

@@ -14,6 +14,7 @@ from pdserve.common.errors import PdError
 from pdserve.common.proto import broker_pb2, common_pb2, prefill_pb2
 from pdserve.engine.page_allocator import PageAllocator
 from pdserve.kvtransfer.engine import TransferError
+from pdserve.prefill.prefix_cache import PrefixCache
 from pdserve.prefill.servicer import PrefillServicer
 from pdserve.prefill.worker import Forward
 
@@ -28,6 +29,7 @@ class FakeWorker:
         self.pool = SimpleNamespace(num_pages=8, page_size=PAGE, layout=SimpleNamespace(
             num_layers=1, num_kv_heads=1, head_dim=1, page_size=PAGE, dtype="float32", page_nbytes=16))
         self.alloc = PageAllocator(8)
+        self.cache = PrefixCache(self.alloc, lambda pages: [0] * len(pages), max_pages=0)
         self.source = [0] * 8
         self.dest: dict[int, int] = {}
         self.fail_next = False
@@ -38,7 +40,8 @@ class FakeWorker:
                 self.source[p] = prompt.token_ids[0]
         return [Forward(7, None, []) for _ in chunks]
 
-    def write(self, owner, local, n, target, check_alive, progress):
+    def send(self, owner, prompt, target, check_alive, progress):
+        local = prompt.pages
         check_alive("data")
         progress.posted = True
         pairs = [(src, dst) for src, (dst, _) in zip(local, target.leases)]
@@ -52,7 +55,7 @@ class FakeWorker:
             raise TransferError("data", "fake transport: batch reported failed, a task still runs")
         land()
         return SimpleNamespace(num_tokens=len(local) * PAGE, num_pages=len(local), checksums=[0] * len(local),
-                               nbytes=16 * len(local), seconds=0.001)
+                               nbytes=16 * len(local), seconds=0.001, cacheable=None)
 
 
 class FakeLeases:
