@@ -14,7 +14,7 @@ from .common.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 FINISH_NAMES = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
                 common_pb2.FINISH_REASON_UNSPECIFIED: None}
 # GenerateRequest fields a caller sets only when given (None: unset, the gateway's default applies)
-OPTIONAL = ("top_p", "seed", "top_k", "repetition_penalty", "logprobs", "prompt_logprobs")
+OPTIONAL = ("top_p", "seed", "top_k", "repetition_penalty", "logprobs", "prompt_logprobs", "cache_salt")
 
 
 def _ids(text: str) -> list[int]:
@@ -38,6 +38,8 @@ def add_arguments(g) -> None:
     g.add_argument("--logprobs", type=int, default=None, help="log-probabilities with this many top tokens (0..20)")
     g.add_argument("--prompt-logprobs", type=int, default=None,
                    help="the prompt's log-probabilities with this many top tokens (0..20); with --json")
+    g.add_argument("--cache-salt", default=None,
+                   help="prefix caching scope within the key's tenant: requests with other salts share no cached KV")
     g.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole request, seconds")
     g.add_argument("--gateway", default=f"127.0.0.1:{config.GATEWAY_PORT}")
     g.add_argument("--api-key", default=None,
