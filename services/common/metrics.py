@@ -30,7 +30,7 @@ GUARD_SECONDS = Histogram("pdserve_guard_seconds",
 # begin_write_wait: what prefill still waits for KeepAlive + BeginWrite once its forward pass (which they
 # overlap) is done
 GUARD_KINDS = ("grant_rpc", "begin_write_rpc", "begin_write_wait", "end_write_rpc", "validate_rpc", "release_rpc",
-               "checksum", "prompt_verify", "step_tag_check", "checksum_sweep", "prefix_check")
+               "checksum", "prompt_verify", "step_tag_check", "checksum_sweep", "prefix_check", "prefix_chain")
 SWEEP_CYCLE_STEPS = Gauge("pdserve_checksum_sweep_cycle_steps",
                           "Decode steps within which every prompt page of the running batch is re-checksummed "
                           "(ceil(prompt pages / --checksum-sweep-pages); 0 when the sweep is off or idle)")

@@ -289,9 +289,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if len(request.prompt_digest) != 16:
             raise invalid("BAD_PROMPT_DIGEST", f"prompt_digest must be 16 bytes, got {len(request.prompt_digest)}")
         need = self.admit_allocation(owner, request.num_prompt_tokens, sampling.max_tokens)
-        plan = plan_prefix(request.prefix_scope, request.prompt_token_ids, request.num_prompt_tokens,
-                           request.prompt_digest, self.runner.config.vocab_size, self.runner.chain_seed,
-                           self.pool.page_size, self.prefix_cache)
+        with GUARD_SECONDS.labels("prefix_chain").time():
+            plan = plan_prefix(request.prefix_scope, request.prompt_token_ids, request.num_prompt_tokens,
+                               request.prompt_digest, self.runner.config.vocab_size, self.runner.chain_seed,
+                               self.pool.page_size, self.prefix_cache)
         alloc = await self.queue.granted(
             lambda: self.grant(owner, request.num_prompt_tokens, sampling.max_tokens, need, deadline, plan), need,
             self.pool_id, deadline)

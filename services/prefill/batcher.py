@@ -22,8 +22,8 @@ import grpc
 from ..common.config import pages_for
 from ..common.deadline import deadline_exceeded
 from ..common.errors import PdError
-from ..common.metrics import (OVERLOAD_REJECTIONS, PREFILL_BATCH, PREFILL_DROPPED, PREFILL_GONE_AT_START,
-                              PREFILL_QUEUE, PREFILL_SEQUENCES)
+from ..common.metrics import (GUARD_SECONDS, OVERLOAD_REJECTIONS, PREFILL_BATCH, PREFILL_DROPPED,
+                              PREFILL_GONE_AT_START, PREFILL_QUEUE, PREFILL_SEQUENCES)
 from ..engine.page_allocator import PageAllocator
 from .prefix_cache import PrefixCache
 from .worker import Forward, Prompt
@@ -185,7 +185,8 @@ class Batcher:
         matched = cache.match(chains)
         if not cache.can_allocate(self._own_pages(p, item.num_pages, len(matched)), keep=matched):
             return False
-        hit = cache.acquire(chains) if chains else []
+        with GUARD_SECONDS.labels("prefix_check").time():  # the CRC-32C re-check of the cached pages it reuses
+            hit = cache.acquire(chains) if chains else []
         need = self._own_pages(p, item.num_pages, len(hit))
         if not cache.can_allocate(need):  # a page of the hit had changed: the longer recompute does not fit now
             cache.release(hit)

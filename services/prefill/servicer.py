@@ -145,9 +145,10 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if not scope:
             return []
         args = (self.worker.runner.chain_seed(scope), tokens, self.worker.pool.page_size)
-        if len(tokens) < _CHAINS_INLINE_TOKENS:
-            return page_chains(*args)
-        return await asyncio.to_thread(page_chains, *args)
+        with GUARD_SECONDS.labels("prefix_chain").time():
+            if len(tokens) < _CHAINS_INLINE_TOKENS:
+                return page_chains(*args)
+            return await asyncio.to_thread(page_chains, *args)
 
     def _work_done(self, work: asyncio.Task) -> None:
         self.in_flight.discard(work)
