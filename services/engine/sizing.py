@@ -32,7 +32,7 @@ def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: str) -> int:
 
 def pool_tokens_for(memory_bytes: int, cfg: ModelConfig, kv_dtype: str, page_size: int) -> int:
     """Whole pages only: the tokens of the pages that fit in memory_bytes (the pool's data; its tags live on
-    the host beside it, 32 bytes a page)."""
+    the host beside it, 80 bytes a page: engine.tags.TAG_NBYTES)."""
     return memory_bytes // (kv_bytes_per_token(cfg, kv_dtype) * page_size) * page_size
 
 
