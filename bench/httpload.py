@@ -96,6 +96,21 @@ def completion_body(model: str, prompt: list[int], max_tokens: int, extra: dict 
                        "ignore_eos": True, "stream": True, **(extra or {})}).encode()
 
 
+async def read_completion(conn: _Conn, rec: Record, body: bytes, headers: dict | None = None) -> None:
+    """One streamed completion into rec: each event's token ids, at the time the event arrived."""
+    async for data in conn.post_stream("/v1/completions", body, headers):
+        if data == b"[DONE]":
+            continue  # the stream is read to its last chunk, or the connection's next response starts mid-body
+        now = time.perf_counter()
+        msg = json.loads(data)
+        if "error" in msg:
+            raise HttpError(f"error event: {str(msg['error'])[:300]}")
+        for choice in msg.get("choices", ()):
+            ids = choice.get("token_ids") or []
+            rec.token_ids.extend(ids)
+            rec.token_times.extend([now] * len(ids))
+
+
 async def _load(host: str, port: int, model: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
                 extra: dict | None, timeout: float) -> tuple[list[Record], float]:
     records: list[Record | None] = [None] * len(prompts)
@@ -104,26 +119,13 @@ async def _load(host: str, port: int, model: str, prompts: list[list[int]], conc
     for c in conns:  # connected before the clock starts, as the gRPC client waits for channel_ready
         await c.open()
 
-    async def one(conn: _Conn, rec: Record, body: bytes) -> None:
-        async for data in conn.post_stream("/v1/completions", body):
-            if data == b"[DONE]":
-                continue  # the stream is read to its last chunk, or the connection's next response starts mid-body
-            now = time.perf_counter()
-            msg = json.loads(data)
-            if "error" in msg:
-                raise HttpError(f"error event: {str(msg['error'])[:300]}")
-            for choice in msg.get("choices", ()):
-                ids = choice.get("token_ids") or []
-                rec.token_ids.extend(ids)
-                rec.token_times.extend([now] * len(ids))
-
     async def client(conn: _Conn) -> None:
         for i in next_index:
             body = completion_body(model, prompts[i], max_tokens, extra)
             rec = Record(time.perf_counter())
             records[i] = rec
             try:
-                await asyncio.wait_for(one(conn, rec, body), timeout)
+                await asyncio.wait_for(read_completion(conn, rec, body), timeout)
             except (HttpError, OSError, ValueError, asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
                 rec.error = f"{type(e).__name__}: {e}"[:300]
                 await conn.close()  # the stream's state is unknown: the next request opens a fresh connection

@@ -29,7 +29,7 @@ import urllib.request
 
 from pdserve import launcher
 
-from .httpload import HttpError, _Conn, completion_body
+from .httpload import HttpError, _Conn, completion_body, read_completion
 from .run_common import log
 from .side_by_side import served_model
 from .vllm_venv import ROOT
@@ -99,18 +99,7 @@ class VllmServer:
 async def _one(conn: _Conn, system, prompt: list[int], tenant: str | None) -> Record:
     rec = Record(time.perf_counter())
     headers = {"Authorization": f"Bearer {KEYS[tenant]}"} if tenant else None
-    async for data in conn.post_stream("/v1/completions", completion_body(system.model, prompt, REPLY, system.extra),
-                                       headers):
-        if data == b"[DONE]":
-            continue
-        now = time.perf_counter()
-        msg = json.loads(data)
-        if "error" in msg:
-            raise HttpError(f"error event: {str(msg['error'])[:300]}")
-        for choice in msg.get("choices", ()):
-            ids = choice.get("token_ids") or []
-            rec.token_ids.extend(ids)
-            rec.token_times.extend([now] * len(ids))
+    await read_completion(conn, rec, completion_body(system.model, prompt, REPLY, system.extra), headers)
     if len(rec.token_ids) != REPLY:
         raise HttpError(f"{len(rec.token_ids)} tokens streamed, {REPLY} asked for")
     return rec
@@ -203,7 +192,7 @@ def run_system(system, vocab: int, quick: bool) -> dict:
     if before is not None:
         ttft_sum = sum(r.ttft for _, r in recs) + sum(r.ttft for r in brecs)
         res["guards"] = {k: after[k] - before[k] for k in after}
-        res["chain_check_over_ttft"] = (res["guards"]["decode_prefix_check_s"] + res["guards"]["prefill_prefix_s"]) / ttft_sum
+        res["chain_check_over_ttft"] = sum(v for k, v in res["guards"].items() if k.endswith("_s")) / ttft_sum
         res["hit_pages"] = res["guards"]["hit_pages"]
     if isinstance(system, PdserveStack) and system.name == "pdserve":
         res["isolation"] = asyncio.run(isolation(system, vocab, 6 if quick else PAIRS))
@@ -224,9 +213,11 @@ async def batch_warm(system, vocab: int, tenant) -> None:
 def _guards(system) -> dict | None:
     if not isinstance(system, PdserveStack):
         return None
-    return {"decode_prefix_check_s": system.metric_sum("decode", "pdserve_guard_seconds_sum", 'kind="prefix_check"'),
-            "prefill_prefix_s": system.metric_sum("prefill", "pdserve_guard_seconds_sum", 'kind="prefix_chain"'),
-            "hit_pages": system.metric_sum("decode", "pdserve_prefix_cache_lookup_pages_total", 'result="hit"')}
+    out = {f"{svc}_{kind}_s": system.metric_sum(svc, "pdserve_guard_seconds_sum", f'kind="{kind}"')
+           for svc in ("decode", "prefill") for kind in ("prefix_chain", "prefix_check")}
+    out["hit_pages"] = system.metric_sum("decode", "pdserve_prefix_cache_lookup_pages_total", 'result="hit"')
+    out["prefill_hit_pages"] = system.metric_sum("prefill", "pdserve_prefill_prefix_hit_pages_total")
+    return out
 
 
 def report(rows: list[dict]) -> str:
