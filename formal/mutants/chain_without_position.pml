@@ -2,9 +2,9 @@
  * Mutant: a chain key from the page's own tokens only (issue 20, prefix reuse)
  * Guard removed: page_chains makes key i a hash over the chain before it (every token up to the page's end),
  *   so a key names the page's position and everything before it; here key i covers the page's tokens alone.
- * Counter-example, in honest operation: r0 publishes its page 0 (tokens T); r1's page 1 holds the same tokens T
- *   after another page, gets the same key in the same scope, shares r0's page and reads KV computed at another
- *   offset after other tokens (P1).
+ * Counter-example, in honest operation: r1 publishes its page 1 (tokens T after another page U); r0's page 0
+ *   holds the same tokens T, gets the same key in the same scope, shares r1's page and reads KV computed at
+ *   another offset after other tokens (P1).
  * -DPREFIX, r1's page at the other offset, no fault.
  */
 #define PREFIX

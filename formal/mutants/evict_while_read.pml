@@ -2,9 +2,9 @@
  * Mutant: eviction takes a cached page that has readers (issue 20, prefix reuse)
  * Guard removed: the broker evicts only unread cached pages (no reader, no revoked reader not yet swept) when
  *   a Grant or an Extend finds the pool short; here any cached page.
- * Counter-example, in honest operation: r0 publishes its page and is still its reader; r1 (other content)
- *   waits for a page; the broker evicts r0's page, FREE at once, and grants it to r1; r1's data lands before
- *   its tag, r0's step check still sees its own tag and reads r1's KV (P1; or P2 once r1 validates).
+ * Counter-example, in honest operation: r1 publishes its page and is still its reader; r0 (other content)
+ *   waits for a page; the broker evicts r1's page, FREE at once, and grants it to r0; r0 writes and verifies
+ *   it while r1 still reads it (P2; or P1 when r0's data lands before its tag and r1 steps).
  * -DPREFIX, r1 of the other scope, no fault.
  */
 #define PREFIX
