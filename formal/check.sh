@@ -12,8 +12,9 @@
 # default: number of CPUs), FORMAL_DEEP=1 (also the model with a fault budget of 2, the LTL
 # runs with the lease faults and with the non-atomic step, every request free to choose its
 # decode path, allocation expiry with the fault budget, the non-atomic step with the lease
-# faults and with both requests on Run, growth with three pages and with the lease faults, and
-# redundant/*_deep.pml; minutes, GiBs), CC (default gcc).
+# faults and with both requests on Run, growth with three pages and with the lease faults, prefix
+# reuse with every content identity and the fault budget, and redundant/*_deep.pml; minutes, GiBs),
+# CC (default gcc).
 set -uo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -103,6 +104,10 @@ add model-expiry             model "$here/pdserve.pml" "-DEXPIRY -DFAULTS=0" "$s
 # included); and a Grant with a headroom page (r0), sealed like a growth page
 add model-growth             model "$here/pdserve.pml" "-DGROWTH -DGROWS=3" "$safety" "-m10000"
 add model-growth-headroom    model "$here/pdserve.pml" "-DHEADROOM"         "$safety" "-m10000"
+# issue 20, prefix reuse: r1 of r0's content shares r0's cached page, with the fault budget; and r1 of every
+# content identity (r0's, another scope, the same tokens at another offset) in honest operation
+add model-prefix             model "$here/pdserve.pml" "-DPREFIX -DR1ID=0"  "$safety" "-m10000"
+add model-prefix-contents    model "$here/pdserve.pml" "-DPREFIX -DFAULTS=0" "$safety" "-m10000"
 if [ "${FORMAL_DEEP:-0}" = 1 ]; then
   add model-two-faults       model "$here/pdserve.pml" "-DFAULTS=2" "$safety -DCOLLAPSE" "-m10000"
   add model-ltl-drains-lease-faults model "$here/pdserve.pml" "-DLEASE_FAULTS" "-O1" "-m10000 -a -N drains"
@@ -115,6 +120,8 @@ if [ "${FORMAL_DEEP:-0}" = 1 ]; then
   # issue 19: r0 grows into a third page while r1 holds its own (3.5 GB); growth with the lease faults
   add model-growth-three-pages model "$here/pdserve.pml" "-DGROWTH -DNP=3" "$safety" "-m10000"
   add model-growth-lease-faults model "$here/pdserve.pml" "-DGROWTH -DGROWS=3 -DLEASE_FAULTS" "$safety" "-m10000"
+  # issue 20: r1 of every content identity with the fault budget (3 times model-prefix)
+  add model-prefix-contents-faults model "$here/pdserve.pml" "-DPREFIX" "$safety -DCOLLAPSE" "-m10000"
 fi
 # guards the model shows to be covered by others: they must not yield a counter-example
 # (FORMAL_DEEP=1 also runs the *_deep.pml ones, which repeat an argument already checked)

@@ -25,6 +25,13 @@
  *            sealed) and writes itself, stamping its tag; Release and Revoke are by owner, growth
  *            pages included; the broker takes the Extend at any time after decode sent it (after a
  *            Revoke, a Release, a move), its reply may be lost; -DHEADROOM: the Grant's headroom page.
+ *   Prefix   (-DPREFIX, issue 20: prefix reuse) a request's page has a content identity (scope, position, tokens);
+ *            decode publishes a page it verified: the broker makes it CACHED (read-only, readers, a chain index
+ *            with the scope tag and the published checksum); a Grant whose chain key and scope tag match shares
+ *            it, and decode checks it (tag, chain words, checksum) before reading: a bad one is unpublished and
+ *            the Grant redone as a miss; Release / Revoke of one reader end only its share (a revoked share
+ *            keeps the page until swept, as quarantine); unread cached pages are evicted; a cached page may
+ *            change in place while unread (fault); a BeginWrite naming a cached page is refused.
  *   Expiry   (-DEXPIRY) decode's allocation expiry (and drain), racing the reader's take:
  *            each allocation is handed out once, to the reader or to expiry, which releases it.
  *   Net      delivers one-sided writes late and in any order (data and tag of one write too);
@@ -54,6 +61,9 @@
  *                         [](QUARANTINED(p) -> <> FREE(p)) for every page
  *   P6 own bytes in transit  a one-sided data write stores the KV of the request whose lease
  *                         it writes under (prefill's source page was not reused under it)
+ *   With -DPREFIX, P1 for a shared page is by content: every cell it reads is KV of the reader's own (scope,
+ *   position, tokens); P2 allows two readers of one CACHED page that counts both, and a live reader's page is
+ *   never FREE; P5's end state may keep unread cached pages.
  */
 
 #ifndef NP
@@ -80,6 +90,18 @@
 #endif
 #ifndef ANYPATH
 #define ANYPATH 0
+#endif
+/* issue 20 (prefix reuse), its own run: -DPREFIX. R1ID: the content identity of r1's page (0: r0's, shared;
+ * 1: another scope, the same tokens; 2: the same scope and page tokens at another offset; 3: chosen) */
+#ifdef PREFIX
+#ifndef R1ID
+#define R1ID 3
+#endif
+/* decode's own writes (-DSTEP_WRITES, -DGROWTH) go to its exclusive last page, which this variant leaves out;
+ * expiry, lease expiry and the foreign instance's calls are not modelled with shares */
+#if defined(STEP_WRITES) || defined(GROWTH) || defined(EXPIRY) || defined(LEASE_FAULTS) || defined(FOREIGN) || NR != 2 || NP != 2
+#error "-DPREFIX runs with NR=2, NP=2 and none of STEP_WRITES, GROWTH, EXPIRY, LEASE_FAULTS, FOREIGN"
+#endif
 #endif
 /* issue 19 (pages on demand), its own run (check.sh): -DGROWTH. A growing request's prompt fills its
  * page; every token it generates goes into a growth page that decode leases from the broker by Extend
@@ -108,12 +130,18 @@
  * mutant runs it) */
 
 #define NONE   255
+#ifdef PREFIX
+mtype = { cached, free, leased, quarantined, done, failed }  /* names for the trace only */
+#define PSTATE(x) ((x) == CACHED -> 6 : 5 - (x))     /* page state -> its mtype name */
+#else
 mtype = { free, leased, quarantined, done, failed }  /* names for the trace only */
 #define PSTATE(x) (5 - (x))                          /* page state -> its mtype name */
+#endif
 #define PRESULT(x) (3 - (x))                         /* prefill result -> its mtype name */
 #define FREE   0        /* page states */
 #define LEASED 1
 #define QUAR   2
+#define CACHED 3        /* (-DPREFIX) a published prompt page: read-only, shared by its readers */
 #define PROC(r) ((r) % NW)
 /* writer ids (BeginWrite's writer_id, the liveness lease's holder): by default one per
  * prefill process, as DESIGN §3 describes; -DWRITER_PER_WRITE gives every write its own id
@@ -131,6 +159,7 @@ mtype = { free, leased, quarantined, done, failed }  /* names for the trace only
 #define OLDW   (NWID+1) /* active-writer mark of pages quarantined by a broker restart */
 #define REVW   (NWID+2) /* active-writer mark of a revoked reader's pages (revoke())   */
 #define FAILW  (NWID+3) /* active-writer mark of a failed write's pages until the bound */
+#define BADW   (NWID+4) /* (-DPREFIX) mark of an unpublished (bad) cached page in quarantine */
 #define DONE   1        /* prefill results */
 #define FAILED 2
 
@@ -152,7 +181,11 @@ byte powner[NP];                 /* Page.owner (request index) */
 byte pgen[NP];                   /* Page.generation */
 byte paw[NP];                    /* Page.active_writer: 0 none, writer id + 1, OLDW or REVW */
 byte pawgen[NP];                 /*   ... and its generation */
+#ifdef PREFIX
+byte npst[4];                    /* pool_state / pdserve_kv_pages{state} gauges, num_cached */
+#else
 byte npst[3];                    /* pool_state / pdserve_kv_pages{state} gauges */
+#endif
 bit restarted, olddrained;       /* decode moved to a new broker incarnation; the move's wait ended */
 /* the old incarnation may still run (a rolling update, a partition, a terminating pod): */
 bit oldfenced;                   /* reader_ttl passed since decode's last contact with it: it refuses
@@ -227,6 +260,24 @@ bit  frenew;                     /* it keeps renewing the holders of held pages 
 bit  foldpool;                   /* it keeps renewing the old incarnation's reader record after the move */
 #endif
 
+#ifdef PREFIX
+/* prefix reuse (issue 20). A request's modelled page is its first full prompt page, the one a chain key names;
+ * its other pages (the last one, where decode writes) are exclusive and follow every rule above unchanged.
+ * Content identity of that page, (scope, position, tokens), as a small number: ID0 = (scope A, page 0, tokens
+ * T), ID1 = (scope B, page 0, T): another tenant or cache_salt, the same tokens; ID2 = (scope A, page 1 after a
+ * page U, T): the same page tokens at another offset. r0 is ID0; r1 is R1ID (3: chosen at the start) */
+#define NOCONT 255
+byte cid[NR];                    /* content identity of r's page (what its KV is) */
+bit  rsh[NR];                    /* r reads its page as a share of a cached page (GrantResponse.num_shared) */
+/* the broker's cached pages: PoolPages' chain index, readers, published checksums */
+bit  pidx[NP];                   /* in the chain index (a Grant may share it) */
+byte pkey[NP];                   /* its chain key, as Publish gave it */
+byte pscope[NP];                 /* its scope tag */
+byte pck[NP];                    /* the published checksum (the bytes decode verified: a stamp) */
+byte prd[NP];                    /* readers (bit r): the owner from Publish, then each Grant that shared it */
+byte prv[NP];                    /* revoked readers (bit r) not yet swept: the page stays unevictable */
+#endif
+
 /* ---------------- prefill processes and writer liveness ---------------- */
 bit wcrashed[NW];                /* process crashed */
 bit wexp[NWID];                  /* writer's liveness lease expired (it posts nothing more) */
@@ -252,6 +303,8 @@ byte k;                          /* loop index inside atomic sequences only; 0 b
 #define BG_CUR(r) (bg[r] != NONE && pst[bg[r]] == LEASED && powner[bg[r]] == (r) && pgen[bg[r]] == bggen[r] \
                    && EPOK(r))
 #define HOLDS(r) (LEASE_CUR(r) || BG_CUR(r))
+#elif defined(PREFIX)
+#define HOLDS(r) (LEASE_CUR(r) || SHARE_CUR(r))      /* a lease, or a share of a cached page */
 #else
 #define HOLDS(r) LEASE_CUR(r)
 #endif
@@ -410,8 +463,66 @@ byte k;                          /* loop index inside atomic sequences only; 0 b
 /* a growing reader's pages: its prompt page and the growth page decode holds for it */
 #define TWO_LIVE(a,b) (LIVE_R(a) && LIVE_R(b) && (rpage[a] == rpage[b] || gpage[a] == rpage[b] \
                        || gpage[b] == rpage[a] || (gpage[a] != NONE && gpage[a] == gpage[b])))
+#elif defined(PREFIX)
+/* two readers of one page are fine only while it is CACHED and both are its readers */
+#define TWO_LIVE(a,b) (LIVE_R(a) && LIVE_R(b) && rpage[a] == rpage[b] \
+                       && !(pst[rpage[a]] == CACHED && READER(rpage[a], a) && READER(rpage[a], b)))
 #else
 #define TWO_LIVE(a,b) (LIVE_R(a) && LIVE_R(b) && rpage[a] == rpage[b])
+#endif
+
+#ifdef PREFIX
+/* the chain key and the scope tag of a content identity, as decode computes them (page_chains over
+ * chain_seed(scope), scope_tag(scope)) and the broker indexes them: injective in scope, position and tokens */
+#if defined(MUT_SALT_IGNORED)
+#define KEY(c) ((c) == 1 -> 0 : (c))                 /* the scope drops the tenant and cache_salt: ... */
+#define SCOPE(c) 0                                   /* ... in the chain seed and in the scope tag */
+#elif defined(MUT_CHAIN_WITHOUT_SALT)
+#define KEY(c) ((c) == 1 -> 0 : (c))                 /* the chain seed without the scope; the tag keeps it */
+#define SCOPE(c) ((c) == 1)
+#elif defined(MUT_CHAIN_WITHOUT_POSITION)
+#define KEY(c) ((c) == 2 -> 0 : (c))                 /* a page's own tokens only, not the chain before it */
+#define SCOPE(c) ((c) == 1)
+#else
+#define KEY(c) (c)
+#define SCOPE(c) ((c) == 1)
+#endif
+#ifdef MUT_NO_SCOPE_TAG
+#define SCOPE_OK(p,r) 1
+#else
+#define SCOPE_OK(p,r) (pscope[p] == SCOPE(cid[r]))   /* Grant shares only within the scope tag */
+#endif
+/* what KV a stamp's bytes are: the content of the request whose lease wrote them (a previous tenant's and
+ * another prompt's: none of ours) */
+#define CONT(st) (((st) >= 32 && (st) < OTHER) -> cid[(st)/32 - 1] : NOCONT)
+/* the tag's chain words: the key its writer computed (derived from the tag's ownership words) */
+#define TCHAIN(st) ((WORDS(st) >= 32) -> KEY(cid[WORDS(st)/32 - 1]) : NOCONT)
+#define READER(p,r) (((prd[p] | prv[p]) >> (r)) & 1)
+#define SHARE_CUR(r) (rpage[r] != NONE && pst[rpage[r]] == CACHED && ((prd[rpage[r]] >> (r)) & 1) && EPOK(r))
+#define HIT(p,r) (pst[p] == CACHED && pidx[p] && pkey[p] == KEY(cid[r]) && SCOPE_OK(p, r))
+#if NP > 2
+#define HITP(r) (HIT(0, r) -> 0 : (HIT(1, r) -> 1 : (HIT(2, r) -> 2 : NONE)))
+#else
+#define HITP(r) (HIT(0, r) -> 0 : (HIT(1, r) -> 1 : NONE))
+#endif
+/* decode's check of a shared page before it sends the destination: the tag against the shared lease, its chain
+ * words against decode's own key, num_tokens, and the bytes' CRC against the published checksum */
+#ifdef MUT_SHARED_UNCHECKED
+#define SHARED_CRC(p) 1                              /* the tag only: no CRC against the published checksum */
+#else
+#define SHARED_CRC(p) (d0[p] == pck[p] && d1[p] == pck[p])
+#endif
+#define SHARED_OK(p,r) (WORDS(tstamp[p]) == pck[p] && TCHAIN(tstamp[p]) == KEY(cid[r]) && tntok[p] == 2 \
+                        && SHARED_CRC(p))
+/* Publish: only the owner's current lease, written (a write began on this generation and decode verified it),
+ * its writer finished (no active writer: not a failed write's hold, not a write still in flight) */
+#define PUBLISH_OK(r) (LEASE_CUR(r) && paw[rpage[r]] == 0 && pwrit[rpage[r]])
+/* an unread cached page (no reader, no revoked reader decode may still step) may be evicted */
+#ifdef MUT_EVICT_WHILE_READ
+#define EVICTABLE(p) 1                               /* readers or not */
+#else
+#define EVICTABLE(p) (prd[p] == 0 && prv[p] == 0)
+#endif
 #endif
 
 /* ============================== broker steps ============================== */
@@ -489,7 +600,32 @@ inline end_lease(pp) {
 #else
 #define REVOKE_SPARES_GROWTH 0
 #endif
+#ifdef PREFIX
+/* one reader's share ends; a cached page out of the index (unpublished) with no reader left goes to quarantine */
+inline unread(pp) {
+  if
+  :: prd[pp] == 0 && prv[pp] == 0 && !pidx[pp] -> setpst(pp, QUAR); paw[pp] = BADW;
+     printf("CACHE     page %d: out of the index and unread, quarantined\n", pp)
+  :: else
+  fi
+}
+inline drop_share(r) {
+  prd[rpage[r]] = prd[rpage[r]] & ~(1 << (r)); unread(rpage[r]);
+  printf("CACHE     r%d's share of page %d ends (readers now %d)\n", r, rpage[r], prd[rpage[r]])
+}
+#endif
 inline revoke(r) {
+#ifdef PREFIX
+  if                                                 /* a reader of a cached page: only its share ends, ... */
+  :: SHARE_CUR(r) ->
+#ifdef MUT_REVOKE_FREES_SHARED
+     drop_share(r)
+#else
+     prd[rpage[r]] = prd[rpage[r]] & ~(1 << (r));    /* ... but it may step until the notice reaches it: */
+     prv[rpage[r]] = prv[rpage[r]] | (1 << (r))      /* the page stays unevictable as quarantine would */
+#endif
+  :: else ->
+#endif
 #ifdef GROWTH
   if                                                 /* by owner: its growth page goes the same way */
   :: BG_CUR(r) && !REVOKE_SPARES_GROWTH ->
@@ -516,11 +652,22 @@ inline revoke(r) {
   :: else
   fi
 #endif
+#ifdef PREFIX
+  fi
+#endif
   ; rvq[r] = 1
 }
 
 inline release(r) {
   if
+#ifdef PREFIX
+#ifdef MUT_RELEASE_ENDS_SHARED
+  :: SHARE_CUR(r) -> pidx[rpage[r]] = 0; prd[rpage[r]] = 0; prv[rpage[r]] = 0; setpst(rpage[r], FREE);
+     printf("RELEASE   r%d: cached page %d is now free, its other readers' shares with it\n", r, rpage[r])
+#else
+  :: SHARE_CUR(r) -> drop_share(r)                   /* Release of a reader removes only its share */
+#endif
+#endif
   :: LEASE_CUR(r) -> end_lease(rpage[r]);
      printf("RELEASE   r%d: page %d is now %e\n", r, rpage[r], PSTATE(pst[rpage[r]]))
   :: else                                            /* gone already, or an old epoch */
@@ -579,6 +726,33 @@ inline extend(r) {
 }
 #endif
 
+#ifdef PREFIX
+/* LeaseTable.publish (decode, after verifying the pages prefill wrote): the page becomes CACHED, indexed under
+ * decode's chain key and scope tag with decode's checksum, its owner the first reader; refused otherwise */
+inline publish(r) {
+  p = rpage[r];
+  if
+  :: PUBLISH_OK(r) ->
+     setpst(p, CACHED); pidx[p] = 1; pkey[p] = KEY(cid[r]); pscope[p] = SCOPE(cid[r]); pck[p] = rstamp[r];
+     prd[p] = 1 << (r);
+     printf("PUBLISH   r%d's page %d is cached: key %d, scope %d, checksum r%d/e%d/g%d\n", r, p, pkey[p], pscope[p],
+            SHOW(pck[p]))
+  :: else -> printf("PUBLISH   r%d's page %d refused\n", r, p)
+  fi;
+  p = 0
+}
+/* Grant with prefix_chains and scope_tag: the leading page is shared when the index has its key in the scope */
+inline share(r, pp) {
+  prd[pp] = prd[pp] | (1 << (r)); rpage[r] = pp; rsh[r] = 1; rep[r] = epoch; rgen[r] = pgen[pp];
+  rstamp[r] = pck[pp];                               /* the shared lease, as decode checks the tag against it */
+  printf("GRANT     r%d shares cached page %d (key %d, lease r%d/e%d/g%d)\n", r, pp, pkey[pp], SHOW(pck[pp]))
+}
+/* Unpublish of a bad page: out of the index; quarantined once no reader is left */
+inline unpublish(r) {
+  pidx[rpage[r]] = 0; printf("UNPUBLISH page %d\n", rpage[r]); drop_share(r)
+}
+#endif
+
 /* the write-done notice of r's write (other: another prompt's), logged on the pool's revocation
  * stream after every revocation of r logged before it. Only a Run waits for it: for an old-path
  * request decode ignores it, so it is not logged (fewer states, no behaviour lost) */
@@ -597,6 +771,14 @@ inline end_write(r) {
   if
   :: EPOK(r) && ACKMATCH(p, r) && HOLD_FAILED(r) ->
      paw[p] = FAILW;                                 /* its writes may land until the bound */
+#ifdef MUT_FAILED_WRITE_VISIBLE
+     /* the broker indexes a failed write's page under the chain the Grant named, its hold still on */
+     if
+     :: pst[p] == LEASED -> setpst(p, CACHED); pidx[p] = 1; pkey[p] = KEY(cid[r]); pscope[p] = SCOPE(cid[r]);
+        pck[p] = rstamp[r]; printf("PUBLISH   r%d's page %d is cached as its write ends (failed)\n", r, p)
+     :: else
+     fi;
+#endif
      printf("ENDWRITE  of r%d (g%d, failed after posting): page %d stays writing until the bound\n", r, rgen[r], p)
   :: EPOK(r) && ACKMATCH(p, r) && !HOLD_FAILED(r) ->
      paw[p] = 0;
@@ -641,6 +823,9 @@ inline restart() {
      pgen[k] = 0;
 #else
      setpst(k, QUAR); paw[k] = OLDW; pgen[k] = 0;    /* every page, until the old writers drained */
+#endif
+#ifdef PREFIX
+     pidx[k] = 0; prd[k] = 0; prv[k] = 0;            /* the new incarnation's index is empty */
 #endif
      k++
   :: else -> break
@@ -735,7 +920,8 @@ inline blind_stop() {
  * earlier epoch's pages, so the holder never expires (a renewal of a holder not its own, accepted) */
 #define SWEEPABLE(p) (pst[p] == QUAR && \
         ((paw[p] >= 1 && paw[p] <= NWID && wdrained[paw[p]-1]) || (paw[p] == OLDW && olddrained && !FRENEW) \
-         || (paw[p] == REVW && ACKED(powner[p]) && !FRENEW) || (paw[p] == FAILW && BOUND(powner[p]) && !FRENEW)))
+         || (paw[p] == REVW && ACKED(powner[p]) && !FRENEW) || (paw[p] == FAILW && BOUND(powner[p]) && !FRENEW) \
+         || paw[p] == BADW))
 /* sweep also ends writes of presumed-dead writers, and failed writes past the bound, on LEASED pages */
 #define SWEEP_LEASED(p) (pst[p] == LEASED && \
         ((paw[p] >= 1 && paw[p] <= NWID && wdrained[paw[p]-1]) || (paw[p] == FAILW && BOUND(powner[p]) && !FRENEW)))
@@ -880,14 +1066,43 @@ wend:
 #define PRE_OUT out
 #endif
 
+/* a Grant is a miss (no cached page to share) */
+#ifdef PREFIX
+#define MISS(r) (HITP(r) == NONE)
+#else
+#define MISS(r) 1
+#endif
+/* P1: the bytes a step reads are its own lease's; a share's (-DPREFIX) are KV of its own content identity */
+#ifdef PREFIX
+#define OWN_BYTES(p,r) (rsh[r] -> (CONT(d0[p]) == cid[r] && CONT(d1[p]) == cid[r]) \
+                        : (d0[p] == rstamp[r] && d1[p] == rstamp[r]))
+#else
+#define OWN_BYTES(p,r) (d0[p] == rstamp[r] && d1[p] == rstamp[r])
+#endif
+
 proctype Reader(byte r) {                            /* decode: Allocate, Decode, scheduler, Release */
   byte p;
   byte i;
 #ifdef MUT_RELEASE_DURING_STEP
   bit pre;                                           /* preempted while its step ran */
 #endif
+#ifdef PREFIX
+regrant:
+#endif
   if
-  :: atomic { npst[FREE] >= NEED(r) -> grant(r); ALLOCATED(r);
+#ifdef PREFIX
+  /* a hit: the Grant shares the cached page; decode checks it before it sends the destination (one step: the
+   * Grant's reply and the check see one page, which nothing may write or evict while r is its reader) */
+  :: atomic { !MISS(r) -> p = HITP(r); share(r, p);
+              printf("VERIFY    r%d shared page %d: tag r%d/e%d/g%d chain %d num_tokens=%d, cells r%d/e%d/g%d r%d/e%d/g%d -> %d\n",
+                     r, p, SHOW(tstamp[p]), TCHAIN(tstamp[p]), tntok[p], SHOW(d0[p]), SHOW(d1[p]), SHARED_OK(p, r));
+              if
+              :: SHARED_OK(p, r) -> p = 0; reading[r] = 1; wfin[r] = 1; goto steps  /* no write of this page */
+              :: else -> p = 0; unpublish(r); rpage[r] = NONE; rsh[r] = 0;  /* a miss: the Grant again */
+                 goto regrant
+              fi }
+#endif
+  :: atomic { npst[FREE] >= NEED(r) && MISS(r) -> grant(r); ALLOCATED(r);
               if
               :: (ANYPATH >> r) & 1 ->
                  if
@@ -898,7 +1113,7 @@ proctype Reader(byte r) {                            /* decode: Allocate, Decode
               fi;
               printf("PATH      r%d: %d (1: Run, one stream, destination first; 0: Allocate, Decode)\n", r, rrun[r]) }
 #ifdef LEASE_FAULTS
-  :: atomic { npst[FREE] >= NEED(r) && budget > 0 -> budget--; grant(r);   /* fault: the reply is lost */
+  :: atomic { npst[FREE] >= NEED(r) && MISS(r) && budget > 0 -> budget--; grant(r);   /* fault: the reply is lost */
               printf("GRANT     FAULT reply to r%d lost: decode never learns of page %d\n", r, rpage[r]);
               rdone[r] = 1; wfin[r] = 1; goto gone }
 #endif
@@ -947,6 +1162,14 @@ proctype Reader(byte r) {                            /* decode: Allocate, Decode
     fi
   }
 steps:
+#ifdef PREFIX
+  atomic {                                           /* decode publishes the page it verified */
+    if
+    :: !rsh[r] -> publish(r)
+    :: else
+    fi
+  };
+#endif
 #ifdef GROWTH
   if
   :: GROWER(r) -> goto gsteps
@@ -962,11 +1185,11 @@ steps:
           printf("STEP      r%d reads page %d: cells r%d/e%d/g%d r%d/e%d/g%d, own lease r%d/e%d/g%d\n",
                  r, rpage[r], SHOW(d0[rpage[r]]), SHOW(d1[rpage[r]]), SHOW(rstamp[r]));
           if
-          :: d0[rpage[r]] != rstamp[r] || d1[rpage[r]] != rstamp[r] ->
-             printf("VIOLATION P1: r%d consumed bytes written under another lease\n", r)
+          :: !OWN_BYTES(rpage[r], r) ->
+             printf("VIOLATION P1: r%d consumed bytes written under another lease (or of another content)\n", r)
           :: else
           fi;
-          assert(d0[rpage[r]] == rstamp[r] && d1[rpage[r]] == rstamp[r]);
+          assert(OWN_BYTES(rpage[r], r));
           i++
 #ifdef STEP_WRITES
           ; stepping[r] = 1                          /* the step thread runs on, maybe stalled */
@@ -1209,6 +1432,43 @@ end:
               printf("REPLAY    FAULT a second Prefill of r%d's lease writes another prompt's KV to page %d\n", r, rpage[r]) }
 #endif
 
+#ifdef PREFIX
+/* eviction of an unread cached page (LRU when a Grant or Extend finds the pool short: here any unread one, at
+ * any time a Grant waits for a page, which has every behaviour of the code's choice) */
+#define WAITG(r) (rpage[r] == NONE && !rdone[r])
+#define EVICT(p) \
+  :: atomic { pst[p] == CACHED && pidx[p] && EVICTABLE(p) && (WAITG(0) || WAITG(1)) -> \
+              pidx[p] = 0; prd[p] = 0; prv[p] = 0; setpst(p, FREE); printf("EVICT     cached page %d\n", p) }
+/* a cached page changes in place while unread (a stray write, a bit flip; fault): bytes or tag */
+#define CORRUPT(p) \
+  :: atomic { budget > 0 && pst[p] == CACHED && prd[p] == 0 && prv[p] == 0 -> budget--; \
+              if :: d1[p] = 0 :: tstamp[p] = 0 fi; \
+              printf("CORRUPT   FAULT cached page %d changes in place: cells r%d/e%d/g%d tag r%d/e%d/g%d\n", \
+                     p, SHOW(d1[p]), SHOW(tstamp[p])) }
+/* a revoked reader's share ends lock_delay after the revocation, heard or not (as REVW's quarantine) */
+#define SWEEPSH(p, o) \
+  :: atomic { ((prv[p] >> (o)) & 1) && ACKED(o) -> \
+              if :: BLIND_STOPS(o) -> blind_stop() :: else fi; \
+              prv[p] = prv[p] & ~(1 << (o)); unread(p); printf("SWEEP     r%d's revoked share of page %d ends\n", o, p) }
+/* a BeginWrite naming a shared page's lease (a second Prefill, a bug), writing another prompt's KV: a cached
+ * page is sealed, so the broker refuses it (no transition); the mutant accepts it */
+#ifdef MUT_WRITE_INTO_SHARED
+#define REPLAYS(r) \
+  :: atomic { budget > 0 && SHARE_CUR(r) -> budget--; \
+              d0[rpage[r]] = pck[rpage[r]] + OTHER; d1[rpage[r]] = pck[rpage[r]] + OTHER; \
+              tstamp[rpage[r]] = pck[rpage[r]] + OTHER; tntok[rpage[r]] = 2; \
+              printf("REPLAY    FAULT a Prefill naming r%d's shared lease writes another prompt's KV to cached page %d\n", \
+                     r, rpage[r]) }
+#else
+#define REPLAYS(r)
+#endif
+#else
+#define EVICT(p)
+#define CORRUPT(p)
+#define SWEEPSH(p, o)
+#define REPLAYS(r)
+#endif
+
 #ifdef GROWTH
 /* the broker takes r's item of an Extend call, at any time after decode sent it (after a Revoke, a Release,
  * a restart that came meanwhile: the races of issue 19); its reply may be lost (fault: decode never learns of
@@ -1275,6 +1535,19 @@ end:
 #endif
   REPLAYG(0)
   REPLAYG(1)
+  REPLAYS(0)
+  REPLAYS(1)
+  EVICT(0)
+  EVICT(1)
+#if NP > 2
+  EVICT(2)
+#endif
+  CORRUPT(0)
+  CORRUPT(1)
+  SWEEPSH(0, 0)
+  SWEEPSH(0, 1)
+  SWEEPSH(1, 0)
+  SWEEPSH(1, 1)
   CRASH(0)
 #if NW > 1
   CRASH(1)
@@ -1404,13 +1677,26 @@ end:
 #else
 #define DRAINED_WRITERS (!FREE_WRITING(0) && !FREE_WRITING(1))
 #endif
+#ifdef PREFIX
+#define NO_PAGE_LOST (npst[FREE] + npst[LEASED] + npst[QUAR] + npst[CACHED] == NP && npst[FREE] == COUNT(FREE) \
+                      && npst[LEASED] == COUNT(LEASED) && npst[QUAR] == COUNT(QUAR) && npst[CACHED] == COUNT(CACHED))
+#else
 #define NO_PAGE_LOST (npst[FREE] + npst[LEASED] + npst[QUAR] == NP && npst[FREE] == COUNT(FREE) \
                       && npst[LEASED] == COUNT(LEASED) && npst[QUAR] == COUNT(QUAR))
+#endif
 
+#ifdef PREFIX
+/* P2 with shared pages: a live reader's page is never FREE (anyone's next Grant may take it) */
+#define HELD(r) (!LIVE_R(r) || pst[rpage[r]] != FREE)
+#define ALL_HELD (HELD(0) && HELD(1))
+#else
+#define ALL_HELD 1
+#endif
 proctype Monitor() {
 end:
   if
   :: atomic { !ONE_LIVE -> printf("VIOLATION P2: two live readers on one page\n"); assert(false) }
+  :: atomic { !ALL_HELD -> printf("VIOLATION P2: a live reader's page is FREE\n"); assert(false) }
   :: atomic { !NO_PAGE_LOST -> printf("VIOLATION P3: page counts do not add up\n"); assert(false) }
   :: atomic { !DRAINED_WRITERS ->
               printf("VIOLATION P4: a page is FREE while a writer can still land bytes on it\n"); assert(false) }
@@ -1427,7 +1713,12 @@ end:
 #define ALLDONE (rdone[0] && rdone[1] && wfin[0] && wfin[1])
 #endif
 proctype Drained() {
+#ifdef PREFIX
+  /* a cached page stays cached, unread (evictable), when everything is done */
+  (ALLDONE && npst[LEASED] == 0 && npst[QUAR] == 0 && (prd[0] | prv[0] | prd[1] | prv[1]) == 0)
+#else
   (ALLDONE && npst[FREE] == NP)
+#endif
 }
 
 init {
@@ -1448,6 +1739,14 @@ init {
     od;
     k = 0;
     npst[FREE] = NP;
+#ifdef PREFIX
+    cid[0] = 0;
+#if R1ID == 3
+    if :: cid[1] = 0 :: cid[1] = 1 :: cid[1] = 2 fi;
+#else
+    cid[1] = R1ID;
+#endif
+#endif
     run Net(); run Broker(); run Monitor(); run Drained();
 #ifdef EXPIRY
     run Expiry();
