@@ -2,8 +2,8 @@
 
 A layer's pool view is [num_pages, 2, page_size, kv_heads, D] with one uniform stride between pages, so a
 contiguous range of page ids is a batch of matrices that `bmm` reads where they lie. A step's full pages
-(every page of a sequence before the one its new token sits in) are split into maximal runs of consecutive
-ids; two runs are joined across a gap of unused ids only when the gap is no longer than the run after it, so
+(every page of a sequence before the one its new token sits in; a shared prefix page once, for its first reader)
+are split into maximal runs of consecutive ids; two runs are joined across a gap of unused ids only when the gap is no longer than the run after it, so
 the rows of pages nobody in this batch reads (free, stale, or being written: a dummy owner whose results are
 dropped) never outnumber the pages read. The longest MAX_RUNS joined runs of at least MIN_RUN_PAGES pages are
 read in place; every other full page, and each sequence's last page, is gathered into one packed copy, so
@@ -85,14 +85,21 @@ def prepare_paged_decode(table: torch.Tensor, positions: torch.Tensor, page_size
     pages, order = table[full].sort()
     owners = torch.arange(B, device=dev)[:, None].expand(B, P)[full][order]
     tail_pages = table[torch.arange(B, device=dev), num_full]
-    if pages.numel() and (pages[1:] == pages[:-1]).any():
-        raise ValueError("a page appears twice among the sequences' full pages of one decode step: "
-                         f"{pages.numel()} pages, {pages.unique().numel()} distinct")
-    spans, kept = _runs(pages) if pages.numel() else ([], torch.zeros(0, dtype=torch.bool, device=dev))
+    # a cached prefix page (prefix reuse) is read by every sequence that shares it: its first reader's row may
+    # be read in place, each further reader's is a packed copy (a page read k times costs k rows, as it should)
+    first = torch.ones_like(pages, dtype=torch.bool)
+    if pages.numel() > 1:
+        first[1:] = pages[1:] != pages[:-1]
+    if pages.numel():
+        spans, kept_first = _runs(pages[first])
+    else:
+        spans, kept_first = [], torch.zeros(0, dtype=torch.bool, device=dev)
+    kept = torch.zeros_like(first)
+    kept[first] = kept_first
     runs, row, owner = [], 0, []
     for lo, hi in spans:
         rows = torch.full((hi - lo,), B, dtype=torch.int64, device=dev)
-        inside = (pages >= lo) & (pages < hi)
+        inside = (pages >= lo) & (pages < hi) & first
         rows[pages[inside] - lo] = owners[inside]
         runs.append((lo, hi, row))
         owner.append(rows)

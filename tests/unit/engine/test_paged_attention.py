@@ -59,10 +59,18 @@ def test_rows_do_not_depend_on_where_the_pages_lie():
     assert pd.num_rows == 20 and pd.runs == []
 
 
-def test_page_in_two_sequences_is_refused():
-    table = torch.tensor([[3, 4, 5], [7, 4, 8]])
-    with pytest.raises(ValueError, match="appears twice"):
-        prepare_paged_decode(table, torch.tensor([40, 40]), PS, 4, 8)
+def test_a_shared_prefix_page_is_scored_once_by_each_of_its_readers():
+    """Prefix reuse: sequences reading the same cached pages (a shared system prompt) each score them against
+    their own query, once: the first reader's rows may lie in place, every other reader's are packed copies."""
+    shared = list(range(20, 30))
+    tables = [shared + [40 + b, 50 + b] for b in range(3)] + [[3, 4, 5, 6, 7]]
+    pd = _prepare(tables)
+    rows = _layout(pd)
+    read = [(p, b) for b, t in enumerate(tables) for p in t]
+    assert sorted(r for r in rows if r[1] < len(tables)) == sorted(read)
+    in_place = [p for lo, hi, _ in pd.runs for p in range(lo, hi)]
+    assert len(in_place) == len(set(in_place))  # a page lies in place once; its other readers' rows are copies
+    assert sorted(pd.packed_pages.tolist()).count(25) == 2
 
 
 def test_other_heads_scores_do_not_shift_the_softmax():
@@ -85,8 +93,9 @@ def test_other_heads_scores_do_not_shift_the_softmax():
 
 
 @pytest.mark.parametrize("tables", [[list(range(7, 17))], [[7, 8, 9]], TABLES,
-                                    [[200 * (10 * b + i) for i in range(10)] for b in range(3)]],
-                         ids=["one-range", "short-range", "joined-and-packed", "spread"])
+                                    [[200 * (10 * b + i) for i in range(10)] for b in range(3)],
+                                    [list(range(20, 30)) + [40 + b, 50 + b] for b in range(3)]],
+                         ids=["one-range", "short-range", "joined-and-packed", "spread", "shared-prefix"])
 def test_every_layout_equals_plain_attention(tables):
     """In-place runs, joined runs with nobody's rows inside, packed pages and tails: outputs equal plain
     attention over each sequence's tokens, with NaN in every page and slot the step must not read."""
@@ -98,6 +107,8 @@ def test_every_layout_equals_plain_attention(tables):
     for t, n in zip(tables, positions):
         kvs.append(torch.randn(2, n + 1, kvh, D, generator=gen))
         for i, page in enumerate(t):
+            if not torch.isnan(cache[page, 0, 0, 0, 0]):  # a page shared with an earlier sequence holds its KV
+                kvs[-1][:, i * PS:(i + 1) * PS] = cache[page, :, :PS]
             cache[page, :, :min(PS, n + 1 - i * PS)] = kvs[-1][:, i * PS:(i + 1) * PS]
     q = torch.randn(len(tables), kvh * g, D, generator=gen)
     P = max(map(len, tables))
