@@ -32,7 +32,8 @@ KNOWN = {
                                "before its first step (a late data-only write)",
     "decode.stall_step": "sleep ARG ms (default 1000) inside the next decode step's worker thread, before its forward "
                          "pass (a stalled step while the event loop keeps renewing)",
-    "decode.corrupt_cached": "corrupt, in place, the first cached page the next Grant shares, before decode checks it: "
+    "decode.corrupt_cached": "corrupt, in place, the first cached page the next Grant shares that no other request "
+                             "reads, before decode checks it: "
                              "ARG bit_flip (one byte), foreign_tag (another request's tag and chain), "
                              "stale_generation (the tag one generation behind), late_write (another page's bytes "
                              "land on it, tag untouched)",
