@@ -157,8 +157,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             bad = None
             if k:
                 self.readonly[owner] = {p for p, _ in leases[:k]}
-                if (arg := FAULTS.fire("decode.corrupt_cached")) is not None:
-                    self._corrupt_unread(owner, leases[:k], arg)
+                if FAULTS.enabled:
+                    self._corrupt_unread(owner, leases[:k])
                 with GUARD_SECONDS.labels("prefix_check").time():
                     bad = first_bad_shared(self.pool, resp.epoch, leases[:k], lookup, list(resp.shared_checksums),
                                            self.check_checksums)
@@ -181,17 +181,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             lookup = lookup[:i]
         raise AssertionError("unreachable: the last attempt shares nothing")
 
-    def _corrupt_unread(self, owner: bytes, shared: list[tuple[int, int]], how: str) -> None:
-        """Fault point decode.corrupt_cached: the first of these shared pages that no other request here reads.
-        What it models (a stray write, a foreign tag) can land only on a page nobody holds: the quarantine keeps
-        every late write off a page until it is granted again, so a page being read is not corrupted."""
+    def _corrupt_unread(self, owner: bytes, shared: list[tuple[int, int]]) -> None:
+        """Fault point decode.corrupt_cached, on the first of these shared pages that no other request here reads
+        (it stays armed while every one is read). What it models (a stray write, a foreign tag) can land only on a
+        page nobody holds: the quarantine keeps every late write off a page until it is granted again."""
         others = set().union(*(pages for o, pages in self.readonly.items() if o != owner))
         page = next((p for p, _ in shared if p not in others), None)
-        if page is None:
-            log.warning("fault decode.corrupt_cached: every shared page of %s is read by another request; none "
-                        "corrupted", owner.hex())
-            return
-        corrupt_in_place(self.pool, page, how)
+        if page is not None and (how := FAULTS.fire("decode.corrupt_cached")) is not None:
+            corrupt_in_place(self.pool, page, how)
 
     async def _unpublish_and_release(self, owner: bytes, epoch: int, leases, bad, reason: str) -> None:
         """While still a reader of the bad page, take it out of the cache; then end this grant."""
