@@ -56,7 +56,9 @@ class PdserveStack:
                                           extra={"prefill": engine, "decode": engine,
                                                  "gateway": ["--api-keys-file", keys, *onoff]})
         self.url = f"http://127.0.0.1:{self.procs['gateway'][0].http_port}"
-        self.model = served_model(self.url)
+        req = urllib.request.Request(f"{self.url}/v1/models", headers={"Authorization": f"Bearer {KEYS['alpha']}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            self.model = json.load(r)["data"][0]["id"]
         self.extra: dict = {}
 
     def metric_sum(self, service: str, name: str, labels: str = "") -> float:

@@ -54,16 +54,24 @@ TARGETS = [("broker", "GetPoolState", lambda ch, pool: broker_pb2_grpc.BrokerStu
 @pytest.mark.parametrize("service,method,call", TARGETS, ids=[t[0] for t in TARGETS])
 def test_a_client_without_a_certificate_reaches_nothing(stack, service, method, call):
     target, pool = stack.procs[service][0].target, _pool_id(stack)
-    served = _served(stack, service, method)
     no_cert = grpc.ssl_channel_credentials(root_certificates=stack.tls().ca)  # trusts the CA, shows no certificate
-    for ch in (grpc.insecure_channel(target), grpc.secure_channel(target, no_cert)):
-        with ch:
-            err = _refused(lambda: call(ch, pool))
-        assert err.code == grpc.StatusCode.UNAVAILABLE, err
-    assert _served(stack, service, method) == served
+    # the broker's GetPoolState is also called by decode, at every GetInfo poll of the gateway (2 a second): a
+    # refused call that got through would count in every attempt, a poll in the window only now and then
+    leaked = []
+    for _ in range(5):
+        served = _served(stack, service, method)
+        for ch in (grpc.insecure_channel(target), grpc.secure_channel(target, no_cert)):
+            with ch:
+                err = _refused(lambda: call(ch, pool))
+            assert err.code == grpc.StatusCode.UNAVAILABLE, err
+        leaked.append(_served(stack, service, method) - served)
+        if leaked[-1] == 0:
+            break
+    assert leaked[-1] == 0, leaked
+    served = _served(stack, service, method)
     with secure_channel(target, stack.tls(), aio=False) as ch:  # the same call with the operator's certificate
         assert call(ch, pool) is not None
-    assert _served(stack, service, method) == served + 1
+    assert _served(stack, service, method) >= served + 1
 
 
 def test_a_prefill_identity_cannot_grant_or_revoke(stack):
