@@ -1,26 +1,38 @@
 """Prefix caching through the real stack (issue 20): a conversation's turn k reads turn k-1's pages and every token
 passes the oracle; two tenants with the same prompt share no page; a cached page corrupted in place is a miss and a
 recompute, never output. Counts come from each service's own /metrics and the broker's pool state."""
-import os
 import time
 
 import pytest
 
+from pdserve import launcher
 from pdserve.client import build_request, generate
+from tests.integration.drain_util import gateway_over
 from tests.integration.helpers import prompt
-from tests.integration.stack import Stack
 
 PS = 16
 KEYS = {"alpha": "alpha-key-0123456789", "beta": "beta-key-0123456789"}
 
 
+class Tenants:
+    """The package's stack (its broker, prefill and decode, whose counters the tests read) behind a second gateway
+    that takes two tenants' keys: no stack of its own to start."""
+
+    def __init__(self, stack, gateway):
+        self.stack, self.gateway = stack, gateway
+
+    def __getattr__(self, name):  # metric, arm, pool_states: the stack's
+        return getattr(self.stack, name)
+
+
 @pytest.fixture(scope="module")
-def tenants(model_dir, tmp_path_factory):
+def tenants(stack, model_dir, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api-keys"
     keys.write_text("".join(f"{t}: {k}\n" for t, k in KEYS.items()))
-    s = Stack(model_dir, extra={"gateway": ["--api-keys-file", str(keys)]})
-    yield s
-    s.close()
+    gw = gateway_over(stack, model_dir, stack.procs["prefill"], stack.procs["decode"],
+                      extra=("--api-keys-file", str(keys)))
+    yield Tenants(stack, gw.stub)
+    launcher.stop(gw)
 
 
 def ask(stack, tenant: str, ids: list[int], max_tokens: int = 16, **kw) -> list[int]:
