@@ -15,6 +15,7 @@ from ..common.drain import draining_error
 from ..common.errors import PdError, invalid
 from ..common.faults import FAULTS
 from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS, PREFIX_LOOKUPS, PREFIX_REFUSED, TIMEOUTS
+from ..common.prefix import CHAINS_INLINE_TOKENS
 from ..common.tasks import spawn
 from ..common.proto import broker_pb2, common_pb2, decode_pb2, decode_pb2_grpc
 from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, logprobs_to_pb
@@ -32,7 +33,6 @@ from .verify import CANARY_BYTE, Violation, check_canaries, verify_prompt_pages
 from .watch import BrokerWatch
 
 log = logging.getLogger(__name__)
-CHAINS_INLINE_TOKENS = 32768
 
 FINISH = {True: common_pb2.FINISH_REASON_STOP, False: common_pb2.FINISH_REASON_LENGTH}
 
@@ -302,7 +302,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         args = (request.prefix_scope, request.prompt_token_ids, request.num_prompt_tokens, request.prompt_digest,
                 self.runner.config.vocab_size, self.runner.chain_seed, self.pool.page_size, self.prefix_cache)
         with GUARD_SECONDS.labels("prefix_chain").time():
-            # ~0.3 µs a token: a long prompt's keys (0.3 s for 1,048,576 tokens) are hashed off the event loop
             plan = (plan_prefix(*args) if request.num_prompt_tokens < CHAINS_INLINE_TOKENS
                     else await asyncio.to_thread(plan_prefix, *args))
         alloc = await self.queue.granted(

@@ -14,6 +14,8 @@ from __future__ import annotations
 import crc32c
 import torch
 
+from ..common.prefix import chain_words
+
 TAG_WORDS = 10
 TAG_NBYTES = TAG_WORDS * 8
 TAG_MAGIC = 0x7064736572766532  # "pdserve2": the record with the chain words
@@ -42,8 +44,7 @@ def make_tag(owner: bytes, epoch: int, generation: int, page_index: int, num_tok
 
 def chain_tensor(chains: list[bytes]) -> torch.Tensor:
     """Chain keys as tag words: [len(chains), 2]."""
-    return torch.tensor([[_s64(int.from_bytes(k[:8], "big")), _s64(int.from_bytes(k[8:], "big"))] for k in chains],
-                        dtype=torch.int64).reshape(-1, 2)
+    return torch.tensor([chain_words(k) for k in chains], dtype=torch.int64).reshape(-1, 2)
 
 
 def make_tags(owner: bytes, epoch: int, generations: list[int], num_tokens: int, page_size: int,

@@ -15,7 +15,7 @@ from ..common.errors import PdError, invalid
 from ..common.faults import FAULTS
 from ..common.metrics import (GUARD_SECONDS, LEASE_VIOLATIONS, SOURCE_PAGES_HELD, TIMEOUTS, TRANSFER_BYTES,
                               TRANSFER_FAILURES, TRANSFER_SECONDS)
-from ..common.prefix import KEY_NBYTES, page_chains
+from ..common.prefix import CHAINS_INLINE_TOKENS, KEY_NBYTES, page_chains
 from ..common.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from ..common.tasks import spawn
 from ..common.wire import (layout_to_pb, leases_from_pb, leases_to_pb, logprobs_to_pb, prompt_digest,
@@ -28,7 +28,6 @@ from .writelease import WriteLeases
 
 log = logging.getLogger(__name__)
 
-_CHAINS_INLINE_TOKENS = 1 << 15  # ~10 ms of hashing: longer prompts' chains are computed in a thread
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
@@ -146,7 +145,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             return []
         args = (self.worker.runner.chain_seed(scope), tokens, self.worker.pool.page_size)
         with GUARD_SECONDS.labels("prefix_chain").time():
-            if len(tokens) < _CHAINS_INLINE_TOKENS:
+            if len(tokens) < CHAINS_INLINE_TOKENS:
                 return page_chains(*args)
             return await asyncio.to_thread(page_chains, *args)
 
