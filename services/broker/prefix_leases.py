@@ -88,10 +88,12 @@ class PrefixLeases:
 
     def _shared_run(self, pool: PoolPages, chains: Sequence[bytes], scope_tag: bytes) -> list[int]:
         run: list[int] = []
+        seen: set[int] = set()  # a list's `in` would make a 65,536-page prompt's run quadratic
         for chain in chains:
             page_id = pool.cache.find(chain)
-            if page_id is None or page_id in run:
+            if page_id is None or page_id in seen:
                 break
+            seen.add(page_id)
             if pool.pages[page_id].scope_tag != scope_tag:
                 # the chain covers the scope too: a match under another scope's tag is a collision or a caller
                 # that left the scope out of its chain, and must never hand one tenant's KV to another
