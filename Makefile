@@ -9,24 +9,36 @@ VARIANT ?= cpu
 VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 STUBS := services/v1/.stamp
 PROTOS := $(wildcard protos/pdserve/v1/*.proto)
+NATIVE := services/engine/_native/.stamp
+NATIVE_SRC := $(wildcard services/engine/csrc/*.c)
 
 .PHONY: setup run test unit integration chaos formal bench bench-quick bench-gpu soak clean deps stubs model image
 
-setup: .deps-apt $(VENV)/.installed $(STUBS) $(MODEL)/tokenizer_config.json
+setup: .deps-apt $(VENV)/.installed $(VENV)/.verified $(STUBS) $(NATIVE) $(MODEL)/tokenizer_config.json
 
 # Debian packages: python3-venv (before the venv), what Mooncake needs even for tcp, gcc and SPIN for the formal
 # model, Prometheus for its tests; the lists and pip steps live in $(INSTALL), which the images (deploy/docker)
 # run too. Done again when the script (its lists) changes.
 .deps-apt: $(INSTALL)
-	$(INSTALL) apt dev
+	$(INSTALL) apt dev auto
 	@touch $@
 
 $(VENV)/.installed: pyproject.toml | .deps-apt
 	$(INSTALL) python $(VENV) auto test,bench
 	@touch $@
 
+# the Mooncake build the venv got can load here (the images run the same check when they are built)
+$(VENV)/.verified: $(VENV)/.installed services/kvtransfer/builds.py
+	$(INSTALL) verify $(PY) auto
+	@touch $@
+
 $(STUBS): $(PROTOS) $(VENV)/.installed
 	$(INSTALL) stubs $(PY)
+	@touch $@
+
+# the CPU decode attention kernel (services/engine/native.py), built with gcc from the dev packages
+$(NATIVE): $(NATIVE_SRC) services/engine/native.py $(VENV)/.installed
+	$(INSTALL) native $(PY)
 	@touch $@
 
 # tokenizer_config.json is the newest file make-model writes: a checkpoint from before it is written again
@@ -36,15 +48,32 @@ $(MODEL)/tokenizer_config.json: $(VENV)/.installed
 run: setup
 	$(VENV)/bin/pdserve up --model $(MODEL)
 
-# The formal model is checked while pytest runs, at the lowest CPU priority: pytest spends most of its time waiting
-# on services (about 0.8 of 2 cores busy), and SPIN takes the rest instead of 2-4 minutes after it. Its own process
-# group, so that a stopped or killed `make test` stops it too; its report is printed once pytest is done.
-test: setup
-	@log=$$(mktemp); setsid -w nice -n 19 bash formal/check.sh >"$$log" 2>&1 & fpid=$$!; \
-	trap 'kill -TERM -- -$$fpid 2>/dev/null; rm -f "$$log"' EXIT; trap 'exit 143' INT TERM; \
-	$(PY) -m pytest -q -x --durations=15 tests/unit tests/deploy tests/integration tests/chaos; prc=$$?; \
-	echo "waiting for the formal model check (started beside pytest) ..."; wait $$fpid; frc=$$?; \
-	cat "$$log"; [ $$prc -eq 0 ] && [ $$frc -eq 0 ]
+# `make test` runs three things side by side, each in its own process group (a stopped or killed `make test` stops
+# them all): the integration tests (their output on the console), the unit, deploy and chaos tests (their output
+# printed once they end, with their slowest tests), and the formal model at the lowest CPU priority, which starts
+# as soon as SPIN and gcc are there, while `setup` installs the venv on one core. The tests spend much of their
+# time waiting on services, sockets and timers: two streams finish in about the time of the longer one, and
+# SIDE_TESTS, integration tests of their own (a stack each), run in the shorter stream to even them out. Each
+# stream has its own pytest temp folder. pdserve's own modules are compiled first: where PYTHONDONTWRITEBYTECODE is
+# set (as on these machines) every service process the tests start would compile them again (~0.4 s of CPU each).
+SIDE_TESTS := tests/integration/test_incident_scale.py
+test: .deps-apt
+	@tmp=$$(mktemp -d); apid=; \
+	setsid -w nice -n 19 bash formal/check.sh >"$$tmp/formal.log" 2>&1 & fpid=$$!; \
+	trap 'kill -TERM -- -$$fpid $${apid:+-$$apid} 2>/dev/null; rm -rf "$$tmp"' EXIT; trap 'exit 143' INT TERM; \
+	$(MAKE) --no-print-directory setup || exit $$?; \
+	$(PY) -m compileall -q -j0 services tests >/dev/null || exit $$?; \
+	setsid -w $(PY) -m pytest -q -x -p no:cacheprovider --basetemp="$$tmp/a" --durations=10 \
+	  tests/unit tests/deploy tests/chaos $(SIDE_TESTS) >"$$tmp/a.log" 2>&1 & apid=$$!; \
+	$(PY) -m pytest -q -x -p no:cacheprovider --basetemp="$$tmp/b" --durations=10 \
+	  $(addprefix --ignore=,$(SIDE_TESTS)) tests/integration; brc=$$?; \
+	echo "waiting for the unit, deploy and chaos tests (started beside the integration tests) ..."; \
+	wait $$apid; arc=$$?; cat "$$tmp/a.log"; \
+	echo "waiting for the formal model check (started beside the tests) ..."; wait $$fpid; frc=$$?; \
+	cat "$$tmp/formal.log"; \
+	echo "make test: integration $$([ $$brc -eq 0 ] && echo PASS || echo FAIL), unit+deploy+chaos" \
+	  "$$([ $$arc -eq 0 ] && echo PASS || echo FAIL), formal $$([ $$frc -eq 0 ] && echo PASS || echo FAIL)"; \
+	[ $$brc -eq 0 ] && [ $$arc -eq 0 ] && [ $$frc -eq 0 ]
 
 unit: setup
 	$(PY) -m pytest -q tests/unit
@@ -75,7 +104,8 @@ bench-quick: setup
 bench-gpu:
 	bash bench/gpu.sh $(BENCH_ARGS)
 
-# pdserve:VERSION-VARIANT (VARIANT=cpu or cuda), with podman where present, else docker
+# pdserve:VERSION-VARIANT (VARIANT=cpu or cuda), with podman where present, else docker; BASE=IMAGE builds on
+# another base (deploy/docker/debian-base.sh makes one from Debian's archive where no registry is reachable)
 image:
 	@case "$(VARIANT)" in cpu|cuda) ;; *) echo "make image: VARIANT must be cpu or cuda, got '$(VARIANT)'" >&2; exit 2;; esac; \
 	engine=$${CONTAINER_ENGINE:-$$(command -v podman || command -v docker || true)}; \
@@ -83,7 +113,8 @@ image:
 	if ! "$$engine" info >/dev/null 2>&1; then \
 	  echo "make image: $$engine is installed but no engine answers ($$engine info failed): start its daemon" \
 	       "(e.g. systemctl start docker) or build where one runs" >&2; exit 1; fi; \
-	set -x; "$$engine" build -f deploy/docker/Dockerfile.$(VARIANT) -t pdserve:$(VERSION)-$(VARIANT) .
+	set -x; "$$engine" build $(if $(BASE),--build-arg BASE=$(BASE)) -f deploy/docker/Dockerfile.$(VARIANT) \
+	  -t pdserve:$(VERSION)-$(VARIANT) .
 
 clean:
-	rm -rf services/v1 .deps-apt
+	rm -rf services/v1 services/engine/_native .deps-apt

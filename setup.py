@@ -35,6 +35,21 @@ def generate_stubs() -> None:
         f.write('"""gRPC stubs generated from protos/pdserve/v1 at build time; never edited by hand."""\n')
 
 
+def build_native() -> None:
+    """The CPU decode attention kernel into services/engine/_native, shipped as package data; without a compiler
+    here the engine builds it where it runs, or runs its torch path and says why (pdserve.engine.native)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("native_build", os.path.join(HERE, "services", "engine",
+                                                                               "native_build.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    try:
+        mod.build()
+    except (OSError, RuntimeError) as e:
+        print(f"setup.py: the CPU decode attention kernel was not built ({e})")
+
+
 class GenStubs(Command):
     """Nothing beyond what importing setup.py did: generate the stubs."""
     description = "generate the gRPC stubs into services/v1 (pdserve.v1)"
@@ -54,7 +69,7 @@ def packages() -> list[str]:
     found = ["pdserve.v1"]
     for root, prefix in (("services", "pdserve"), ("bench", "pdserve.bench")):
         for d, dirs, files in os.walk(os.path.join(HERE, root)):
-            dirs[:] = [x for x in dirs if x != "__pycache__"]
+            dirs[:] = [x for x in dirs if x != "__pycache__" and not x.startswith(".")]  # not bench/.vllm-venv
             if "__init__.py" in files and os.path.relpath(d, HERE) != "services/v1":
                 rel = os.path.relpath(d, os.path.join(HERE, root))
                 found.append(prefix if rel == "." else f"{prefix}.{rel.replace(os.sep, '.')}")
@@ -64,4 +79,8 @@ def packages() -> list[str]:
 # every build step (egg_info lists pdserve.v1's files, build_py copies them, an editable install points at
 # them) needs the stubs: they are generated first, from the protos as they are now (cheap, and never stale)
 generate_stubs()
-setup(packages=packages(), package_data={"pdserve.v1": ["*.pyi"], "pdserve.bench": ["*.sh"]}, cmdclass={"gen_stubs": GenStubs})
+if os.environ.get("PDSERVE_SKIP_NATIVE") != "1":
+    build_native()
+setup(packages=packages(), package_data={"pdserve.v1": ["*.pyi"], "pdserve.bench": ["*.sh"],
+                                         "pdserve.engine": ["csrc/*.c", "_native/*.so"]},
+      cmdclass={"gen_stubs": GenStubs})

@@ -17,7 +17,8 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 make setup VENV="$VENV"
 PY="$VENV/bin/python"
 # Mooncake's CUDA build links libcudart.so.12, which the pinned nvidia-cuda-runtime-cu12 wheel provides
-# (torch's own wheel bundles CUDA 13): the same library path deploy/docker/Dockerfile.cuda sets
+# (torch's own wheel bundles CUDA 13): pdserve's services load it from the wheel themselves
+# (services/kvtransfer/builds.py); the benchmarks' raw Mooncake client and the import below find it on this path
 CUDART=$("$PY" -c 'import os, nvidia.cuda_runtime as m; print(os.path.join(list(m.__path__)[0], "lib"))')
 export LD_LIBRARY_PATH="$CUDART${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 "$PY" - <<'PY'

@@ -84,9 +84,11 @@ class VllmServer:
     name = "vLLM-CPU"
 
     def __init__(self, model_dir: str):
+        from . import vllm_venv
         from .run_vllm import model_facts
         from .vllm_peer import VllmPeer
 
+        vllm_venv.ensure()  # its own venv, made on first use (a run without `make bench` before it)
         facts = model_facts(model_dir)
         os.makedirs(RESULTS, exist_ok=True)
         self.peer = VllmPeer(model_dir, os.path.basename(model_dir), 4096, 32768 * facts["kv_bytes_per_token"],

@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
 # The one place that says how pdserve is installed: the Makefile (`make setup`) and both Dockerfiles
 # (deploy/docker) call these sub-commands, so a host and an image get the same packages and pins.
-#   install.sh apt runtime|dev          Debian packages a bare Debian/Ubuntu lacks: runtime (what Mooncake's
+#   install.sh apt runtime|dev|build [VARIANT]
+#                                       Debian packages a bare Debian/Ubuntu lacks: runtime (what Mooncake's
 #                                       engine.so needs even for tcp) or dev (runtime + python3-venv for the
 #                                       virtualenv, gcc + libc6-dev for SPIN's verifier, SPIN, Prometheus's
-#                                       binaries for its tests); apt-get through sudo when not root
-#   install.sh packages runtime|dev     print that list (tests/unit/deploy checks it against a bare Debian)
+#                                       binaries for its tests) or build (gcc for the kernel, an image's build
+#                                       stage); VARIANT cpu (default), cuda or auto, as for `python`: Mooncake's
+#                                       CUDA build links more; apt-get through sudo when not root
+#   install.sh packages runtime|dev|build [VARIANT]
+#                                       print that list (tests/unit/deploy checks it against a bare Debian)
 #   install.sh python VENV VARIANT [EXTRAS]
 #                                       virtualenv with torch and pdserve (editable, from this checkout);
 #                                       VARIANT cpu|cuda|auto (auto: cuda where nvidia-smi exists);
 #                                       EXTRAS e.g. test,bench (the image takes none)
 #   install.sh stubs PYTHON             generate the gRPC stubs into services/v1 (imported as pdserve.v1)
+#   install.sh native PYTHON            build the CPU decode attention kernel (services/engine/csrc) with the
+#                                       host's C compiler into services/engine/_native
+#   install.sh verify PYTHON VARIANT    check that the venv holds the variant's Mooncake build alone, that every
+#                                       library its engine.so links resolves (but the CUDA driver, which a GPU
+#                                       node supplies), and for cuda that torch is a CUDA build: an image that
+#                                       could not transfer a page fails its build here
 #   install.sh pins                     print the torch pin `python` installs first (pyproject's own)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +29,10 @@ cd "$(dirname "$0")/.."
 # dev: Debian's python3 has no ensurepip without python3-venv; formal/check.sh compiles SPIN's pan.c with gcc
 RUNTIME_APT=(libibverbs1 librdmacm1 libnuma1 libcurl4)
 DEV_APT=("${RUNTIME_APT[@]}" python3 python3-venv gcc libc6-dev spin prometheus)
+# build: what an image's build stage needs to compile the CPU decode attention kernel (install.sh native)
+BUILD_APT=(gcc libc6-dev)
+# Mooncake's CUDA build (the cuda variant) links libmlx5.so.1 too, which the non-CUDA build does not
+CUDA_APT=(ibverbs-providers)
 # packages whose maintainer scripts start a daemon on a systemd host; the tests need only their binaries
 DAEMONS=(prometheus)
 # where Debian looks for the policy that holds daemons back, and how a host shows it runs systemd (sd_booted);
@@ -44,11 +58,16 @@ variant_of() {
 }
 
 apt_list() {
+  local variant list
+  variant=$(variant_of "${2:-cpu}")
   case "${1:-}" in
-    runtime) echo "${RUNTIME_APT[@]}" ;;
-    dev) echo "${DEV_APT[@]}" ;;
-    *) echo "install.sh: runtime or dev, got '${1:-}'" >&2; exit 2 ;;
+    runtime) list=("${RUNTIME_APT[@]}") ;;
+    dev) list=("${DEV_APT[@]}") ;;
+    build) echo "${BUILD_APT[@]}"; return ;;  # the kernel's compiler: the same for both variants
+    *) echo "install.sh: runtime, dev or build, got '${1:-}'" >&2; exit 2 ;;
   esac
+  if [ "$variant" = cuda ]; then list+=("${CUDA_APT[@]}"); fi
+  echo "${list[@]}"
 }
 
 # root runs apt-get itself, anyone else through sudo (cmd_apt checks there is one and says so first)
@@ -58,7 +77,7 @@ as_root() {
 
 cmd_apt() {
   local list pkgs missing=() p
-  list=$(apt_list "${1:-}")
+  list=$(apt_list "${1:-}" "${2:-cpu}")
   read -r -a pkgs <<<"$list"
   for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
   [ ${#missing[@]} -eq 0 ] && return 0
@@ -110,6 +129,20 @@ cmd_stubs() {
   "$py" setup.py -q gen_stubs
 }
 
+cmd_native() {
+  local py="${1:?install.sh native PYTHON}"
+  "$py" -m pdserve.engine.native
+  # the build leaves the library readable by its builder alone (it starts as a 0600 temporary file): an image builds
+  # it as root and serves as uid 10001, which could not load it
+  chmod -R a+rX services/engine/_native
+}
+
+cmd_verify() {
+  local py="${1:?install.sh verify PYTHON VARIANT}" variant
+  variant=$(variant_of "${2:?install.sh verify PYTHON VARIANT}")
+  "$py" -m pdserve.kvtransfer.builds "$variant"
+}
+
 cmd_pins() {
   torch_pin
 }
@@ -121,8 +154,10 @@ case "$sub" in
   packages) apt_list "$@" ;;
   python) cmd_python "$@" ;;
   stubs) cmd_stubs "$@" ;;
+  native) cmd_native "$@" ;;
+  verify) cmd_verify "$@" ;;
   pins) cmd_pins "$@" ;;
-  *) echo "usage: install.sh apt runtime|dev | packages runtime|dev | python VENV cpu|cuda|auto [EXTRAS]" \
-          "| stubs PYTHON | pins" >&2
+  *) echo "usage: install.sh apt|packages runtime|dev|build [cpu|cuda|auto] | python VENV cpu|cuda|auto [EXTRAS]" \
+          "| stubs PYTHON | native PYTHON | verify PYTHON cpu|cuda|auto | pins" >&2
      exit 2 ;;
 esac

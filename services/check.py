@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 from .common import config
 from .common.argparsing import Parser
-from .common.cli_args import add_dtype_args
+from .common.cli_args import MODEL_HELP, add_dtype_args
+from .common.hub import model_path
 from .common.capacity import DTYPE_BYTES, kv_bytes_per_token, pool_capacity, write_unit_refusal
 from .engine.config import CheckpointError, ModelConfig
 from .engine.sizing import PoolSizeError
@@ -42,8 +43,9 @@ class Plan:
 
 
 def read_model_config(model: str) -> ModelConfig:
-    """--model names a checkpoint directory or only its config.json."""
-    return ModelConfig.from_dir(os.path.dirname(model) if os.path.isfile(model) else model)
+    """--model names a checkpoint directory, only its config.json, or a Hugging Face id in the local hub cache."""
+    path = model_path(model)
+    return ModelConfig.from_dir(os.path.dirname(path) if os.path.isfile(path) else path)
 
 
 def kv_dtype_of(args, cfg: ModelConfig) -> str:
@@ -61,10 +63,11 @@ def kv_dtype_of(args, cfg: ModelConfig) -> str:
 def _file_dtypes(model: str) -> set[str]:
     """The dtypes of the checkpoint's tensors (none when only config.json is given)."""
     from .engine.loader import checkpoint_dtypes
-    if os.path.isfile(model):
+    path = model_path(model)
+    if os.path.isfile(path):
         return set()
     try:
-        return checkpoint_dtypes(model)
+        return checkpoint_dtypes(path)
     except FileNotFoundError:
         return set()
 
@@ -208,7 +211,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     from .kvtransfer.engine import DEFAULT_MAX_WRITE_BYTES, MOONCAKE_MIN_TIMEOUT_S
     p.add_argument("--lock-delay", type=float, default=10.0,
                    help="the broker's --lock-delay, which prefill and decode ask their broker for at start-up")
-    p.add_argument("--model", default=config.DEFAULT_MODEL, help="a checkpoint directory or its config.json")
+    p.add_argument("--model", default=config.DEFAULT_MODEL, help=f"{MODEL_HELP}; or only a checkpoint's config.json")
     p.add_argument("--context-length", type=int, default=0, help="default: the model's max_position_embeddings")
     p.add_argument("--page-size", type=int, default=config.DEFAULT_PAGE_SIZE)
     p.add_argument("--prefill-pool-tokens", type=int, default=config.DEFAULT_PREFILL_POOL_TOKENS)

@@ -11,7 +11,8 @@ import tempfile
 from . import client
 from .common import config
 from .common.argparsing import Parser, VersionAction
-from .common.cli_args import add_dtype_args
+from .common.cli_args import MODEL_HELP, add_dtype_args, device_arg
+from .common.hub import ModelNotFound, resolve_model
 
 SERVICES = ("broker", "prefill", "decode", "gateway")
 
@@ -22,7 +23,53 @@ def _up_extra(args) -> dict[str, list[str]]:
     engine = ["--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype]
     if args.kv_dtype_alias is not None:  # the deprecated spelling, passed on as given: the services warn
         engine = ["--dtype", args.dtype, "--kv-dtype", args.kv_dtype_alias]
-    return {"prefill": engine, "decode": engine, "gateway": ["--byte-tokenizer"] * args.byte_tokenizer}
+    gateway = ["--byte-tokenizer"] * args.byte_tokenizer + ["--host", args.host]
+    if args.http_port is not None:  # else the default port, or an OS-picked one with --free-ports
+        gateway += ["--http-port", str(args.http_port)]
+    if args.served_model_name:
+        gateway += ["--served-model-name", *args.served_model_name]
+    return {"prefill": engine, "decode": engine, "gateway": gateway}
+
+
+def _up_devices(args) -> dict[str, list[str]]:
+    """Each prefill and decode instance's --device: --prefill-device/--decode-device (one for all instances, or one
+    per instance, comma-separated), else --device, else the service's own default."""
+    out = {}
+    for role, count in (("prefill", args.prefill_instances), ("decode", args.decode_instances)):
+        given = getattr(args, f"{role}_device")
+        if given is None:
+            named = [] if args.device is None else [args.device]
+        else:
+            named = given.split(",")
+            for d in named:
+                try:
+                    device_arg(d)
+                except argparse.ArgumentTypeError as e:
+                    raise ValueError(f"--{role}-device {given}: {e}") from None
+        if len(named) not in (0, 1, count):
+            raise ValueError(f"--{role}-device {given} names {len(named)} devices for {count} {role} instances: "
+                             "give one for all of them or one per instance")
+        out[role] = named * count if len(named) == 1 else named
+    return out
+
+
+def _up_env(args) -> dict[str, str]:
+    """The gateway's API key, by the environment: its command line would show the key to every local user."""
+    if args.api_key is None:
+        return {}
+    if not args.api_key.strip():
+        raise ValueError("--api-key is empty")
+    return {"PDSERVE_API_KEY": args.api_key}
+
+
+def _up_stack(args) -> dict:
+    """launcher.start_stack's arguments for these `up` flags (but the certificates' folder); ValueError for a flag
+    it cannot pass on."""
+    return dict(base_ports=not args.free_ports, context_length=args.context_length, page_size=args.page_size,
+                prefill_pool_tokens=args.prefill_pool_tokens, decode_pool_tokens=args.decode_pool_tokens,
+                allow_small=args.allow_pool_smaller_than_context, num_prefill=args.prefill_instances,
+                num_decode=args.decode_instances, extra=_up_extra(args), devices=_up_devices(args),
+                gateway_env=_up_env(args))
 
 
 def _up(args) -> int:
@@ -31,20 +78,27 @@ def _up(args) -> int:
 
     from . import launcher
 
-    if not os.path.exists(os.path.join(args.model, "config.json")):
-        print(f"no checkpoint at {args.model}: run `pdserve make-model --out {args.model}`", file=sys.stderr)
+    try:
+        model = resolve_model(args.model)
+        stack = _up_stack(args)
+    except ModelNotFound as e:
+        hint = f"; or write a random one: `pdserve make-model --out {args.model}`" if args.model == config.DEFAULT_MODEL \
+            else ""
+        print(f"pdserve up: {e}{hint}", file=sys.stderr)
+        return 1
+    except ValueError as e:
+        print(f"pdserve up: {e}", file=sys.stderr)
+        return 2
+    if not os.path.exists(os.path.join(model.path, "config.json")):
+        print(f"pdserve up: no checkpoint at {model.path} (no config.json): run `pdserve make-model --out "
+              f"{model.path}`", file=sys.stderr)
         return 1
     print(f"starting broker, {args.prefill_instances} prefill, {args.decode_instances} decode, gateway ...",
           flush=True)
     # a throwaway CA per run unless the operator keeps one: the internal services always run mutual TLS
     tls_dir = args.tls_dir or tempfile.mkdtemp(prefix="pdserve-tls-")
     try:
-        procs = launcher.start_stack(
-            args.model, base_ports=not args.free_ports, context_length=args.context_length, page_size=args.page_size,
-            prefill_pool_tokens=args.prefill_pool_tokens, decode_pool_tokens=args.decode_pool_tokens,
-            allow_small=args.allow_pool_smaller_than_context, num_prefill=args.prefill_instances,
-            num_decode=args.decode_instances, echo=True, tls_dir=tls_dir,
-            extra=_up_extra(args))
+        procs = launcher.start_stack(args.model, echo=True, tls_dir=tls_dir, **stack)
     except BaseException as e:
         if not args.tls_dir:
             shutil.rmtree(tls_dir, ignore_errors=True)
@@ -55,9 +109,12 @@ def _up(args) -> int:
             return 1
         raise
     gw = procs["gateway"][0]
-    print(f"\npdserve is up: gateway gRPC {gw.target}, OpenAI HTTP 127.0.0.1:{gw.http_port}; try "
-          f"`pdserve generate \"hello\"`. Internal services use mutual TLS (certificates in {tls_dir}"
-          f"{'' if args.tls_dir else ', removed at exit'}). Ctrl-C stops.", flush=True)
+    http = f"OpenAI HTTP {args.host}:{gw.http_port} (model {', '.join(args.served_model_name or [model.name])})" \
+        if gw.http_port else "no HTTP API"
+    keyed = " (API key required)" if stack["gateway_env"] or os.environ.get("PDSERVE_API_KEY") else ""
+    print(f"\npdserve is up: gateway gRPC {args.host}:{gw.port}, {http}{keyed}; try `pdserve generate \"hello\"`. "
+          f"Internal services use mutual TLS (certificates in {tls_dir}{'' if args.tls_dir else ', removed at exit'}). "
+          "Ctrl-C stops.", flush=True)
     stopping = []
     signal.signal(signal.SIGTERM, lambda *_: stopping.append(1))
     try:
@@ -127,7 +184,27 @@ def build_parser(argv: list[str], load_all: bool = False) -> argparse.ArgumentPa
             sp.set_defaults(fn=mod.main)
 
     up = sub.add_parser("up", help="run the whole local stack (broker, prefill, decode, gateway)")
-    up.add_argument("--model", default=config.DEFAULT_MODEL)
+    up.add_argument("--model", default=config.DEFAULT_MODEL, help=MODEL_HELP)
+    up.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                    help="the model's name(s) in the OpenAI API (the gateway's flag; default: --model as given when a "
+                         "Hugging Face id, else the checkpoint directory's name)")
+    up.add_argument("--host", default="127.0.0.1",
+                    help="address the gateway's public gRPC and HTTP APIs bind (0.0.0.0: every interface); the other "
+                         "services stay on 127.0.0.1")
+    up.add_argument("--http-port", type=int, default=None,
+                    help=f"the gateway's OpenAI HTTP port; -1 disables it (default: {config.GATEWAY_HTTP_PORT}, or one "
+                         "the OS picks with --free-ports)")
+    up.add_argument("--api-key", default=None,
+                    help="the key both gateway APIs require (Authorization: Bearer KEY); passed to the gateway by its "
+                         "environment, as PDSERVE_API_KEY is (default: $PDSERVE_API_KEY, else no key). A command-line "
+                         "key is visible to every local user: prefer the variable")
+    up.add_argument("--device", type=device_arg, default=None,
+                    help="cpu, cuda or cuda:N for every prefill and decode instance (default: the services' own, cuda "
+                         "when present)")
+    up.add_argument("--prefill-device", default=None, metavar="DEV[,DEV...]",
+                    help="the prefill instances' devices: one for all, or one per instance in order (cuda:0,cuda:1)")
+    up.add_argument("--decode-device", default=None, metavar="DEV[,DEV...]",
+                    help="the decode instances' devices, as --prefill-device")
     up.add_argument("--context-length", type=int, default=0)
     up.add_argument("--page-size", type=int, default=config.DEFAULT_PAGE_SIZE)
     up.add_argument("--prefill-pool-tokens", type=int, default=config.DEFAULT_PREFILL_POOL_TOKENS)

@@ -14,7 +14,8 @@ from .common.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
 FINISH_NAMES = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
                 common_pb2.FINISH_REASON_UNSPECIFIED: None}
 # GenerateRequest fields a caller sets only when given (None: unset, the gateway's default applies)
-OPTIONAL = ("top_p", "seed", "top_k", "repetition_penalty", "logprobs", "prompt_logprobs", "cache_salt")
+OPTIONAL = ("top_p", "seed", "top_k", "repetition_penalty", "logprobs", "prompt_logprobs", "cache_salt", "min_p",
+            "min_tokens", "json_schema", "json_object")
 
 
 def _ids(text: str) -> list[int]:
@@ -40,6 +41,11 @@ def add_arguments(g) -> None:
                    help="the prompt's log-probabilities with this many top tokens (0..20); with --json")
     g.add_argument("--cache-salt", default=None,
                    help="prefix caching scope within the key's tenant: requests with other salts share no cached KV")
+    g.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens less likely than this times the most likely one, in [0, 1]")
+    g.add_argument("--min-tokens", type=int, default=None, help="no end-of-sequence or stop before this many tokens")
+    g.add_argument("--json-schema", default=None, help="JSON schema (text) the output must follow")
+    g.add_argument("--json-object", action="store_true", default=None, help="the output must be one JSON object")
     g.add_argument("--timeout", type=float, default=300.0, help="deadline of the whole request, seconds")
     g.add_argument("--gateway", default=f"127.0.0.1:{config.GATEWAY_PORT}")
     g.add_argument("--api-key", default=None,

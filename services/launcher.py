@@ -149,11 +149,13 @@ def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0
                 prefill_pool_tokens: int = 8192, decode_pool_tokens: int = 32768, allow_small: bool = False,
                 num_prefill: int = 1, num_decode: int = 1, env: dict | None = None, echo: bool = False,
                 log_dir: str | None = None, extra: dict | None = None, tls_dir: str | None = None,
-                insecure: bool = False) -> dict[str, list[Proc]]:
+                insecure: bool = False, devices: dict[str, list[str]] | None = None,
+                gateway_env: dict | None = None) -> dict[str, list[Proc]]:
     """Broker, prefills, decodes, gateway. base_ports=True uses the default ports (pdserve up); otherwise
     every port is 0 (picked by the OS), as tests need. Mutual TLS by default: a throwaway CA and one
     certificate per service (plus OPERATOR) go to tls_dir, else log_dir/tls, else a new temporary folder;
-    insecure=True passes --insecure instead (loud, unsafe)."""
+    insecure=True passes --insecure instead (loud, unsafe). devices: per role ("prefill", "decode"), the --device
+    of each instance in order. gateway_env: variables for the gateway alone (its API key)."""
     from .common import config
 
     def ports(name: str, i: int) -> list[str]:
@@ -167,6 +169,9 @@ def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0
         return os.path.join(log_dir, f"{name}.log") if log_dir else None
 
     extra = extra or {}
+    for role, count in (("prefill", num_prefill), ("decode", num_decode)):
+        if (devices or {}).get(role) and len(devices[role]) != count:
+            raise ValueError(f"{len(devices[role])} {role} devices for {count} {role} instances")
     tls_dir = None if insecure else (tls_dir or (os.path.join(log_dir, "tls") if log_dir
                                                  else tempfile.mkdtemp(prefix="pdserve-tls-")))
 
@@ -181,6 +186,10 @@ def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0
         return ["--tls-cert", f.cert, "--tls-key", f.key, "--tls-ca", f.ca]
     common = ["--model", model, "--page-size", str(page_size)]
 
+    def device(role: str, i: int) -> list[str]:
+        named = (devices or {}).get(role) or []
+        return ["--device", named[i]] if named else []
+
     def pool(tokens: int) -> list[str]:  # 0: the extra flags size the pool (--kv-cache-memory, a fraction)
         return ["--pool-tokens", str(tokens)] if tokens else []
     if context_length:
@@ -194,13 +203,13 @@ def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0
         procs["broker"].append(broker)
         for i in range(num_prefill):
             procs["prefill"].append(launch(f"prefill{i}", ["prefill", *ports("prefill", i), *tls("prefill", i),
-                                                          "--broker", broker.target,
+                                                          "--broker", broker.target, *device("prefill", i),
                                                           *common, *pool(prefill_pool_tokens),
                                                           *extra.get("prefill", [])], env, echo=echo,
                                            log_path=log(f"prefill{i}")))
         for i in range(num_decode):
             procs["decode"].append(launch(f"decode{i}", ["decode", *ports("decode", i), *tls("decode", i),
-                                                        "--broker", broker.target,
+                                                        "--broker", broker.target, *device("decode", i),
                                                         *common, *pool(decode_pool_tokens),
                                                         *extra.get("decode", [])], env, echo=echo,
                                           log_path=log(f"decode{i}")))
@@ -211,7 +220,8 @@ def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0
             gw += ["--prefill", p.target]
         for p in procs["decode"]:
             gw += ["--decode", p.target]
-        procs["gateway"].append(start("gateway", gw, env, echo=echo, log_path=log("gateway")))
+        procs["gateway"].append(start("gateway", gw, {**(env or {}), **(gateway_env or {})}, echo=echo,
+                                      log_path=log("gateway")))
     except BaseException:
         stop_stack(procs)
         raise

@@ -7,7 +7,7 @@
  *   arrives while the same writer writes a later lease; it clears that write, and the page
  *   is freed while it can still land bytes (P4). With the per-write writer ids of
  *   services/prefill/servicer.py this guard is a second one:
- *   redundant/ack_without_generation_per_write.pml.
+ *   redundant/ack_without_generation_per_write_deep.pml.
  */
 #define MUT_ACK_NO_GEN
 #include "../pdserve.pml"

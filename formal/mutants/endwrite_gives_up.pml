@@ -5,7 +5,7 @@
  *   liveness never lapses while it lives, so the quarantined page is never freed (P5:
  *   invalid end state, and LTL drains in mutant-endwrite_gives_up-ltl). With per-write
  *   liveness leases (the code) the lapse frees it:
- *   redundant/endwrite_gives_up_per_write.pml.
+ *   redundant/endwrite_gives_up_per_write_deep.pml.
  */
 #define MUT_ENDWRITE_GIVEUP
 #include "../pdserve.pml"

@@ -309,10 +309,13 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         try:
             return fn(*args)
         except LeaseError as e:
+            # counted before the caller hears the refusal (a refused Grant too may have met a chain cached under
+            # another scope): abort() sends the status, and a caller that reads the counter next must see it
+            self._count_prefix_events()
             if is_lease_check:
                 self._violations.labels("broker", e.reason).inc()
                 log.warning("lease check refused: %s %s", e.reason, e.message)
             await abort(context, PdError(_CODES[e.kind], e.reason, e.message))
             raise  # abort() raises; this only keeps the return type honest
-        finally:  # a refused Grant too may have met a chain cached under another scope
+        finally:
             self._count_prefix_events()

@@ -4,8 +4,12 @@ Every rejection is INVALID_ARGUMENT with a reason and the numbers; a rejected re
 """
 from __future__ import annotations
 
+import asyncio
 import math
 
+import grpc
+
+from ..engine.grammar import MAX_SCHEMA_BYTES, GrammarError
 from .config import pages_needed
 from .errors import PdError, invalid
 from .metrics import ADMISSION_REJECTIONS
@@ -15,6 +19,7 @@ MAX_LOGPROBS = 20       # top log-probabilities per position, as OpenAI allows
 MAX_STOP_STRINGS = 4    # as OpenAI allows
 MAX_STOP_CHARS = 256    # each: the gateway holds back up to this much text while a stop string may be starting
 MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024   # entries of logit_bias
 
 
 def _reject(reason: str, message: str) -> PdError:
@@ -59,6 +64,43 @@ def check_options(p, vocab_size: int, prompt_logprobs: int | None = None) -> Non
     for name, n in (("logprobs", p.logprobs), ("prompt_logprobs", prompt_logprobs)):
         if n is not None and not 0 <= n <= MAX_LOGPROBS:
             raise _reject("BAD_LOGPROBS", f"{name} must be in [0, {MAX_LOGPROBS}], got {n}")
+    check_structure(p, vocab_size)
+
+
+def check_structure(p, vocab_size: int) -> None:
+    """logit_bias, min_p, min_tokens and the grammar's fields (whether a grammar compiles is the grammar library's
+    to say, where it is compiled)."""
+    if len(p.logit_bias) > MAX_LOGIT_BIAS:
+        raise _reject("BAD_LOGIT_BIAS", f"{len(p.logit_bias)} logit_bias entries; at most {MAX_LOGIT_BIAS}")
+    for t, b in p.logit_bias:
+        if not 0 <= t < vocab_size:
+            raise _reject("BAD_LOGIT_BIAS", f"logit_bias names token {t}, outside [0, {vocab_size})")
+        if not -100.0 <= b <= 100.0:  # NaN fails it too
+            raise _reject("BAD_LOGIT_BIAS", f"logit_bias of token {t} must be in [-100, 100], got {b}")
+    if not 0.0 <= p.min_p <= 1.0:
+        raise _reject("BAD_MIN_P", f"min_p must be in [0, 1], got {p.min_p}")
+    if p.min_tokens > p.max_tokens:
+        raise _reject("BAD_MIN_TOKENS", f"min_tokens {p.min_tokens} exceeds max_tokens {p.max_tokens}")
+    g = p.grammar
+    if g is not None:
+        if g.json_object and g.json_schema:
+            raise _reject("BAD_GRAMMAR", "json_object and json_schema exclude each other; send one")
+        if len(g.json_schema) > MAX_SCHEMA_BYTES:
+            raise _reject("BAD_GRAMMAR", f"the JSON schema is {len(g.json_schema)} bytes; at most {MAX_SCHEMA_BYTES}")
+
+
+def check_grammar(grammars, spec):
+    """The request's grammar state at its start, compiled by grammars (engine/grammar.Grammars); a grammar the
+    library refuses is INVALID_ARGUMENT BAD_GRAMMAR in the library's words. Call it off the event loop: compiling
+    a large schema takes a while."""
+    if spec is None:
+        return None
+    if grammars is None:
+        raise _reject("BAD_GRAMMAR", "structured output is not available on this instance")
+    try:
+        return grammars.start(spec)
+    except GrammarError as e:
+        raise _reject("BAD_GRAMMAR", f"the grammar library refused the JSON schema: {e}") from None
 
 
 def check_repetition_penalty(v: float) -> None:
@@ -95,5 +137,20 @@ def check_lengths(num_prompt: int, max_tokens: int, context_length: int, page_si
                           f"({decode_pool_pages * page_size} tokens)")
 
 
-__all__ = ["check_tokens", "check_sampling", "check_options", "check_repetition_penalty", "check_stop_strings",
-           "check_lengths"]
+async def start_grammar(grammars, spec, prefix=()):
+    """check_grammar in a thread, then the tokens generated before (prefix) fed to the state: a prefix the
+    grammar refuses means the services disagree on the grammar, and the request ends (INTERNAL GRAMMAR_MISMATCH)."""
+    if spec is None:
+        return None
+    state = await asyncio.to_thread(check_grammar, grammars, spec)
+    if prefix and (why := state.replay(prefix)) is not None:
+        raise grammar_mismatch(why)
+    return state
+
+
+def grammar_mismatch(why: str) -> PdError:
+    return PdError(grpc.StatusCode.INTERNAL, "GRAMMAR_MISMATCH", f"structured output: {why}")
+
+
+__all__ = ["check_tokens", "check_sampling", "check_options", "check_structure", "check_grammar", "start_grammar",
+           "grammar_mismatch", "check_repetition_penalty", "check_stop_strings", "check_lengths"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 
 from . import config
 from .tls import add_tls_args
@@ -10,6 +11,9 @@ from .unsafe import add_unsafe_args
 
 log = logging.getLogger(__name__)
 DTYPE_CHOICES = ["auto", "float32", "bfloat16", "float16"]
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+MODEL_HELP = ("a checkpoint directory, or a Hugging Face id (ORG/NAME) already in the local hub cache ($HF_HUB_CACHE, "
+              "else $HF_HOME/hub, else ~/.cache/huggingface/hub): nothing is downloaded")
 
 
 def add_service_args(p: argparse.ArgumentParser) -> None:
@@ -38,7 +42,7 @@ def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_to
     p.add_argument("--metrics-port", type=int, default=config.METRICS_PORTS[service])
     add_service_args(p)
     p.add_argument("--broker", default=f"127.0.0.1:{config.BROKER_PORT}")
-    p.add_argument("--model", default=config.DEFAULT_MODEL)
+    p.add_argument("--model", default=config.DEFAULT_MODEL, help=MODEL_HELP)
     p.add_argument("--context-length", type=int, default=0, help="default: the model's max_position_embeddings")
     p.add_argument("--page-size", type=int, default=config.DEFAULT_PAGE_SIZE)
     size = p.add_mutually_exclusive_group()  # one of them decides the pool; --pool-tokens when none is given
@@ -56,7 +60,8 @@ def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_to
     p.add_argument("--transfer-port", type=_transfer_port, default=0,
                    help="Mooncake listens on this port and the next (its handshake RPC and its tcp data port, in "
                         "either order), e.g. for a NetworkPolicy; 0: two random ports in 15000-17000")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("--device", type=device_arg, default=None,
+                   help="cpu, cuda or cuda:N, the device this instance runs on (default: cuda when present, else cpu)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads for the model (default: half the cores, prefill and decode share a host)")
     p.add_argument("--switch-interval-ms", type=float, default=0.5,
@@ -80,6 +85,29 @@ def add_dtype_args(p: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-dtype", dest="kv_dtype_alias", default=None, choices=DTYPE_CHOICES[1:],
                     help="DEPRECATED alias of --kv-cache-dtype: sets the KV pool's dtype only (it once set the "
                          "weights' too; use --dtype for those)")
+
+
+def device_arg(text: str) -> str:
+    if not DEVICE.fullmatch(text):
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got {text!r}")
+    return text
+
+
+def check_device(service: str, device: str | None) -> None:
+    """A CUDA device this host does not have ends the start with one line, before the model loads (torch would
+    fail later, deep in the loader)."""
+    if device is None or device == "cpu":
+        return
+    import os
+
+    import torch
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(device.partition(":")[2] or 0)
+    if index >= count:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        raise SystemExit(f"{service}: --device {device}: torch {torch.__version__} sees {count} CUDA device(s) here"
+                         f"{f' (cuda:0..cuda:{count - 1})' if count else ''}"
+                         f"{'' if visible is None else f', CUDA_VISIBLE_DEVICES={visible!r}'}")
 
 
 def _bytes(text: str) -> int:
@@ -120,11 +148,14 @@ async def load_runner(args, service: str):
 
     from ..engine.runner import ModelRunner, set_threads
     from ..engine.sizing import PoolSizeError
+    from .hub import model_path
+    check_device(service, args.device)
+    path = model_path(args.model)  # a hub id not in the cache ends the start here, naming the folder looked in
     set_threads(args.threads, args.switch_interval_ms)
     dtype, kv_dtype = engine_dtypes(args)
     size = pool_size(args, service)
     try:
-        return await asyncio.to_thread(ModelRunner, args.model, size, args.page_size, dtype, args.device, kv_dtype)
+        return await asyncio.to_thread(ModelRunner, path, size, args.page_size, dtype, args.device, kv_dtype)
     except PoolSizeError as e:
         raise SystemExit(f"{service}: refusing to start: {e}") from None
 

@@ -1,6 +1,8 @@
 """Prometheus metrics (prefix pdserve_). Counters are touched at start-up so they exist at 0."""
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import Counter, Gauge, Histogram
 
 LEASE_VIOLATIONS = Counter("pdserve_lease_violations_total", "Lease/tag/checksum violations caught",
@@ -60,6 +62,8 @@ PREFIX_HIT_PAGES = Counter("pdserve_prefill_prefix_hit_pages_total", "Prompt pre
                            "own cache (their forward pass skipped)")
 PREFIX_MISS_PAGES = Counter("pdserve_prefill_prefix_miss_pages_total", "Prompt prefix pages prefill looked up in its "
                             "own cache and computed")
+PREFIX_WAITS = Counter("pdserve_prefill_prefix_waits_total", "Times a prompt's first pass waited for another prompt "
+                       "computing the same prefix (it then reuses those pages instead of computing them again)")
 PREFIX_CORRUPT_PAGES = Counter("pdserve_prefill_prefix_corrupt_pages_total", "Cached prefix pages whose bytes no "
                                "longer had their recorded CRC-32C when reused: dropped, recomputed")
 PREFIX_CACHED_PAGES = Gauge("pdserve_prefill_prefix_cached_pages", "Pages in prefill's own prefix cache")
@@ -85,6 +89,31 @@ PREFIX_REFUSAL_REASONS = ("TAG_MISSING", "TAG_EPOCH", "TAG_GENERATION", "TAG_PAG
 PREFIX_ROUTES = Counter("pdserve_gateway_prefix_routes_total", "Requests with a prefix scope the gateway routed, by "
                         "role and by what decided: affinity (the backend last sent their prefix) or load",
                         ["role", "result"])
+# what to scale and page on (issue 21). HTTP requests by route template, never by path: a client's made-up path is
+# route "other", so the series stay a fixed, small set whatever clients send
+HTTP_REQUESTS = Counter("pdserve_http_requests_total", "HTTP requests the gateway's OpenAI front answered, by route "
+                        "template and status code; route `other`: a path it does not serve or a request head it "
+                        "could not parse; status 499: the client left before its answer", ["route", "status"])
+HTTP_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "other")
+HTTP_OTHER_ROUTE = "other"
+HTTP_STATUSES = ("200", "400", "401", "404", "408", "413", "429", "499", "500", "503", "504")
+PROMPT_TOKENS = Counter("pdserve_prompt_tokens_total", "Gateway: prompt tokens of generations (gRPC and HTTP) that "
+                        "streamed a first token; each choice of n counts its prompt, a resubmission after a "
+                        "preemption does not count it again")
+GENERATION_TOKENS = Counter("pdserve_generation_tokens_total", "Gateway: tokens streamed to clients (gRPC and HTTP)")
+# read at scrape time from the service's own counts (track_load): nothing is walked, the KV pool least of all
+RUNNING = Gauge("pdserve_requests_running", "Requests at work now, by service. gateway: generations streaming "
+                "tokens; prefill: prompts in a forward pass or being written to decode; decode: sequences in (or "
+                "joining) the running batch", ["service"])
+WAITING = Gauge("pdserve_requests_waiting", "Requests accepted and waiting, by service. gateway: generations "
+                "without a first token yet; prefill: prompts queued for a forward pass; decode: requests queued "
+                "for KV pages (the pool is full)", ["service"])
+LOAD_SERVICES = ("gateway", "prefill", "decode")
+QUEUE_SECONDS = Histogram("pdserve_queue_time_seconds", "Time a request waited for capacity, by service. prefill: "
+                          "from its arrival in the queue to its first forward pass; decode: from its arrival to "
+                          "its KV pages granted (the queue while the pool is full, plus the broker's Grant)",
+                          ["service"], buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+QUEUE_SERVICES = ("prefill", "decode")
 
 VIOLATION_REASONS = ("COVERAGE_MISMATCH", "TAG_MISSING", "TAG_OWNER", "TAG_EPOCH", "TAG_GENERATION",
                      "TAG_PAGE_INDEX", "TAG_NUM_TOKENS", "CHECKSUM", "STEP_TAG_MISMATCH",
@@ -129,6 +158,22 @@ def init_metrics(service: str, pools: list[str] = ()) -> None:
         for role in ("prefill", "decode"):
             for result in ("affinity", "load"):
                 PREFIX_ROUTES.labels(role, result)
+        for route in HTTP_ROUTES:
+            for status in HTTP_STATUSES:
+                HTTP_REQUESTS.labels(route, status)
+    if service in LOAD_SERVICES:
+        RUNNING.labels(service)
+        WAITING.labels(service)
+    if service in QUEUE_SERVICES:
+        QUEUE_SECONDS.labels(service)
     for p in pools:
         POOL_CONTEXT_RATIO.labels(p)
         POOL_SHORTFALL.labels(p)
+
+
+def track_load(service: str, load: Callable[[], tuple[int, int]]) -> None:
+    """pdserve_requests_running and _waiting of this service, as load() returns them (running, waiting) at each
+    scrape. load runs in the metrics server's thread: it may read counts, never walk a structure the event loop
+    changes."""
+    RUNNING.labels(service).set_function(lambda: load()[0])
+    WAITING.labels(service).set_function(lambda: load()[1])

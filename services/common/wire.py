@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import hashlib
-
 import grpc
 import numpy as np
 
-from ..engine.sampler import SamplingParams, TokenLogprobs
+from ..engine.grammar import spec_of
+from ..engine.sampling_params import SamplingParams, TokenLogprobs
 from .errors import from_rpc_error
 from .proto import common_pb2
 
@@ -30,7 +30,9 @@ def sampling_from_pb(m) -> SamplingParams:
                           max_tokens=m.max_tokens, ignore_eos=m.ignore_eos, top_k=m.top_k,
                           frequency_penalty=m.frequency_penalty, presence_penalty=m.presence_penalty,
                           repetition_penalty=m.repetition_penalty or 1.0, stop_token_ids=tuple(m.stop_token_ids),
-                          logprobs=m.logprobs if m.HasField("logprobs") else None)
+                          logprobs=m.logprobs if m.HasField("logprobs") else None,
+                          logit_bias=tuple(sorted(m.logit_bias.items())), min_p=m.min_p, min_tokens=m.min_tokens,
+                          grammar=spec_of(m.json_schema, m.json_object))
 
 
 def logprobs_to_pb(lp: TokenLogprobs):

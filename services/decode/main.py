@@ -10,11 +10,13 @@ import secrets
 from ..common import config
 from ..common.capacity import check_pool_capacity
 from ..common.cli_args import add_engine_args, load_runner
-from ..common.metrics import init_metrics
+from ..common.hub import model_path
+from ..common.metrics import init_metrics, track_load
 from ..common.proto import broker_pb2_grpc, decode_pb2, decode_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
 from ..common.tls import own_identity, secure_channel, tls_from_args
 from ..common.unsafe import check_unsafe
+from ..engine.grammar import Grammars
 from ..kvtransfer.engine import TransferEngine
 from .drain import drain
 from .servicer import DecodeServicer
@@ -79,6 +81,7 @@ async def serve(args) -> None:
     await svc.start()
     servicer = await svc.starting(_start(args, tls))
     holder.servicer = servicer
+    track_load("decode", servicer.load)
     link = servicer.link
     tasks = [asyncio.create_task(servicer.scheduler.run()), asyncio.create_task(link.expire_allocations()),
              asyncio.create_task(link.watch_epoch()), asyncio.create_task(link.watch_revocations())]
@@ -119,7 +122,8 @@ async def _start(args, tls) -> DecodeServicer:
                               queue_timeout_s=args.allocation_queue_timeout, headroom_pages=args.headroom_pages,
                               growth_pages=args.growth_pages, preempt_after_s=args.preempt_after,
                               allocation_timeout_per_token_s=args.allocation_timeout_per_token,
-                              prefix_cache=args.prefix_cache == "on")
+                              prefix_cache=args.prefix_cache == "on",
+                              grammars=Grammars.for_model(model_path(args.model), runner.config))
     servicer.transfer = transfer  # held for the process's life: the engine unregisters the pool when collected
     while True:  # SERVING only once the pool is allocated, registered and checked
         try:

@@ -21,7 +21,7 @@ from ..common.config import pages_for
 from ..common.deadline import deadline_exceeded
 from ..common.drain import draining_error
 from ..common.errors import PdError
-from ..common.metrics import LEASE_VIOLATIONS, OVERLOAD_REJECTIONS, TIMEOUTS
+from ..common.metrics import LEASE_VIOLATIONS, OVERLOAD_REJECTIONS, QUEUE_SECONDS, TIMEOUTS
 from .allocations import Allocation
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,13 @@ class GrantQueue:
     async def granted(self, grant: Callable[[], Awaitable[Allocation]], need: int, pool_id: str,
                       deadline: float | None) -> Allocation:
         """An allocation from grant(), after waiting in order while the pool has too few free pages."""
+        arrived = time.monotonic()
+        alloc = await self._queued_grant(grant, need, pool_id, deadline)
+        QUEUE_SECONDS.labels("decode").observe(time.monotonic() - arrived)
+        return alloc
+
+    async def _queued_grant(self, grant: Callable[[], Awaitable[Allocation]], need: int, pool_id: str,
+                            deadline: float | None) -> Allocation:
         if not self._queue:  # nobody waits: Grants go out side by side, as many as arrive
             try:
                 return await grant()

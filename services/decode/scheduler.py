@@ -29,8 +29,9 @@ from ..common.errors import PdError
 from ..common.tasks import spawn
 from ..common.faults import FAULTS
 from ..common.metrics import FORWARD_SECONDS, LEASE_VIOLATIONS, SAMPLING_FAILURES, TIMEOUTS
-from ..engine.runner import ModelRunner
-from ..engine.sampler import SamplingError, TokenLogprobs, logprobs, sample
+from ..engine.grammar import fill
+from ..engine.runner import DecodeInputs, ModelRunner
+from ..engine.sampler import SamplingError, TokenLogprobs, advance, logprobs, sample
 from ..engine.tags import OWNER_LO, make_tag
 from .guards import StepGuards
 from .sequence import Sequence, raise_if_ended
@@ -173,15 +174,22 @@ class Scheduler:
             self.running[seq.owner] = seq
         return batch
 
-    def _step(self, batch: list[Sequence], tables: list[list[int]]
+    def _step(self, batch: list[Sequence], inputs: DecodeInputs
               ) -> list[tuple[int | SamplingError, TokenLogprobs | None]]:
-        """One forward step and its sampling, in the worker thread (on a GPU, sampling is what waits)."""
+        """One forward step (its inputs prepared on the event loop) and its sampling, in the worker thread (on a GPU,
+        sampling is what waits)."""
         if (arg := FAULTS.fire("decode.stall_step")) is not None:
             time.sleep(float(arg or 1000) / 1000)  # a stalled step thread: the event loop goes on meanwhile
         with FORWARD_SECONDS.labels("decode").time():
-            logits = self.runner.decode([s.generated[-1] for s in batch], [s.position for s in batch], tables)
+            logits = self.runner.run_decode(inputs)
+        # structured output: the constrained rows' masks, after the forward pass is launched (on a GPU it runs
+        # meanwhile; on the CPU a thread of their own measured no faster: bench/grammar_mask.py)
+        grammars = {i: s.grammar for i, s in enumerate(batch) if s.grammar is not None}
+        masks = fill(list(grammars.values()), logits.shape[-1]) if grammars else None
         tokens = sample(logits, [s.sampling for s in batch], [len(s.generated) for s in batch],
-                        [s.prompt_token_ids for s in batch], [s.generated for s in batch])
+                        [s.prompt_token_ids for s in batch], [s.generated for s in batch],
+                        dict(zip(grammars, masks)) if grammars else None, batch[0].eos_token_ids)
+        advance(grammars, tokens)
         lps: list[TokenLogprobs | None] = [None] * len(batch)
         rows = [i for i, (s, t) in enumerate(zip(batch, tokens))
                 if s.sampling.logprobs is not None and not isinstance(t, SamplingError)]
@@ -219,10 +227,12 @@ class Scheduler:
                 batch, tables = self.guards.sweep_pages(batch, tables)
                 if not batch:
                     continue
+                inputs = self.runner.prepare_decode([s.generated[-1] for s in batch], [s.position for s in batch],
+                                                    tables)
                 self.stepping = frozenset(s.owner for s in batch)
                 self._idle.clear()
                 try:
-                    tokens = await asyncio.to_thread(self._step, batch, tables)
+                    tokens = await asyncio.to_thread(self._step, batch, inputs)
                 finally:
                     self.stepping = frozenset()
                     self._idle.set()

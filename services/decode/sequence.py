@@ -9,6 +9,7 @@ import grpc
 import torch
 
 from ..common.errors import PdError
+from ..engine.grammar import GrammarState
 from ..engine.sampler import SamplingParams
 from ..engine.tags import expected_tags
 from .sweep import PromptRecord
@@ -37,6 +38,8 @@ class Sequence:
     # growth (growth.py) has leased the rest. 0: every page was leased up front.
     max_pages: int = 0
     admitted: int = 0  # admission order: the policy preempts the youngest (largest) first
+    # structured output: the grammar's state after every token generated so far (None: unconstrained)
+    grammar: GrammarState | None = None
 
     @property
     def position(self) -> int:
@@ -64,7 +67,10 @@ class Sequence:
         self.expected = torch.cat([self.expected, words])
 
     def is_stopped(self) -> bool:
-        """Ended by its last token: end-of-sequence (unless ignore_eos) or one of its stop tokens."""
+        """Ended by its last token: end-of-sequence (unless ignore_eos), one of its stop tokens, or the one that
+        completed its grammar's output."""
+        if self.grammar is not None and self.grammar.is_done:
+            return True
         last = self.generated[-1]
         if not self.sampling.ignore_eos and last in self.eos_token_ids:
             return True

@@ -8,7 +8,7 @@ import time
 import grpc
 import torch
 
-from ..common.admission import check_lengths, check_sampling
+from ..common.admission import check_lengths, check_sampling, start_grammar
 from ..common.deadline import deadline_of, timeout_within
 from ..common.config import DEFAULT_HEADROOM_PAGES, pages_for, pages_needed, pages_up_front
 from ..common.drain import draining_error
@@ -19,6 +19,7 @@ from ..common.prefix import CHAINS_INLINE_TOKENS
 from ..common.tasks import spawn
 from ..common.proto import broker_pb2, common_pb2, decode_pb2, decode_pb2_grpc
 from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, logprobs_to_pb
+from ..engine.grammar import Grammars
 from ..engine.runner import ModelRunner
 from ..engine.tags import TAG_NBYTES, expected_tags
 from ..engine.sampler import SamplingParams
@@ -47,7 +48,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                  check_checksums: bool = True, canary: bool = False, sweep_pages: int = 8, max_blind_s: float = 1.0,
                  sweep_every: int = 1, queue_limit: int = 256, queue_timeout_s: float = 30.0,
                  headroom_pages: int = DEFAULT_HEADROOM_PAGES, growth_pages: int = 8, preempt_after_s: float = 0.5,
-                 allocation_timeout_per_token_s: float = 0.005, prefix_cache: bool = True):
+                 allocation_timeout_per_token_s: float = 0.005, prefix_cache: bool = True,
+                 grammars: Grammars | None = None):
+        """grammars: compiles structured output's grammars (None: such requests are refused)."""
+        self.grammars = grammars
         self.check_checksums, self.canary = check_checksums, canary
         self.runner, self.pool, self.broker = runner, runner.pool, broker
         self.session = transfer_session
@@ -109,6 +113,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             layout=self.layout_pb,
             # unread cached pages are evicted by the next Grant that needs them: free, as far as admission goes
             free_pages=state.num_free + state.num_evictable, draining=self.draining, queue_depth=self.queue_depth())
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) for pdserve_requests_running/_waiting: sequences in or joining the batch, and requests
+        queued for KV pages. In neither: allocations whose KV prefill is still writing (prefill counts those)."""
+        return len(self.scheduler.running) + len(self.scheduler.joining), len(self.queue)
 
     def queue_depth(self) -> int:  # waiting for pages, allocated, not yet decoding, plus every sequence decoding
         return len(self.queue) + len(self.allocations) + len(self.scheduler.joining) + len(self.scheduler.running)
@@ -349,6 +358,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if alloc.plan is not None and self.prefix_cache:
                 self.publishing[owner] = spawn(self._publish(owner, alloc, checksums))
             seq.max_pages = pages_needed(alloc.num_prompt_tokens, seq.sampling.max_tokens, self.pool.page_size)
+            # structured output: the grammar must accept the tokens generated before (a resubmission's) and prefill's
+            # first token before that token is sent; a refusal ends the request, never its output
+            seq.grammar = await start_grammar(self.grammars, seq.sampling.grammar,
+                                              [*request.sampling.grammar_prefix, request.first_token])
             raise_if_ended(seq)
             if (err := self.blind_error()) is not None:
                 raise err

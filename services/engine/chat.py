@@ -131,6 +131,7 @@ class ChatTemplate:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template does not compile: {e}") from e
         self.special_tokens = special_tokens
+        self.sources = dict(templates)  # the text, for what a template teaches (the gateway's tool-call format)
 
     @classmethod
     def from_dir(cls, model_dir: str) -> ChatTemplate | None:

@@ -19,6 +19,10 @@ class AttentionContext:
     slot_offsets: torch.Tensor    # [T] int64
     # decode only: where each sequence's pages lie in the pool, computed once per step for every layer
     paged: PagedDecode | None = None
+    # decode on the native CPU kernel (native.py) instead: each sequence's page table and the tokens it attends
+    table: torch.Tensor | None = None  # [B, P] int64
+    lens: torch.Tensor | None = None   # [B] int64
+    fused: bool = False  # and rope + the K/V write + attention in one call (native.decode_attention_block)
     # prefill only: sequence b is rows cu_seqlens[b]:cu_seqlens[b + 1] of the packed batch (no padding) and
     # continues after prefix_lens[b] tokens already in the pool, on the pages prefix_pages[b]
     cu_seqlens: list[int] | None = None

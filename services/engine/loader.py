@@ -159,4 +159,6 @@ def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch
         state[head] = state[emb]
     model.load_state_dict(state, assign=True, strict=True)
     model.model.rotary_emb = rope
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    model.fuse()
+    return model

@@ -78,6 +78,11 @@ def make_model(out: str, preset: str = "tiny", seed: int = 0, arch: str = "llama
         del state["lm_head.weight"]
     save_file({k: v.to(DTYPES[dtype]).contiguous() for k, v in state.items()},
               os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    # safetensors writes the file 0600 whatever the umask: a checkpoint made as root and mounted into a pod or
+    # image that serves as another uid could not be read (found serving the CPU image as uid 10001)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(os.path.join(out, "model.safetensors"), 0o666 & ~umask)
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(raw, f, indent=2)
     with open(os.path.join(out, "generation_config.json"), "w") as f:

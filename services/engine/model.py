@@ -12,6 +12,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .context import get_context
+from . import native
 from .moe import SparseMoeBlock
 from .paged_attention import paged_decode_attention
 from .rope import RotaryEmbedding, apply_rope
@@ -24,10 +25,32 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # one fused op; the same float32 arithmetic as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        dtype = x.dtype  # transformers' order: normalised in float32, rounded, then scaled in the weights' dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def fuse_linears(*linears: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One weight (and bias) for linears that read the same input, or None when some have a bias and others not;
+    each linear's parameters become views of the fused ones, so the checkpoint's names still hold the tensors and
+    no memory is added."""
+    has_bias = {m.bias is not None for m in linears}
+    if len(has_bias) > 1:
+        return None
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = torch.cat([m.bias.detach() for m in linears]) if True in has_bias else None
+    row = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[row:row + n], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[row:row + n], requires_grad=False)
+        row += n
+    return weight, bias
 
 
 class LlamaAttention(nn.Module):
@@ -48,18 +71,34 @@ class LlamaAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
         # the pool view is handed in by the runner: [num_pages, 2, page_size, kv_heads, head_dim]
         self.kv_cache: torch.Tensor | None = None
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse(): q, k and v in one matmul
+
+    def fuse(self) -> None:
+        fused = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv = fused
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q: [T, H, D], k: [T, kvh, D] (normed, rotated later), v: [T, kvh, D]."""
+        T, H, kvh, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv is None:
+            return (self.q_proj(x).view(T, H, D), self.k_proj(x).view(T, kvh, D), self.v_proj(x).view(T, kvh, D))
+        qkv = F.linear(x, *self.qkv).view(T, H + 2 * kvh, D)
+        return qkv[:, :H], qkv[:, H:H + kvh], qkv[:, H + kvh:]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        ctx = get_context()
+        cache = self.kv_cache
+        if ctx.fused and self.qkv is not None and not self.qk_norm:
+            # decode on the CPU kernel from the projection on: rope, the K/V write and attention in one call
+            qkv = F.linear(x, *self.qkv)
+            o = native.decode_attention_block(qkv, cos[:, 0], sin[:, 0], cache, ctx.table, ctx.lens, self.num_heads)
+            return self.o_proj(o.view(T, self.num_heads * self.head_dim))
+        q, k, v = self._project(x)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        ctx = get_context()
-        cache = self.kv_cache
         if cache is not None:
             cache[ctx.slot_pages, 0, ctx.slot_offsets] = k.to(cache.dtype)
             cache[ctx.slot_pages, 1, ctx.slot_offsets] = v.to(cache.dtype)
@@ -69,6 +108,8 @@ class LlamaAttention(nn.Module):
             outs = [self._prefill_attention(q[a:b], k[a:b], v[a:b], ctx.prefix_pages[i], ctx.prefix_lens[i])
                     for i, (a, b) in enumerate(zip(cu, cu[1:]))]
             o = outs[0] if len(outs) == 1 else torch.cat(outs)
+        elif ctx.table is not None:  # one new token per sequence, on the CPU kernel
+            o = native.paged_decode_attention(q, cache, ctx.table, ctx.lens)
         else:
             o = paged_decode_attention(q, cache, ctx.paged)  # one new token per sequence
         return self.o_proj(o.reshape(T, self.num_heads * self.head_dim))
@@ -97,9 +138,16 @@ class LlamaMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = nn.Linear(cfg.hidden_size, intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up: tuple[torch.Tensor, torch.Tensor | None] | None = None  # fuse(): gate and up in one matmul
+
+    def fuse(self) -> None:
+        self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -126,7 +174,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(positions)
+        cos, sin = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.norm(x)
@@ -145,6 +193,13 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def fuse(self) -> None:
+        """Projections that read the same input become one matmul each (after loading: the parameters keep
+        their checkpoint names, as views of the fused tensors)."""
+        for m in self.modules():
+            if isinstance(m, (LlamaAttention, LlamaMLP)):
+                m.fuse()
 
     def bind_kv_pool(self, pool: torch.Tensor) -> None:
         # pool: [num_pages, num_layers, 2, page_size, kv_heads, D]; each layer gets a view, no copy

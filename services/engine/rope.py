@@ -33,19 +33,19 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.register_buffer("inv_freq", inv_frequencies(head_dim, theta, scaling or {}), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # positions: [T] -> cos, sin: [T, D]
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> cos, signed sin: [T, 1, D] in dtype (computed in float32, then rounded, as
+        transformers does), once per forward pass for every layer. The sin's first half is negated: rotating
+        half of x is then a roll, (-x2) * sin being x2 * (-sin) exactly."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+        half = emb.shape[-1] // 2
+        sin = emb.sin()
+        sin[:, :half].neg_()
+        return emb.cos()[:, None, :].to(dtype), sin[:, None, :].to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [T, H, D]; cos, sin: [T, D]
-    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    return x * cos + _rotate_half(x) * sin
+    """x * cos + rotate_half(x) * sin, transformers' rotation; x: [T, H, D]; cos, sin: RotaryEmbedding's."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin

@@ -11,6 +11,7 @@ from ..common.prefix import chain_seed, checkpoint_identity
 from .context import AttentionContext, reset_context, set_context
 from .dtypes import kv_dtype as pick_kv_dtype
 from .kv_pool import KVPool, PoolLayout
+from . import native
 from .loader import load_model, weight_nbytes
 from .paged_attention import prepare_paged_decode
 from .sizing import PoolSize, kv_bytes_per_token
@@ -35,6 +36,15 @@ def free_device_bytes(device: torch.device) -> int | None:
     if device.type != "cuda":
         return None
     return torch.cuda.mem_get_info(device)[0]
+
+
+class DecodeInputs(NamedTuple):
+    """One decode step's inputs (ModelRunner.prepare_decode): token ids and positions [B], page tables [B, P], and the
+    rope tables [B, D] when the step is one native call (else None)."""
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    table: torch.Tensor
+    rope: tuple[torch.Tensor, torch.Tensor] | None
 
 
 class Chunk(NamedTuple):
@@ -66,6 +76,14 @@ class ModelRunner:
         self.layout = PoolLayout.for_model(self.config, page_size, self.kv_dtype)
         self.pool = KVPool(self.layout, num_pages, self.device)
         self.model.bind_kv_pool(self.pool.kv)
+        # decode attention on the CPU kernel where it takes this pool, else the torch path (on a GPU, always)
+        self.native_decode = native.supports(self.pool.kv[:, 0], self.config.num_attention_heads)
+        self.native_block = self.native_decode and native.supports_block(
+            self.pool.kv[:, 0], self.config.num_attention_heads, next(self.model.parameters()).dtype)
+        # a whole small step in one native call, where it takes the model
+        self.native_step = None
+        if self.device.type == "cpu" and native.NativeDecoder.why_not(self.model, self.pool.kv) is None:
+            self.native_step = native.NativeDecoder(self.model, self.pool.kv)
 
     @property
     def page_size(self) -> int:
@@ -81,7 +99,21 @@ class ModelRunner:
         return (f"weights {self.weight_nbytes} bytes in {self.dtype} on {self.device}; KV pool {self.pool.num_tokens} "
                 f"tokens ({self.pool.num_pages} pages of {self.page_size}, {self.kv_dtype}, {per_token} bytes/token, "
                 f"{self.pool.data_nbytes / 2**20:.1f} MiB; from {self.pool_source}), pool/context "
-                f"{self.pool.num_tokens / context_length:.4g} of a {context_length}-token context")
+                f"{self.pool.num_tokens / context_length:.4g} of a {context_length}-token context; "
+                f"{self.decode_attention()}")
+
+    def decode_attention(self) -> str:
+        """Which decode path runs, and why not the CPU kernels where it does not."""
+        if self.native_step is not None:
+            return (f"decode: one native call per step up to {self.native_step.MAX_BATCH} sequences, native "
+                    f"attention {'block' if self.native_block else 'kernel'} beyond")
+        if self.native_decode or self.device.type != "cpu":
+            return f"paged decode attention: {'native CPU kernel' if self.native_decode else 'torch path'}"
+        if native._load() is None:
+            return native.status()
+        return (f"paged decode attention: torch path (the CPU kernel does not take {self.kv_dtype} pages of "
+                f"{self.page_size} with {self.config.num_attention_heads} heads over "
+                f"{self.config.num_key_value_heads} KV heads of {self.config.head_dim})")
 
     def _check_window(self, last_position: int) -> None:
         """Past a sliding window attention would differ from the full attention computed here: refuse."""
@@ -133,6 +165,13 @@ class ModelRunner:
     def decode(self, token_ids: list[int], positions: list[int], page_tables: list[list[int]]
                ) -> torch.Tensor:
         """One step for B sequences: token b sits at positions[b]; returns logits [B, V]."""
+        return self.run_decode(self.prepare_decode(token_ids, positions, page_tables))
+
+    @torch.inference_mode()
+    def prepare_decode(self, token_ids: list[int], positions: list[int], page_tables: list[list[int]]
+                       ) -> DecodeInputs:
+        """A step's inputs as tensors (decode's scheduler builds them on its event loop, so the model's thread goes
+        straight into the step without waiting for the GIL); refuses tables too short for their positions."""
         ps = self.page_size
         B = len(token_ids)
         self._check_window(max(positions))
@@ -143,12 +182,30 @@ class ModelRunner:
         table = torch.zeros((B, max(len(t) for t in page_tables)), dtype=torch.int64)
         for b, t in enumerate(page_tables):
             table[b, :len(t)] = torch.tensor(t, dtype=torch.int64)
-        table, pos = table.to(self.device), self._tensor(positions)
-        paged = prepare_paged_decode(table, pos, ps, self.config.num_key_value_heads,
-                                     self.config.num_attention_heads)
-        set_context(AttentionContext(False, paged.tail_pages, pos % ps, paged=paged))
+        pos = self._tensor(positions)
+        rope = None
+        if self.native_step is not None and B <= self.native_step.MAX_BATCH:
+            cos, sin = self.model.model.rotary_emb(pos)
+            rope = (cos[:, 0].contiguous(), sin[:, 0].contiguous())
+        return DecodeInputs(self._tensor(token_ids), pos, table.to(self.device), rope)
+
+    @torch.inference_mode()
+    def run_decode(self, inputs: DecodeInputs) -> torch.Tensor:
+        """The step prepare_decode planned: logits [B, V]."""
+        ids, pos, table, rope = inputs
+        if rope is not None:  # a small step on the CPU: one native call
+            return self.native_step.step(ids, rope[0], rope[1], table, pos + 1)
+        ps = self.page_size
+        if self.native_decode:
+            tail = table.gather(1, (pos // ps)[:, None])[:, 0]
+            ctx = AttentionContext(False, tail, pos % ps, table=table, lens=pos + 1, fused=self.native_block)
+        else:
+            paged = prepare_paged_decode(table, pos, ps, self.config.num_key_value_heads,
+                                         self.config.num_attention_heads)
+            ctx = AttentionContext(False, paged.tail_pages, pos % ps, paged=paged)
+        set_context(ctx)
         try:
-            hidden = self.model(self._tensor(token_ids), pos)
+            hidden = self.model(ids, pos)
         finally:
             reset_context()
         return self.model.compute_logits(hidden)

@@ -4,8 +4,10 @@ The draw for step i of a request depends only on (seed, i), and step 0 (prefill)
 as every later step (decode), so a request gives the same tokens on one machine or split across two.
 
 Processing follows vLLM: repetition penalty (over prompt and output), then frequency and presence penalties (over
-output only), then greedy arg-max or temperature, top-k, top-p and the draw. Log-probabilities are always of the
-model's raw logits, before any of that.
+output only), then logit_bias, min_tokens (end-of-sequence and stop tokens forbidden before it), the grammar's mask
+(structured output, engine/grammar.py), then greedy arg-max or temperature, min_p, top-k, top-p and the draw.
+Log-probabilities are always of the model's raw logits, before any of that. A row with none of these options
+runs exactly as before: greedy ones share one arg-max over the logits as they came.
 
 Numerically safe for every admitted value (temperature finite and >= 0, top_p in (0, 1]): a temperature
 below GREEDY_BELOW is greedy, the logits are shifted by their maximum before they are scaled, so nothing
@@ -14,51 +16,18 @@ SamplingError for that row alone: `sample` returns it in the row's place and the
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 
-# below this a temperature is greedy (vLLM's _SAMPLING_EPS): 1/T would overflow float32 for T under ~3e-39,
-# and logits / 5e-38 already overflow once a logit passes 17; far above that, the distribution is one-hot
-# anyway for any logit gap float32 can resolve
-GREEDY_BELOW = 1e-5
+from .grammar import GrammarState, apply_mask
+from .sampling_params import GREEDY_BELOW, SamplingParams, TokenLogprobs  # noqa: F401 (the sampler's own types)
+
 _FMAX = torch.finfo(torch.float32).max
 
 
 class SamplingError(Exception):
     """One row's sampling failed; the caller ends that sequence alone."""
-
-
-@dataclass(slots=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    max_tokens: int = 16
-    ignore_eos: bool = False
-    top_k: int = 0  # 0: no limit
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # 1: off
-    stop_token_ids: tuple[int, ...] = ()
-    logprobs: int | None = None  # None: none asked for; n: the token's own and the n most likely
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_BELOW
-
-    @property
-    def has_penalties(self) -> bool:
-        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Log-probability of one token at one position, and the most likely tokens there (most likely first)."""
-    logprob: float
-    top_ids: list[int]
-    top_logprobs: list[float]
 
 
 def _step_generator(seed: int, step: int) -> torch.Generator:
@@ -100,11 +69,30 @@ def apply_penalties(x: torch.Tensor, params: list[SamplingParams], prompts: Sequ
     return x.view(num_rows, vocab)
 
 
+def _shape(x: torch.Tensor, params: list[SamplingParams], steps: list[int], eos_ids: Sequence[int],
+           mask: torch.Tensor | None) -> None:
+    """x: [R, V] float logits, already penalised, changed in place: logit_bias, min_tokens, then the grammar's
+    mask (mask: [R, W] int32 bitmask, or None when no row has a grammar; rows without one are all ones)."""
+    for r, (p, step) in enumerate(zip(params, steps)):
+        if p.logit_bias:
+            ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64, device=x.device)
+            x[r, ids] += torch.tensor([b for _, b in p.logit_bias], dtype=x.dtype, device=x.device)
+        if step < p.min_tokens:
+            blocked = [t for t in (*eos_ids, *p.stop_token_ids) if 0 <= t < x.shape[-1]]
+            if blocked:
+                x[r, blocked] = float("-inf")
+    if mask is not None:
+        apply_mask(x, mask)
+
+
 def _probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     # logits: [V] -> probabilities [V]; (x - max) <= 0, so x / T can only underflow towards -inf (weight 0),
     # never overflow: the arg-max keeps weight exp(0) = 1 and the sum is >= 1
     x = logits.float().cpu()
     x = (x - x.max()) / params.temperature
+    if params.min_p > 0:
+        # relative to the most likely token, whose scaled logit is 0: p_t / p_max = exp(x_t)
+        x = x.masked_fill(x < torch.log(torch.tensor(params.min_p)), float("-inf"))
     if 0 < params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))  # ties with the k-th stay, as in transformers' TopKLogitsWarper
@@ -124,10 +112,20 @@ def _draw(probs: torch.Tensor, params: SamplingParams, step: int) -> int:
     return int(torch.multinomial(probs, 1, generator=_step_generator(params.seed, step)))
 
 
+def _no_token_left(x: torch.Tensor) -> SamplingError:
+    return SamplingError("no token is allowed at this step (the grammar, min_tokens and logit_bias together "
+                         f"forbid all {x.shape[-1]})")
+
+
 def _choose(x: torch.Tensor, params: SamplingParams, step: int) -> int:
     # x: [V] logits, already penalised
     if params.is_greedy:
-        return int(torch.argmax(x))
+        tok = int(torch.argmax(x))
+        if x[tok] == float("-inf"):
+            raise _no_token_left(x)
+        return tok
+    if not bool((x > float("-inf")).any()):
+        raise _no_token_left(x)
     probs = _probs(x, params)
     if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0:
         raise SamplingError(f"logits give no valid distribution (max logit {float(x.max())}, temperature "
@@ -142,29 +140,40 @@ def _choose(x: torch.Tensor, params: SamplingParams, step: int) -> int:
 
 
 def sample_one(logits: torch.Tensor, params: SamplingParams, step: int, prompt: Sequence[int] = (),
-               output: Sequence[int] = ()) -> int:
-    """logits: [V]; output: the tokens generated before this step (step 0: none)."""
+               output: Sequence[int] = (), mask: torch.Tensor | None = None, eos_ids: Sequence[int] = ()) -> int:
+    """logits: [V]; output: the tokens generated before this step (step 0: none); mask: [W] int32, the grammar's
+    bitmask of this step (grammar.Grammars.fill), or None; eos_ids: what min_tokens holds back besides stop tokens."""
     x = logits.float()
     if params.has_penalties:
         x = apply_penalties(x[None], [params], [prompt], [output])[0]
+    if mask is not None or params.logit_bias or step < params.min_tokens:
+        x = x.clone() if x.data_ptr() == logits.data_ptr() else x  # the caller's logits stay the model's
+        _shape(x[None], [params], [step], eos_ids, None if mask is None else mask[None])
     return _choose(x, params, step)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
            prompts: Sequence[Sequence[int] | torch.Tensor] | None = None,
-           outputs: Sequence[Sequence[int]] | None = None) -> list[int | SamplingError]:
-    """logits: [B, V]. Greedy rows without penalties share one arg-max; penalties are applied to all penalised
+           outputs: Sequence[Sequence[int]] | None = None, masks: dict[int, torch.Tensor] | None = None,
+           eos_ids: Sequence[int] = ()) -> list[int | SamplingError]:
+    """logits: [B, V]. Greedy rows without options share one arg-max; penalties are applied to all penalised
     rows at once; each sampled row draws with its own (seed, step) generator, so it is drawn alone; a row whose
-    sampling fails gets its SamplingError instead of a token. prompts/outputs are read for penalised rows only."""
+    sampling fails gets its SamplingError instead of a token. prompts/outputs are read for penalised rows only.
+    masks: row -> its grammar's [W] int32 bitmask for this step (constrained rows only); the logits themselves
+    are never changed (log-probabilities stay those of the model). eos_ids: what min_tokens holds back."""
+    masks = masks or {}
     out: list[int | SamplingError] = [0] * len(params)
-    plain = [i for i, p in enumerate(params) if p.is_greedy and not p.has_penalties]
+    plain = [i for i, p in enumerate(params) if p.is_plain_at(steps[i]) and i not in masks]
     if plain:
-        # the common batch (all greedy, no options) takes its arg-max without copying the logits
-        for i, t in zip(plain, torch.argmax(logits if len(plain) == len(params) else logits[plain], dim=-1).tolist()):
-            out[i] = t
-    rest = [i for i, p in enumerate(params) if not (p.is_greedy and not p.has_penalties)]
-    if not rest:
+        # one arg-max over the logits as they came, whatever the other rows need (dropping theirs is cheaper than
+        # gathering the plain rows first): a plain row's token is the same op on the same values in every batch
+        best = torch.argmax(logits, dim=-1).tolist()
+        for i in plain:
+            out[i] = best[i]
+    if len(plain) == len(params):
         return out
+    taken = set(plain)
+    rest = [i for i in range(len(params)) if i not in taken]
     x = logits[rest].float()
     pen = [j for j, i in enumerate(rest) if params[i].has_penalties]
     if pen:
@@ -172,9 +181,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
             raise ValueError(f"{len(pen)} rows have penalties but no prompt and output tokens were given")
         x[pen] = apply_penalties(x[pen], [params[rest[j]] for j in pen], [prompts[rest[j]] for j in pen],
                                  [outputs[rest[j]] for j in pen])
-    greedy = [j for j, i in enumerate(rest) if params[i].is_greedy]  # penalised: one arg-max for them all
-    for j, t in zip(greedy, torch.argmax(x[greedy], dim=-1).tolist() if greedy else []):
-        out[rest[j]] = t
+    shaped = [j for j, i in enumerate(rest) if i in masks or params[i].logit_bias or steps[i] < params[i].min_tokens]
+    if shaped:
+        mask = None
+        if masks:
+            words = next(iter(masks.values())).shape[-1]
+            mask = torch.stack([masks[rest[j]] if rest[j] in masks else torch.full((words,), -1, dtype=torch.int32)
+                                for j in shaped])
+        whole = len(shaped) == len(rest)  # the usual case: only constrained rows got here
+        y = x if whole else x[shaped]
+        _shape(y, [params[rest[j]] for j in shaped], [steps[rest[j]] for j in shaped], eos_ids, mask)
+        if not whole:
+            x[shaped] = y
+    greedy = [j for j, i in enumerate(rest) if params[i].is_greedy]  # one arg-max for them all
+    if greedy:
+        picked = torch.argmax(x if len(greedy) == len(rest) else x[greedy], dim=-1).tolist()
+        for j, t in zip(greedy, picked):
+            out[rest[j]] = t
+        for j in set(greedy).intersection(shaped):  # only a shaped row can have had every token taken away
+            if x[j, out[rest[j]]] == float("-inf"):
+                out[rest[j]] = _no_token_left(x[j])
     for j, i in enumerate(rest):
         if params[i].is_greedy:
             continue
@@ -183,6 +209,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], steps: list[int],
         except Exception as e:  # whatever broke, it broke for this row alone
             out[i] = e if isinstance(e, SamplingError) else SamplingError(f"{type(e).__name__}: {e}")
     return out
+
+
+def accept(state: GrammarState, token: int) -> SamplingError | None:
+    """Feeds a sampled token to its grammar; a token it refuses (it never should: the mask allowed it) is the row's
+    SamplingError, so nothing that breaks the grammar is ever sent."""
+    why = state.accept(token)
+    return None if why is None else SamplingError(f"the grammar refused sampled token {token}: {why}")
+
+
+def advance(states: dict[int, GrammarState], tokens: list[int | SamplingError]) -> None:
+    """accept() for each constrained row of a decode step: a refused token becomes that row's SamplingError."""
+    for i, state in states.items():
+        if not isinstance(tokens[i], SamplingError) and (err := accept(state, tokens[i])) is not None:
+            tokens[i] = err
 
 
 def logprobs(logits: torch.Tensor, tokens: list[int], num_top: list[int], chunk: int = 512) -> list[TokenLogprobs]:

@@ -25,6 +25,11 @@ def sampling_of(request) -> common_pb2.SamplingParams:
         repetition_penalty=request.repetition_penalty, stop_token_ids=request.stop_token_ids)
     if request.HasField("logprobs"):
         sampling.logprobs = request.logprobs
+    sampling.logit_bias.update(request.logit_bias)
+    sampling.min_p = request.min_p
+    sampling.min_tokens = request.min_tokens
+    sampling.json_schema = request.json_schema
+    sampling.json_object = request.json_object
     return sampling
 
 

@@ -4,18 +4,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 
 from grpc_health.v1 import health_pb2
 
 from ..common import config
-from ..common.cli_args import add_service_args
+from ..common.cli_args import MODEL_HELP, add_service_args
 from ..common.errors import PdError
-from ..common.metrics import init_metrics
+from ..common.hub import ModelNotFound, ModelRef, resolve_model
+from ..common.metrics import init_metrics, track_load
 from ..common.proto import gateway_pb2, gateway_pb2_grpc
 from ..common.server import Service, setup_logging
 from ..common.tls import add_tls_args, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..engine.chat import ChatTemplate, ChatTemplateError
+from ..engine.config import ModelConfig
+from ..engine.grammar import Grammars
 from ..engine.tokenizer import load_tokenizer
 from ..common.drain import settle
 from .api_key import ApiKeyInterceptor
@@ -49,7 +53,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="decode instances to follow, as --prefill-discovery")
     p.add_argument("--discovery-interval", type=float, default=1.0, help="seconds between two DNS/file looks")
     p.add_argument("--load-interval", type=float, default=0.5, help="seconds between two GetInfo polls of a backend")
-    p.add_argument("--model", default=config.DEFAULT_MODEL, help="checkpoint directory (for the tokenizer)")
+    p.add_argument("--model", default=config.DEFAULT_MODEL, help=f"the checkpoint whose tokenizer and chat template "
+                   f"the gateway uses: {MODEL_HELP}")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model's name(s) in the OpenAI API: a request may name any of them, /v1/models lists them "
+                        "all, responses report the first (default: --model as given when a Hugging Face id, else the "
+                        "checkpoint directory's name)")
     p.add_argument("--byte-tokenizer", action="store_true",
                    help="encode text as UTF-8 bytes (ids 0..255) instead of the checkpoint's tokenizer.json")
     p.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT,
@@ -72,6 +81,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "UNAVAILABLE (DRAINING); keep under the pod's terminationGracePeriodSeconds")
     add_prefix_args(p)
     add_tls_args(p, "the gateway's channels to prefill and decode (its public gRPC and HTTP APIs stay plaintext)")
+
+
+def served_names(given: list[str] | None, model: ModelRef) -> tuple[str, ...]:
+    """--served-model-name, checked, else the model's own name."""
+    if given is None:
+        return (model.name,)
+    empty = [i for i, n in enumerate(given) if not n.strip()]
+    if empty:
+        raise SystemExit(f"gateway: --served-model-name: name {empty[0] + 1} of {len(given)} is empty")
+    twice = sorted({n for n in given if given.count(n) > 1})
+    if twice:
+        raise SystemExit(f"gateway: --served-model-name: {', '.join(twice)} given more than once")
+    return tuple(given)
 
 
 def log_prompt_bound(tokenizer) -> None:
@@ -152,6 +174,16 @@ class Health:
                 await self.svc.health.set(name, status)
 
 
+def _eos_ids(model_dir: str) -> tuple[int, ...]:
+    """The checkpoint's end-of-sequence ids for the grammar (what prefill and decode give theirs); a gateway given
+    only the tokenizer files lets the grammar library find them in tokenizer.json."""
+    try:
+        return ModelConfig.from_dir(model_dir).eos_token_ids
+    except (OSError, ValueError) as e:
+        log.info("structured output: no end-of-sequence ids from %s (%s); the tokenizer's own are used", model_dir, e)
+        return ()
+
+
 async def serve(args) -> None:
     check_unsafe("gateway", args)
     limits, keys, scoping = http_limits(args), api_keys(args), scoping_from_args(args)
@@ -160,17 +192,22 @@ async def serve(args) -> None:
         concurrency = ConcurrencyLimit(args.max_concurrent_requests)
     except ValueError as e:
         raise SystemExit(f"gateway: --max-concurrent-requests: {e}") from None
+    try:
+        model = resolve_model(args.model)
+    except ModelNotFound as e:
+        raise SystemExit(f"gateway: {e}") from None
+    names = served_names(args.served_model_name, model)
     # the checkpoint's tokenizer and chat template are read before any backend is looked for: a missing or broken
     # one stops the gateway at once with its message (the byte tokenizer needs the vocabulary size, found later)
-    tokenizer = None if args.byte_tokenizer else load_tokenizer(args.model, 0)
+    tokenizer = None if args.byte_tokenizer else load_tokenizer(model.path, 0)
     if tokenizer is not None:
         log_prompt_bound(tokenizer)
     template = None
     if args.http_port >= 0:
         try:
-            template = ChatTemplate.from_dir(args.model)
+            template = ChatTemplate.from_dir(model.path)
         except ChatTemplateError as e:
-            raise SystemExit(f"gateway: {args.model}: {e}") from None
+            raise SystemExit(f"gateway: {model.path}: {e}") from None
     init_metrics("gateway")
     backends = Backends(tls, args.load_interval, max_load_gap=args.prefix_route_max_load_gap,
                         prefix_entries=args.prefix_route_entries)
@@ -180,6 +217,7 @@ async def serve(args) -> None:
     log.info("gateway: prefix cache %s%s", "on, scope " + scoping.scope if scoping.enabled else "off",
              f", routed by prefix within a load gap of {args.prefix_route_max_load_gap}" if scoping.enabled else "")
     servicer.concurrency = concurrency
+    track_load("gateway", servicer.load)
     svc = Service("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
                   args.host, args.port, args.metrics_port, tls=None,  # public API: plaintext by design
                   metrics_host=args.metrics_host, guards=(ApiKeyInterceptor(keys),) if keys is not None else ())
@@ -192,12 +230,15 @@ async def serve(args) -> None:
     await svc.starting(health.first.wait())  # a SIGTERM before any backend answered exits at once
     cap = servicer.cap
     if tokenizer is None:
-        tokenizer = load_tokenizer(args.model, cap.vocab_size, byte_tokenizer=True)
+        tokenizer = load_tokenizer(model.path, cap.vocab_size, byte_tokenizer=True)
         log_prompt_bound(tokenizer)
     servicer.tokenizer = tokenizer
+    if not args.byte_tokenizer:  # structured output compiles against the tokenizer prefill and decode use
+        servicer.grammars = Grammars(os.path.join(model.path, "tokenizer.json"), cap.vocab_size, _eos_ids(model.path))
     http = None
     if args.http_port >= 0:
-        front = Front(servicer, cap.model, limits, template)
+        front = Front(servicer, names, limits, template)
+        log.info("gateway: the OpenAI API serves %s as %s", model.given, ", ".join(names))
         http = HttpServer(create_app(front, keys), args.host, args.http_port, front.limits,
                           args.drain_timeout)
         args.http_port = await http.start()

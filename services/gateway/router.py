@@ -98,16 +98,19 @@ class Router:
         """The backends that take new work now."""
         return [b for b in self.all if b.state == READY]
 
+    def no_backend(self) -> PdError:
+        """UNAVAILABLE NO_BACKEND, saying what the role's known backends are doing instead."""
+        counts = {s: sum(b.state == s for b in self.all) for s in STATES}
+        return PdError(grpc.StatusCode.UNAVAILABLE, "NO_BACKEND", f"no {self.role} instance takes work: "
+                       f"{len(self.all)} known" + "".join(f", {n} {s}" for s, n in counts.items() if n))
+
     def pick(self, exclude: set[str] = frozenset(), pages: int = 0,
              prefix: list[tuple[int, bytes]] = ()) -> Backend:
         """prefix: the request's route keys (affinity.route_keys); empty: by load alone."""
         ready = self.backends
         pool = ready or [b for b in self.all if b.state == UNREACHABLE]
         if not pool:
-            counts = {s: sum(b.state == s for b in self.all) for s in STATES}
-            raise PdError(grpc.StatusCode.UNAVAILABLE, "NO_BACKEND",
-                          f"no {self.role} instance takes work: {len(self.all)} known, "
-                          + ", ".join(f"{n} {s}" for s, n in counts.items() if n))
+            raise self.no_backend()
         candidates = [b for b in pool if b.target not in exclude] or pool
         if pages:
             best = min(candidates, key=lambda b: (b.free_pages() < pages, b.queue_depth(), -b.free_pages(), b._order))

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from ..common.admission import start_grammar
 from ..common.config import pages_up_front
 from ..common.drain import draining_error
 from ..common.errors import PdError, from_rpc_error
-from ..common.metrics import ITL, REQUESTS, RESUBMISSIONS, TIMEOUTS, TTFT
+from ..common.metrics import GENERATION_TOKENS, ITL, PROMPT_TOKENS, REQUESTS, RESUBMISSIONS, TIMEOUTS, TTFT
 from ..common.proto import common_pb2, decode_pb2, gateway_pb2, gateway_pb2_grpc, prefill_pb2
 from ..common.deadline import deadline_exceeded, deadline_of, timeout_within
 from ..common.wire import call, prompt_digest, sampling_from_pb
@@ -61,6 +62,8 @@ def _retrieve(task: asyncio.Future) -> None:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    grammars = None  # structured output's compiler (engine/grammar.Grammars), set once the vocabulary is known
+
     def __init__(self, prefills: Router, decodes: Router, tokenizer, cap: Capacity | None,
                  rpc_timeout_s: float = 60.0, token_timeout_s: float = 60.0, notice_timeout_s: float = 5.0,
                  max_resubmissions: int = 3, prefill_timeout_per_token_s: float = 0.005,
@@ -79,6 +82,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         self.notice_timeout_s = notice_timeout_s
         self.draining = False  # set on SIGTERM (drain.py): Generate refuses, running streams finish
         self.active = 0  # Generate calls (gRPC and HTTP) not yet ended
+        self.streaming = 0  # of those, the ones that have streamed a first token
         self.concurrency = ConcurrencyLimit()  # no limit unless main.py sets --max-concurrent-requests
         self.keys = keys  # None: no API key, every caller is of one tenant
         self.scoping = scoping
@@ -112,6 +116,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         async for msg in self.generate(request, deadline_of(context), tenant):
             yield msg
 
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) for pdserve_requests_running/_waiting: generations streaming tokens, and generations
+        admitted or being admitted that have not streamed a first token yet."""
+        return self.streaming, self.active - self.streaming
+
     def tenant_or_refuse(self, tenant: str | None) -> str:
         if tenant is not None:
             return tenant
@@ -132,12 +141,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         before the preemption as prompt tokens."""
         start = time.perf_counter()
         code = "OK"
+        client = None
         self.active += 1
         try:
             if self.draining:
                 raise draining_error("gateway", "new requests are refused; send them to another gateway")
             tenant = self.tenant_or_refuse(tenant)
             tokens, sampling = self.admit(request)
+            # a grammar the library cannot compile is refused here, in its words, before any page is leased
+            await start_grammar(self.grammars, sampling_from_pb(sampling).grammar)
             scope = self.scoping.scope_of(tenant, request.cache_salt)
             self.concurrency.enter(self.active)  # after admission: a request that can never fit is not told to retry
             client = _Stream(scope=scope)
@@ -158,6 +170,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise
         finally:
             self.active -= 1
+            if client is not None and client.last is not None:
+                self.streaming -= 1
             REQUESTS.labels(code).inc()
 
     def _resubmittable(self, e: PdError, tokens: list[int], request, client: "_Stream") -> None:
@@ -191,6 +205,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             left = common_pb2.SamplingParams()
             left.CopyFrom(sampling)
             left.max_tokens = sampling.max_tokens - len(client.ids)
+            left.min_tokens = max(0, sampling.min_tokens - len(client.ids))
+            if sampling.json_schema or sampling.json_object:  # the grammar goes on from where the output is
+                left.grammar_prefix[:] = client.ids
             sampling = left
         tried: set[str] = set()
         prefix = route_keys(client.scope, tokens, self.cap.page_size)
@@ -285,11 +302,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 now = time.perf_counter()
                 if client.last is None:
                     TTFT.observe(now - start)
+                    PROMPT_TOKENS.inc(len(tokens))  # the first submission's: the client's prompt
+                    self.streaming += 1
                 else:
                     ITL.observe(now - client.last)
                 client.last = now
                 msg = out.make(r.token)
                 client.ids.append(r.token.token_id)
+                GENERATION_TOKENS.inc()
                 yield msg
                 if out.stopped:
                     break  # a stop string: the stream is cancelled below, and decode releases the pages

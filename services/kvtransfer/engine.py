@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from ..common.faults import FAULTS
+from .builds import load_cuda_runtime
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,17 @@ def split_calls(runs: list[Run], max_bytes: int, stride: int) -> list[list[Run]]
     return calls
 
 
+def mooncake_import_hint(e: ImportError) -> str:
+    """What to do about a Mooncake that does not load: the NVIDIA driver's library is missing on a host without
+    one (Mooncake's CUDA build, the cuda extra, links it), anything else is a Debian library."""
+    if "libcuda.so" in str(e):
+        return (f"Mooncake transfer engine unavailable ({e}): this is Mooncake's CUDA build (the cuda extra, the CUDA "
+                "image), which needs the NVIDIA driver's libcuda.so.1: run it on a GPU node (with the NVIDIA "
+                "container runtime in a container), or install the cpu extra on a host without a GPU")
+    return (f"Mooncake transfer engine unavailable ({e}): on Debian or Ubuntu it needs libibverbs1 librdmacm1 "
+            "libnuma1 libcurl4 (`deploy/install.sh apt runtime`; in a checkout, `make setup`)")
+
+
 class TransferEngine:
     def __init__(self, hostname: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
                  timeout_s: int = MOONCAKE_MIN_TIMEOUT_S, port: int = 0,
@@ -160,12 +172,11 @@ class TransferEngine:
         self.max_write_bytes = max_write_bytes
         self.version = check_mooncake_version()
         pair = _pin_ports(port) if port else None
+        load_cuda_runtime()  # the CUDA build's libcudart.so.12, from its wheel (builds.py)
         try:
             from mooncake.engine import TransferEngine as _MooncakeEngine
         except ImportError as e:  # engine.so needs Debian's libraries (deploy/install.sh apt runtime) even for tcp
-            raise RuntimeError(f"Mooncake transfer engine unavailable ({e}): on Debian or Ubuntu it needs "
-                               "libibverbs1 librdmacm1 libnuma1 libcurl4 (`deploy/install.sh apt runtime`; in a "
-                               "checkout, `make setup`)") from e
+            raise RuntimeError(mooncake_import_hint(e)) from e
         # set explicitly, never inherited: every timing bound of the lease protocol is derived from it
         os.environ["MC_TRANSFER_TIMEOUT"] = str(int(timeout_s))
         self.timeout_s = int(timeout_s)

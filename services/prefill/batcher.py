@@ -6,7 +6,9 @@ Work is dropped only before its first pass (its caller left, or its deadline pas
 computed it runs to its end, since the write that follows must never stop half-way. Local pages are taken when a
 prompt's first pass is planned, so a queued prompt holds none; a head that does not fit waits, nothing overtakes it.
 A prompt whose prefix is in the local prefix cache starts its first pass after it, over the cached pages' KV; the
-cache gives back unused pages before a head waits for pages.
+cache gives back unused pages before a head waits for pages. A prompt whose next uncached prefix page another prompt
+is computing now (conversations that start together over one system prompt) waits until that prompt's pages enter
+the cache, or fail to, and lets the prompts behind it pass meanwhile: the prefix is computed once, not once each.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
@@ -23,7 +25,7 @@ from ..common.config import pages_for
 from ..common.deadline import deadline_exceeded
 from ..common.errors import PdError
 from ..common.metrics import (GUARD_SECONDS, OVERLOAD_REJECTIONS, PREFILL_BATCH, PREFILL_DROPPED,
-                              PREFILL_GONE_AT_START, PREFILL_QUEUE, PREFILL_SEQUENCES)
+                              PREFILL_GONE_AT_START, PREFILL_QUEUE, PREFILL_SEQUENCES, PREFIX_WAITS, QUEUE_SECONDS)
 from ..engine.page_allocator import PageAllocator
 from .prefix_cache import PrefixCache
 from .worker import Forward, Prompt
@@ -45,6 +47,8 @@ class Queued:
     done: int = 0  # tokens whose KV is in the pool
     started: bool = False  # planned into a pass: it holds pages and is no longer dropped
     skipped: int = 0  # tokens whose KV the prefix cache had: the first pass starts after them
+    waited: bool = False  # its start waited for another prompt computing its prefix (counted once)
+    queued_at: float = field(default_factory=time.monotonic)
 
     def drop_reason(self, now: float) -> str | None:
         # first: gRPC cancels a call whose deadline passed, and that caller left because of its deadline
@@ -68,9 +72,12 @@ class Batcher:
         self.queue_limit = queue_limit
         self.cache = cache
         self._queue: deque[Queued] = deque()
+        # chain key -> the prompt computing that prefix page, from its start until its pages are cached or freed
+        self._computing: dict[bytes, Prompt] = {}
         self._wake = asyncio.Event()  # pages were freed or a caller left
         self._task: asyncio.Task | None = None
         self._tokens_per_s: float | None = None  # of recent passes (a moving average): the refusals' retry delay
+        self.num_waiting = 0  # queued prompts whose first pass has not started (read by the metrics thread)
         OVERLOAD_REJECTIONS.labels("prefill", "queue_full")  # exported at 0 from start-up
 
     def retry_after_s(self) -> float:
@@ -102,6 +109,14 @@ class Batcher:
     def leave(self, item: Queued) -> None:
         """The caller left: the prompt is dropped if its first pass has not started."""
         item.left = True
+        self._wake.set()
+
+    def computed(self, prompt: Prompt) -> None:
+        """The prompt's pages were cached or freed (worker.send succeeded or not): a prompt that waits for its prefix
+        starts now, from the cache or computing it itself."""
+        for key in prompt.chains:
+            if self._computing.get(key) is prompt:
+                del self._computing[key]
         self._wake.set()
 
     async def result(self, item: Queued) -> Forward:
@@ -152,6 +167,8 @@ class Batcher:
                 continue
             if full:
                 continue
+            if not item.started and self._waits_for_prefix(item):
+                continue  # the prompts behind it may pass: it will take less than they do once it starts
             if not item.started and not self._start(item):
                 full = True  # nothing overtakes it: a large prompt is not starved by small ones
                 continue
@@ -164,6 +181,27 @@ class Batcher:
             full = budget == 0
         return batch
 
+    def _reusable(self, p: Prompt, num_pages: int) -> int:
+        """How many leading full pages the prompt may take from the cache."""
+        if self.cache is None or not self.cache.enabled or p.prompt_logprobs is not None:
+            return 0  # prompt log-probabilities need the logits of every prompt position: such a prompt runs whole
+        # each cached page the destination lacks costs a copy: a hit that with its copies would need more pages
+        # than the pool has would wait for ever, so it is cut to what fits beside the prompt's own pages
+        return max(0, min((len(p.token_ids) - 1) // self.page_size, p.cached_pages + self.alloc.num_pages - num_pages))
+
+    def _waits_for_prefix(self, item: Queued) -> bool:
+        """Whether the first prefix page the cache lacks is being computed by another prompt now."""
+        p = item.prompt
+        chains = p.chains[:self._reusable(p, item.num_pages)]
+        if not chains or not self._computing:
+            return False
+        nxt = len(self.cache.match(chains))
+        waits = nxt < len(chains) and self._computing.get(chains[nxt], p) is not p
+        if waits and not item.waited:
+            item.waited = True
+            PREFIX_WAITS.inc()
+        return waits
+
     def _start(self, item: Queued) -> bool:
         """Gives the prompt its local pages, or returns False when they do not fit now: the longest prefix the
         cache holds (pinned, checked) followed by pages of its own, and one more own page for each cached page the
@@ -174,14 +212,9 @@ class Batcher:
             if not self.alloc.can_allocate(item.num_pages):
                 return False
             p.pages = self.alloc.allocate(item.num_pages)
-            item.started = True
+            self._started(item)
             return True
-        # prompt log-probabilities need the logits of every prompt position: such a prompt runs whole
-        reusable = (len(p.token_ids) - 1) // self.page_size if cache.enabled and p.prompt_logprobs is None else 0
-        # each cached page the destination lacks costs a copy: a hit that with its copies would need more pages
-        # than the pool has would wait for ever, so it is cut to what fits beside the prompt's own pages
-        reusable = max(0, min(reusable, p.cached_pages + self.alloc.num_pages - item.num_pages))
-        chains = p.chains[:reusable]
+        chains = p.chains[:self._reusable(p, item.num_pages)]
         matched = cache.match(chains)
         if not cache.can_allocate(self._own_pages(p, item.num_pages, len(matched)), keep=matched):
             return False
@@ -195,7 +228,9 @@ class Batcher:
         p.pages, p.hit = hit + own[:item.num_pages - len(hit)], len(hit)
         p.copies = own[item.num_pages - len(hit):]
         item.done = item.skipped = len(hit) * self.page_size
-        item.started = True
+        self._started(item)
+        for key in p.chains[len(hit):]:  # the pages it computes and may cache: others wait for them, not redo them
+            self._computing.setdefault(key, p)
         return True
 
     @staticmethod
@@ -234,7 +269,14 @@ class Batcher:
             item.future.set_result(result)
 
     def _count_waiting(self) -> None:
-        PREFILL_QUEUE.set(sum(not item.started for item in self._queue))
+        self.num_waiting = sum(not item.started for item in self._queue)
+        PREFILL_QUEUE.set(self.num_waiting)
+
+    @staticmethod
+    def _started(item: Queued) -> None:
+        """Planned into its first pass: it holds pages now and is no longer dropped."""
+        item.started = True
+        QUEUE_SECONDS.labels("prefill").observe(time.monotonic() - item.queued_at)
 
     async def _wait(self) -> None:
         """Until pages are freed, a caller leaves, or the nearest deadline of a waiting prompt passes."""

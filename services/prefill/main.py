@@ -10,12 +10,14 @@ import secrets
 from ..common import config
 from ..common.capacity import check_pool_capacity
 from ..common.cli_args import add_engine_args, load_runner
-from ..common.metrics import init_metrics
+from ..common.hub import model_path
+from ..common.metrics import init_metrics, track_load
 from ..common.proto import broker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
 from ..common.tls import own_identity, secure_channel, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..check import prefill_plan, read_model_config
+from ..engine.grammar import Grammars
 from ..kvtransfer.engine import DEFAULT_MAX_WRITE_BYTES, MOONCAKE_MIN_TIMEOUT_S, TransferEngine, timeout_error
 from .drain import drain
 from .servicer import PrefillServicer
@@ -91,6 +93,7 @@ async def serve(args) -> None:
     await svc.start()
     servicer = await svc.starting(_start(args, tls))
     holder.servicer = servicer
+    track_load("prefill", servicer.load)
     await svc.set_serving()
     await svc.wait_for_termination(drain=lambda: drain(servicer, args.drain_timeout), drain_timeout=args.drain_timeout)
 
@@ -140,7 +143,8 @@ async def _start(args, tls) -> PrefillServicer:
              "on, up to the pool's unused pages")
     return PrefillServicer(worker, leases, context_length, max_prompt,
                            os.path.basename(os.path.normpath(args.model)), transfer_timeout_s=args.transfer_timeout,
-                           max_batch_tokens=args.prefill_max_batch_tokens, queue_limit=args.prefill_queue_limit)
+                           max_batch_tokens=args.prefill_max_batch_tokens, queue_limit=args.prefill_queue_limit,
+                           grammars=Grammars.for_model(model_path(args.model), runner.config))
 
 
 def main(args) -> None:

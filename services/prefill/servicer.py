@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from ..common.admission import check_options, check_sampling, check_tokens
+from ..common.admission import check_options, check_sampling, check_tokens, start_grammar
 from ..common.config import pages_for
 from ..common.deadline import deadline_exceeded, deadline_of
 from ..common.drain import draining_error
@@ -20,6 +20,7 @@ from ..common.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from ..common.tasks import spawn
 from ..common.wire import (layout_to_pb, leases_from_pb, leases_to_pb, logprobs_to_pb, prompt_digest,
                            sampling_from_pb)
+from ..engine.grammar import Grammars
 from ..engine.tags import TAG_NBYTES
 from ..kvtransfer.engine import TransferError
 from .batcher import Batcher, Queued
@@ -33,7 +34,9 @@ log = logging.getLogger(__name__)
 class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, worker: PrefillWorker, leases: WriteLeases, context_length: int, max_prompt: int,
                  model_name: str, transfer_timeout_s: float = 30.0, max_batch_tokens: int = 2048,
-                 queue_limit: int = 256):
+                 queue_limit: int = 256, grammars: Grammars | None = None):
+        """grammars: compiles structured output's grammars (None: such requests are refused)."""
+        self.grammars = grammars
         self.leases = leases
         self.transfer_timeout_s = transfer_timeout_s
         self.worker = worker
@@ -56,6 +59,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             layout=self.layout_pb, free_pages=self.worker.alloc.num_free + self.worker.cache.num_idle,
             queue_depth=len(self.in_flight),
             draining=self.draining)
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) for pdserve_requests_running/_waiting: prompts past the queue (in a forward pass, or
+        their KV being written until EndWrite), and prompts queued for their first forward pass."""
+        waiting = self.batcher.num_waiting
+        return max(0, len(self.in_flight) - waiting), waiting
 
     def _admit(self, request) -> list[tuple[int, int]]:
         """The leases the prompt needs (one per page after the destination's cached pages), after the admission
@@ -115,11 +124,15 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         deadline = None if context is None else deadline_of(context)
         tokens = list(request.token_ids)
         chains = await self._chains(request.prefix_scope, tokens)
-        if self.draining:  # began while a long prompt's chain was hashed: nothing of it is queued yet
+        sampling = sampling_from_pb(request.sampling)
+        grammar = await start_grammar(self.grammars, sampling.grammar, request.sampling.grammar_prefix)
+        # a drain that began while a long prompt's chain was hashed or its grammar compiled: nothing of it is queued
+        if self.draining:
             raise draining_error("prefill", "no new Prefill call is taken")
-        queued = self.batcher.submit(Prompt(tokens, sampling_from_pb(request.sampling),
+        queued = self.batcher.submit(Prompt(tokens, sampling,
                                             request.prompt_logprobs if request.HasField("prompt_logprobs") else None,
-                                            chains=chains, cached_pages=request.destination.cached_pages),
+                                            chains=chains, cached_pages=request.destination.cached_pages,
+                                            grammar=grammar),
                                      deadline)
         work = asyncio.ensure_future(self._prefill(request, leases, deadline, queued))
         self.in_flight.add(work)
@@ -263,6 +276,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             await self._free_local(prompt, cacheable)
         else:
             self._unpin(prompt)  # cached pages are context only: a write sends copies of them (worker.send)
+            self.batcher.computed(prompt)  # none of its pages will be cached: a prompt waiting for them computes them
             spawn(self._free_local_after(prompt.own_pages, self.leases.max_landing_s))
         await self.leases.end(*end, ok, nothing_posted=not progress.posted, coverage=coverage,
                               first_token=first_token, prompt_digest=digest)
@@ -294,4 +308,5 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         if own:
             self.worker.alloc.deallocate(own)
         prompt.pages, prompt.copies = [], []
-        self.batcher.wake()  # a prompt may be waiting for these, or for the cache's pages it no longer pins
+        # a prompt may be waiting for these, for the cache's pages it no longer pins, or for its prefix
+        self.batcher.computed(prompt)

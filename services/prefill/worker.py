@@ -18,9 +18,10 @@ import torch
 from ..common.config import pages_for
 from ..common.faults import FAULTS
 from ..common.metrics import FORWARD_SECONDS, GUARD_SECONDS
+from ..engine.grammar import GrammarState, fill
 from ..engine.page_allocator import PageAllocator
 from ..engine.runner import Chunk, ModelRunner
-from ..engine.sampler import SamplingParams, TokenLogprobs, logprobs, sample_one
+from ..engine.sampler import SamplingParams, TokenLogprobs, accept, logprobs, sample_one
 from ..engine.tags import TAG_NBYTES, make_tags
 from ..kvtransfer.engine import DEFAULT_MAX_WRITE_BYTES, Run, TransferEngine, coalesce, split_calls
 from .prefix_cache import PrefixCache
@@ -58,6 +59,7 @@ class Prompt:
     cached_pages: int = 0  # the destination's: prompt pages already there, never sent
     hit: int = 0
     copies: list[int] = field(default_factory=list)  # own pages taking the bytes of cached pages cached_pages..hit-1
+    grammar: GrammarState | None = None  # structured output: the first token is drawn under it, and fed to it
 
     @property
     def own_pages(self) -> list[int]:
@@ -111,10 +113,11 @@ class PrefillWorker:
         with FORWARD_SECONDS.labels("prefill").time():
             logits = self.runner.prefill_batch([Chunk(p.token_ids[s:s + n], s, p.pages, p.prompt_logprobs is not None)
                                                 for p, s, n in chunks])
-        return [self._finish_chunk(p, s, n, rows) for (p, s, n), rows in zip(chunks, logits)]
+        eos = self.runner.config.eos_token_ids
+        return [self._finish_chunk(p, s, n, rows, eos) for (p, s, n), rows in zip(chunks, logits)]
 
     @staticmethod
-    def _finish_chunk(p: Prompt, start: int, n: int, rows: torch.Tensor) -> Forward | Exception | None:
+    def _finish_chunk(p: Prompt, start: int, n: int, rows: torch.Tensor, eos_ids=()) -> Forward | Exception | None:
         # rows: [n or 1, V]; row i predicts token start + i + 1
         ids = p.token_ids
         upto = min(start + n, len(ids) - 1)  # the rows that predict prompt tokens
@@ -123,7 +126,10 @@ class PrefillWorker:
         if start + n < len(ids):
             return None
         try:
-            first = sample_one(rows[-1], p.sampling, 0, ids, ())
+            mask = fill([p.grammar], rows.shape[-1])[0] if p.grammar is not None else None
+            first = sample_one(rows[-1], p.sampling, 0, ids, (), mask, eos_ids)
+            if p.grammar is not None and (err := accept(p.grammar, first)) is not None:
+                raise err
         except Exception as e:  # noqa: BLE001  (this prompt's own failure)
             return e
         lp = logprobs(rows[-1:], [first], [p.sampling.logprobs])[0] if p.sampling.logprobs is not None else None

@@ -1,5 +1,5 @@
 """Renders the kustomize overlays with a real kubectl and validates every object offline: core kinds against
-the Kubernetes schemas the pinned kubernetes-validate wheel ships, the prometheus-operator kinds against
+the Kubernetes schemas the pinned kubernetes-validate wheel ships, the prometheus-operator and KEDA kinds against
 the CRD schemas vendored in schemas/ (SOURCE.md says from where)."""
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ OVERLAYS = ("cpu", "gpu")
 K8S_VERSIONS = ("1.30.0", "1.37.0")
 SCHEMAS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schemas")
 CRD_KINDS = {("monitoring.coreos.com/v1", "PrometheusRule"): "prometheusrule-monitoring-v1.json",
-             ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-monitoring-v1.json"}
+             ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-monitoring-v1.json",
+             ("keda.sh/v1alpha1", "ScaledObject"): "scaledobject-keda-v1alpha1.json"}
 
 
 def kubectl() -> str:
@@ -45,6 +46,19 @@ def kustomize(path: str) -> list[dict]:
 def render(overlay: str) -> tuple:
     """The overlay's objects (cached: a tuple; callers must not mutate them)."""
     return tuple(kustomize(os.path.join(K8S, "overlays", overlay)))
+
+
+def render_with(overlay: str, components: list[str], tmp_dir) -> list[dict]:
+    """An overlay with more components (deploy/k8s/components/<name>), as a user's own overlay would add them."""
+    here = str(tmp_dir)
+
+    def rel(*parts: str) -> str:
+        return os.path.relpath(os.path.join(K8S, *parts), here)
+    with open(os.path.join(here, "kustomization.yaml"), "w") as f:
+        yaml.safe_dump({"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+                        "resources": [rel("overlays", overlay)],
+                        "components": [rel("components", c) for c in components]}, f)
+    return kustomize(here)
 
 
 @functools.lru_cache(maxsize=None)

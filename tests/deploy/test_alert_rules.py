@@ -18,10 +18,23 @@ RUNBOOKS = os.path.join(ROOT, "docs", "runbooks")
 RUNBOOK_URL = "https://github.com/pdserve/pdserve/blob/main/docs/runbooks/{}.md"
 
 
-def alerts() -> list[dict]:
+def rules() -> list[dict]:
     with open(RULES) as f:
-        groups = yaml.safe_load(f)["spec"]["groups"]
-    return [r for g in groups for r in g["rules"] if "alert" in r]
+        return [r for g in yaml.safe_load(f)["spec"]["groups"] for r in g["rules"]]
+
+
+def alerts() -> list[dict]:
+    return [r for r in rules() if "alert" in r]
+
+
+def watched_metrics(expr: str, records: dict[str, str]) -> set[str]:
+    """The exported metrics an expression reads (a histogram by its name), through the recording rules it names."""
+    names = {re.sub(r"_(bucket|count|sum)$", "", m)
+             for m in re.findall(r"(?<![\w:])(pdserve_[a-z_]+|up)\b(?=\{|\[|\s|\))", expr)}
+    for record, sub in records.items():
+        if re.search(rf"(?<![\w:]){re.escape(record)}(?![\w:])", expr):
+            names |= watched_metrics(sub, records)
+    return names
 
 
 def promtool_test(tmp_path, rules_doc: dict) -> subprocess.CompletedProcess:
@@ -61,7 +74,8 @@ def test_every_alert_has_firing_and_quiet_unit_tests():
     assert names - firing == set(), f"alerts never tested firing: {sorted(names - firing)}"
     assert names - quiet == set(), f"alerts never tested quiet: {sorted(names - quiet)}"
     assert {"PdserveTargetDown", "PdserveDataLoss", "PdserveLeaseViolation", "PdserveUnsafeMode",
-            "PdserveKvPoolSmallerThanContext", "PdserveQuarantineNotDraining", "PdserveTransferFailures"} <= names
+            "PdserveKvPoolSmallerThanContext", "PdserveQuarantineNotDraining", "PdserveTransferFailures",
+            "PdserveTargetsAbsent", "PdserveErrorRatio", "PdserveTtftSloBurn", "PdserveOverloaded"} <= names
 
 
 def test_target_down_and_data_loss_watch_what_the_issue_names():
@@ -72,6 +86,7 @@ def test_target_down_and_data_loss_watch_what_the_issue_names():
 
 
 def test_every_alert_links_its_runbook_and_the_runbook_names_the_metrics():
+    records = {r["record"]: r["expr"] for r in rules() if "record" in r}
     for a in alerts():
         name = a["alert"]
         assert a["annotations"]["runbook_url"] == RUNBOOK_URL.format(name)
@@ -82,7 +97,32 @@ def test_every_alert_links_its_runbook_and_the_runbook_names_the_metrics():
         assert text.startswith(f"# {name}\n"), f"{path} does not start with '# {name}'"
         for section in ("## What it means", "## How to check", "## What to do"):
             assert section in text, f"{path} lacks '{section}'"
-        metrics = set(re.findall(r"\b(pdserve_[a-z_]+|up)\b(?=\{|\[|\s|\))", a["expr"]))
+        metrics = watched_metrics(a["expr"], records)
         assert metrics, f"{name}: no metric found in {a['expr']!r}"
         for m in metrics:
             assert f"`{m}" in text, f"{path} never names the metric {m} its alert watches"
+
+
+def test_the_ttft_objective_is_a_bucket_bound_the_gateway_exports():
+    """le="5.0", as prometheus_client writes the bound 5 (a bound that is no bucket matches no series: the ratio would
+    be empty and the burn alerts silent for ever)."""
+    from prometheus_client.utils import floatToGoString
+
+    from pdserve.common.metrics import TTFT
+    exported = {floatToGoString(b) for b in TTFT._upper_bounds}
+    bounds = {le for r in rules() for le in re.findall(r'pdserve_time_to_first_token_seconds_bucket\{le="([^"]+)"\}',
+                                                      r["expr"])}
+    assert bounds == {"5.0"} and bounds <= exported, (bounds, exported)
+
+
+def test_absent_targets_name_every_service_the_service_monitor_scrapes():
+    from tests.deploy.netpol import selects
+    from tests.deploy.render import by_kind, render
+    objs = render("cpu")
+    monitor = by_kind(objs, "ServiceMonitor")["pdserve"]["spec"]
+    scraped = {name for name, svc in by_kind(objs, "Service").items()
+               if selects(monitor["selector"], svc["metadata"]["labels"])
+               and any(p["name"] == "metrics" for p in svc["spec"]["ports"])}
+    expr = next(a["expr"] for a in alerts() if a["alert"] == "PdserveTargetsAbsent")
+    named = re.findall(r'absent\(up\{job="pdserve", service="([^"]+)"\}\)', expr)
+    assert sorted(named) == sorted(scraped) and len(scraped) == 4, (named, scraped)

@@ -1,8 +1,10 @@
 """The CPU overlay, run as the manifests say: every container's command, args, env, ports and probes come
 from the rendered YAML (tests/deploy/pods.py maps Service names and the pod IP to 127.0.0.1 and each
-volume to a folder). The init containers make the model, the probes pass, and requests through the
-gateway's gRPC and HTTP ports pass the teacher-forcing oracle. It uses the manifests' own ports, so it
-cannot run beside `make run`: it checks them first and says which one is taken."""
+volume to a folder), and each Deployment runs as many pods as its `replicas` (two gateways). The init containers
+make the model, the probes pass, and requests through every gateway's gRPC and HTTP ports pass the teacher-forcing
+oracle and are counted by the gateway that served them. The first pod of each Deployment uses the manifests' own
+ports, so it cannot run beside `make run`: it checks them first and says which one is taken; further replicas
+listen on free ports of their own, as they would in network namespaces of their own."""
 from __future__ import annotations
 
 import hashlib
@@ -16,7 +18,7 @@ import urllib.request
 import pytest
 
 from tests.conftest import ROOT
-from tests.deploy.pods import LOOPBACK, LocalPod, port_free
+from tests.deploy.pods import LOOPBACK, LocalPod, give_own_ports, port_free, replica_names
 from tests.deploy.render import by_kind, render
 from tests.integration.helpers import prompt
 
@@ -32,104 +34,155 @@ def digest(folder: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def pods(tmp_path_factory):
+def replicas(tmp_path_factory) -> dict[str, list[LocalPod]]:
+    """Every pod of every Deployment, by role: spec.replicas of them, each named as its ReplicaSet would name it."""
     objs = render("cpu")
     deployments = by_kind(objs, "Deployment")
     names = list(by_kind(objs, "Service"))
     root = tmp_path_factory.mktemp("pods")
     # the CA behind the Issuer each pod's csi volume names: every pod gets a certificate for its own name
     issuers = {"pdserve-ca": str(root / "ca")}
-    pods = {r: LocalPod(deployments[f"pdserve-{r}"], str(root / r), names, issuers=issuers) for r in ORDER}
-    busy = [f"{port} ({p.name} {name})" for p in pods.values() for name, port in p.ports().items()
+    pods: dict[str, list[LocalPod]] = {}
+    for r in ORDER:
+        d = deployments[f"pdserve-{r}"]
+        pods[r] = [LocalPod(d, str(root / f"{r}-{i}"), names, pod_name=name, issuers=issuers)
+                   for i, name in enumerate(replica_names(d, d["spec"].get("replicas", 1)))]
+        for extra in pods[r][1:]:
+            give_own_ports(extra)
+    busy = [f"{port} ({p.name} {name})" for ps in pods.values() for name, port in ps[0].ports().items()
             if not port_free(port)]
     assert not busy, (f"ports the manifests use are taken: {', '.join(busy)}. Stop whatever holds them "
                       "(`make run` / `pdserve up` use the same defaults) and run again.")
     try:
         for r in ORDER:
-            pods[r].run_init_containers()
-            pods[r].start()
-            pods[r].startup_s = pods[r].wait_started()
+            for p in pods[r]:
+                p.run_init_containers()
+                p.start()
+            for p in pods[r]:
+                p.startup_s = p.wait_started()
         yield pods
     finally:
         for r in reversed(ORDER):
-            pods[r].exit_s = pods[r].stop()
+            for p in pods[r]:
+                p.exit_s = p.stop()
 
 
-def test_init_containers_give_every_pod_the_same_model(pods):
-    made = {r: os.path.join(p.volume_dir("models"), "pdserve-tiny") for r, p in pods.items()
+@pytest.fixture(scope="module")
+def pods(replicas) -> dict[str, LocalPod]:
+    """The first pod of each Deployment, on the manifests' own ports."""
+    return {r: ps[0] for r, ps in replicas.items()}
+
+
+def every_pod(replicas) -> list[LocalPod]:
+    return [p for ps in replicas.values() for p in ps]
+
+
+def test_each_deployment_runs_its_replicas_and_the_gateway_two(replicas):
+    for r, ps in replicas.items():
+        assert len(ps) == ps[0].deployment["spec"].get("replicas", 1) and len({p.pod_name for p in ps}) == len(ps)
+    assert len(replicas["gateway"]) == 2 and len(replicas["broker"]) == 1
+
+
+def test_init_containers_give_every_pod_the_same_model(replicas):
+    made = {p.pod_name: os.path.join(p.volume_dir("models"), "pdserve-tiny") for p in every_pod(replicas)
             if p.spec.get("initContainers")}
-    assert set(made) == {"prefill", "decode", "gateway"}
-    digests = {r: digest(d) for r, d in made.items()}
-    assert "model.safetensors" in digests["decode"] and "tokenizer.json" in digests["decode"]
-    assert digests["prefill"] == digests["decode"] == digests["gateway"]
+    assert {name.rsplit("-", 2)[0] for name in made} == {"pdserve-prefill", "pdserve-decode", "pdserve-gateway"}
+    assert len(made) == 4  # both gateways make their own
+    digests = [digest(d) for d in made.values()]
+    assert "model.safetensors" in digests[0] and "tokenizer.json" in digests[0]
+    assert all(d == digests[0] for d in digests)
     with open(os.path.join(ROOT, "models", "pdserve-tiny", "model.safetensors"), "rb") as f:
-        assert hashlib.sha256(f.read()).hexdigest() == digests["decode"]["model.safetensors"]
+        assert hashlib.sha256(f.read()).hexdigest() == digests[0]["model.safetensors"]
 
 
-def test_every_probe_passes_once_started(pods):
-    for p in pods.values():
+def test_every_probe_passes_once_started(replicas):
+    for p in every_pod(replicas):
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             out = p.probe(kind)
             assert out.returncode == 0 and out.stdout.strip() == "SERVING", (p.name, kind, out.stdout, out.stderr)
 
 
-def test_each_pod_serves_as_the_identity_its_csi_volume_names(pods):
+def test_each_pod_serves_as_the_identity_its_csi_volume_names(replicas):
     """CN ROLE/<pod name>, from the certificate the pod's csi volume asked for: its pools and writer ids are its own."""
-    for r, p in pods.items():
-        assert f"mutual TLS as {r}/{p.pod_name}" in p.log(tail=1 << 30), p.log()
+    for r, ps in replicas.items():
+        for p in ps:
+            assert f"mutual TLS as {r}/{p.pod_name}" in p.log(tail=1 << 30), p.log()
 
 
-def test_grpc_requests_through_the_gateway_pass_the_oracle(pods, oracle):
-    port = pods["gateway"].ports()["grpc"]
-    for n, seed in ((1, 1), (17, 2), (60, 3)):
-        p = prompt(n, 1000 + seed)
-        out = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--json", "--ignore-eos",
-                              "--max-tokens", "6", "--gateway", f"{LOOPBACK}:{port}",
-                              "--prompt-token-ids", ",".join(map(str, p))],
-                             env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
-        assert out.returncode == 0, out.stderr
-        ids = json.loads(out.stdout)["token_ids"]
-        assert len(ids) == 6
-        oracle.check(p, ids)
+def test_grpc_requests_through_every_gateway_pass_the_oracle(replicas, oracle):
+    for i, gw in enumerate(replicas["gateway"]):
+        for n, seed in ((1, 1), (17, 2), (60, 3)):
+            p = prompt(n, 1000 + 10 * i + seed)
+            out = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--json", "--ignore-eos",
+                                  "--max-tokens", "6", "--gateway", f"{LOOPBACK}:{gw.port('grpc')}",
+                                  "--prompt-token-ids", ",".join(map(str, p))],
+                                 env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr
+            ids = json.loads(out.stdout)["token_ids"]
+            assert len(ids) == 6
+            oracle.check(p, ids)
+
+
+def completion(port: int, body: dict) -> dict:
+    req = urllib.request.Request(f"http://{LOOPBACK}:{port}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
 
 
 def test_http_requests_on_port_8000_pass_the_oracle(pods, oracle):
     port = pods["gateway"].ports()["http"]
     assert port == 8000
     p = prompt(33, 1100)
-    body = json.dumps({"prompt": p, "max_tokens": 5, "temperature": 0, "ignore_eos": True}).encode()
-    req = urllib.request.Request(f"http://{LOOPBACK}:{port}/v1/completions", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        out = json.loads(r.read())
-    ids = out["choices"][0]["token_ids"]
+    ids = completion(port, {"prompt": p, "max_tokens": 5, "temperature": 0, "ignore_eos": True})["choices"][0]["token_ids"]
     assert len(ids) == 5
     oracle.check(p, ids)
 
 
-def test_metrics_ports_from_the_manifests_serve_pdserve_metrics(pods):
-    for p in pods.values():
-        with urllib.request.urlopen(f"http://{LOOPBACK}:{p.ports()['metrics']}/metrics", timeout=10) as r:
+def test_each_gateway_counts_the_http_requests_and_tokens_it_served(replicas, oracle):
+    """A request through one gateway moves that gateway's counters by what it implies, and the other's not at all."""
+    gateways = replicas["gateway"]
+    completions = {"route": "/v1/completions", "status": "200"}
+    for i, served in enumerate(gateways):
+        before = [(g.metric("pdserve_http_requests_total", completions), g.metric("pdserve_prompt_tokens_total"),
+                   g.metric("pdserve_generation_tokens_total")) for g in gateways]
+        p = prompt(21, 1200 + i)
+        ids = completion(served.port("http"), {"prompt": p, "max_tokens": 4, "temperature": 0,
+                                               "ignore_eos": True})["choices"][0]["token_ids"]
+        oracle.check(p, ids)
+        after = [(g.metric("pdserve_http_requests_total", completions), g.metric("pdserve_prompt_tokens_total"),
+                  g.metric("pdserve_generation_tokens_total")) for g in gateways]
+        for j, g in enumerate(gateways):
+            moved = tuple(a - b for a, b in zip(after[j], before[j]))
+            assert moved == ((1, 21, 4) if j == i else (0, 0, 0)), (g.pod_name, moved)
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{served.port('http')}/health", timeout=10) as r:
+            assert r.status == 200 and json.loads(r.read()) == {"status": "ok"}
+
+
+def test_metrics_ports_from_the_manifests_serve_pdserve_metrics(replicas):
+    for p in every_pod(replicas):
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{p.port('metrics')}/metrics", timeout=10) as r:
             text = r.read().decode()
         assert "pdserve_unsafe_mode" in text, p.name
 
 
-def test_every_declared_container_port_listens(pods):
+def test_every_declared_container_port_listens(replicas):
     """A port the manifests declare (Services, NetworkPolicies and the ServiceMonitor use them) that the
     process does not open is a manifest out of step with the code: decode's `mooncake` port included."""
     closed = []
-    for p in pods.values():
-        for name, port in p.ports().items():
+    for p in every_pod(replicas):
+        for name in p.ports():
             with socket.socket() as s:
                 s.settimeout(5)
-                if s.connect_ex((LOOPBACK, port)) != 0:
-                    closed.append(f"{p.name} {name} {port}")
+                if s.connect_ex((LOOPBACK, p.port(name))) != 0:
+                    closed.append(f"{p.pod_name} {name} {p.port(name)}")
     assert closed == []
 
 
-def test_zz_each_pod_exits_on_sigterm_within_its_grace_period(pods):
-    """Last in the file: stops the pods the way the kubelet does, gateway first."""
+def test_zz_each_pod_exits_on_sigterm_within_its_grace_period(replicas):
+    """Last in the file: stops the pods the way the kubelet does, gateways first."""
     for r in reversed(ORDER):
-        took = pods[r].stop()
-        grace = pods[r].spec["terminationGracePeriodSeconds"]
-        assert took is not None, f"{pods[r].name} ignored SIGTERM for its {grace}s grace period:\n{pods[r].log()}"
+        for p in replicas[r]:
+            took = p.stop()
+            grace = p.spec["terminationGracePeriodSeconds"]
+            assert took is not None, f"{p.pod_name} ignored SIGTERM for its {grace}s grace period:\n{p.log()}"

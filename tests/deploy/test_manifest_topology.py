@@ -66,6 +66,23 @@ def test_disruption_budgets_cover_the_serving_roles(overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_two_gateways_spread_over_nodes_so_a_drain_or_a_node_leaves_one(overlay):
+    """One gateway with a PDB of maxUnavailable 1 made every node drain an outage (issue 21)."""
+    objs = render(overlay)
+    gw = by_kind(objs, "Deployment")["pdserve-gateway"]
+    assert gw["spec"]["replicas"] == 2 > by_kind(objs, "PodDisruptionBudget")["pdserve-gateway"]["spec"]["maxUnavailable"]
+    spread = {c["topologyKey"]: c for c in gw["spec"]["template"]["spec"]["topologySpreadConstraints"]}
+    node = spread["kubernetes.io/hostname"]
+    # hard on nodes, but a cordoned (tainted) node is no domain: a drain can always place the replacement
+    assert (node["maxSkew"], node["whenUnsatisfiable"], node["nodeTaintsPolicy"]) == (1, "DoNotSchedule", "Honor")
+    # soft on zones: nodes without a zone label still take gateways
+    assert spread["topology.kubernetes.io/zone"]["whenUnsatisfiable"] == "ScheduleAnyway"
+    for c in spread.values():
+        assert selects(c["labelSelector"], labels("gateway"))
+        assert not any(selects(c["labelSelector"], labels(r)) for r in ROLES if r != "gateway")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_network_policies_admit_exactly_the_documented_paths(overlay):
     objs = render(overlay)
     pols = list(by_kind(objs, "NetworkPolicy").values())
@@ -118,8 +135,8 @@ def test_gpu_overlay_uses_a_read_only_claim_bf16_and_gpu_nodes():
         vols = {v["name"]: v for v in spec["volumes"]}
         assert vols["models"] == {"name": "models", "persistentVolumeClaim": {"claimName": "pdserve-models",
                                                                               "readOnly": True}}
-        args = containers(d)[0]["args"]
-        assert args[args.index("--model") + 1] == "/models/checkpoint"
+        args = containers(d)[0]["args"]  # a hub id, found in the claim's hub cache (test_gpu_check.py)
+        assert args[args.index("--model") + 1] == "meta-llama/Llama-3.1-8B-Instruct"
     for role in ("prefill", "decode"):
         spec = by_kind(objs, "Deployment")[f"pdserve-{role}"]["spec"]["template"]["spec"]
         c = spec["containers"][0]

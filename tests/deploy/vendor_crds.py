@@ -1,8 +1,8 @@
-"""Turns prometheus-operator CRD YAMLs into the JSON Schemas in schemas/ (run by hand when the vendored
+"""Turns CRD YAMLs (prometheus-operator's, KEDA's) into the JSON Schemas in schemas/ (run by hand when the vendored
 version changes; schemas/SOURCE.md records which commit they came from):
 
     python -m tests.deploy.vendor_crds monitoring.coreos.com_prometheusrules.yaml \
-        monitoring.coreos.com_servicemonitors.yaml
+        monitoring.coreos.com_servicemonitors.yaml keda.sh_scaledobjects.yaml
 
 The CRD's openAPIV3Schema is what the API server validates against; two differences from JSON Schema are
 bridged here. An API server with strict field validation (kubectl's default) rejects unknown fields, so

@@ -1,8 +1,10 @@
 """Helpers of the drain tests: a gateway over chosen instances, and streams read by one thread each."""
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -30,6 +32,21 @@ def gateway_over(stack, model_dir: str, prefills: list, decodes: list, http: boo
     return proc
 
 
+@contextlib.contextmanager
+def openai_gateway(stack, model_dir: str, key: str):
+    """An HTTP gateway over the stack's prefill and decode serving model_dir's tokenizer and template, with its
+    official client as .client (no retries: every refusal is seen)."""
+    import openai
+
+    proc = gateway_over(stack, model_dir, stack.procs["prefill"], stack.procs["decode"], http=True,
+                        extra=("--api-key", key))
+    try:
+        proc.client = openai.OpenAI(base_url=f"http://127.0.0.1:{proc.http_port}/v1", api_key=key, max_retries=0)
+        yield proc
+    finally:
+        launcher.stop(proc)
+
+
 class Streams:
     """One Generate stream per prompt, each read by its own thread; records tokens and errors."""
 
@@ -39,6 +56,9 @@ class Streams:
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
         self.started = [threading.Event() for _ in prompts]
         self.outs: list[dict | None] = [None] * len(prompts)
+        self.t0 = time.monotonic()
+        self.first_at: list[float | None] = [None] * len(prompts)  # seconds from t0: first token, end of stream
+        self.end_at: list[float | None] = [None] * len(prompts)
         self.threads = [threading.Thread(target=self._run, args=(i, max_tokens), daemon=True)
                         for i in range(len(prompts))]
         for t in self.threads:
@@ -50,6 +70,8 @@ class Streams:
         try:
             for r in self.stub.Generate(req, timeout=300):
                 toks.extend(r.token_ids)
+                if self.first_at[i] is None:
+                    self.first_at[i] = time.monotonic() - self.t0
                 self.started[i].set()
         except grpc.RpcError as e:
             err = from_rpc_error(e)
@@ -58,13 +80,18 @@ class Streams:
         else:
             self.outs[i] = {"token_ids": toks}
         finally:
+            self.end_at[i] = time.monotonic() - self.t0
             self.started[i].set()
 
     def wait_started(self, timeout: float) -> None:
         """Until every stream has its first token (a stream that failed first counts, and fails the test later)."""
         for e in self.started:
             assert e.wait(timeout), "a stream got no token"
-        assert all(o is None for o in self.outs), f"a stream ended before the drain began: {self.outs}"
+        ended = [i for i, o in enumerate(self.outs) if o is not None]
+        assert not ended, "a stream ended before the drain began: " + "; ".join(
+            f"stream {i}: first token at {self.first_at[i]}s, ended at {self.end_at[i]:.2f}s after "
+            f"{len(self.outs[i]['token_ids'])} tokens, {self.outs[i].get('error', 'complete')}" for i in ended) + (
+            f"; first tokens of all at {self.first_at}")
 
     def join(self, timeout: float) -> None:
         for t in self.threads:

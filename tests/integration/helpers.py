@@ -1,6 +1,8 @@
 """Driving prefill and decode directly, the way the gateway does, for tests that need to see leases."""
 from __future__ import annotations
 
+import json
+import os
 import random
 import secrets
 import time
@@ -14,6 +16,17 @@ from pdserve.common.proto import common_pb2, decode_pb2, prefill_pb2
 def prompt(n: int, seed: int) -> list[int]:
     r = random.Random(seed)
     return [r.randrange(2, 512) for _ in range(n)]
+
+
+def with_template(model_dir: str, d, template: str) -> str:
+    """The checkpoint in folder d with another chat template than its own (a file of its own there: writing through
+    a link would change the shared checkpoint)."""
+    for name in os.listdir(model_dir):
+        if name != "tokenizer_config.json":
+            os.symlink(os.path.join(model_dir, name), d / name)
+    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": template,
+                                                         "tokenizer_class": "PreTrainedTokenizerFast"}))
+    return str(d)
 
 
 def sampling(max_tokens: int) -> common_pb2.SamplingParams:

@@ -78,7 +78,11 @@ def port(stack):
     (b'{"prompt": [5, 1099511627776], "max_tokens": 3}', "invalid_value", "prompt.1"),
     (b'{"prompt": [[5], [-1]], "max_tokens": 3}', "invalid_value", "prompt.1.0"),
     (b'{"prompt": "\xff\xfe hi", "max_tokens": 3}', "invalid_utf8", None),
-    (b'{"prompt": "hi", "max_tokens": 3, "logit_bias": {"5": 100}}', "unsupported_field", "logit_bias"),
+    (b'{"prompt": "hi", "max_tokens": 3, "suffix": "!"}', "unsupported_field", "suffix"),
+    (b'{"prompt": "hi", "max_tokens": 3, "logit_bias": {"5": 101}}', "invalid_value", "logit_bias.5"),
+    (b'{"prompt": "hi", "max_tokens": 3, "logit_bias": {"x5": 1}}', "invalid_value", "logit_bias"),
+    (b'{"prompt": "hi", "max_tokens": 3, "response_format": {"type": "json_schema"}}', "invalid_value",
+     "response_format"),
     (b'{"prompt": ["a", "b", "c", "d", "e"], "n": 16, "max_tokens": 3}', "too_many_choices", "n"),
 ])
 def test_malformed_bodies_get_400_with_an_error_object(port, body, code, param):

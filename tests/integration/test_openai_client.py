@@ -11,9 +11,8 @@ import openai
 import pytest
 import torch
 
-from tests.integration.drain_util import gateway_over
-from tests.integration.helpers import prompt, wait_no_leases
-from pdserve import launcher
+from tests.integration.drain_util import openai_gateway
+from tests.integration.helpers import prompt, wait_no_leases, with_template
 
 KEY = "sk-test-pdserve"
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -23,28 +22,19 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 @pytest.fixture(scope="module")
 def chat_dir(model_dir, tmp_path_factory):
-    """The tiny checkpoint with another chat template than its own (a file of its own here: writing through a
-    link would change the shared checkpoint)."""
-    d = tmp_path_factory.mktemp("chat-model")
-    for name in os.listdir(model_dir):
-        if name != "tokenizer_config.json":
-            os.symlink(os.path.join(model_dir, name), d / name)
-    (d / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML,
-                                                         "tokenizer_class": "PreTrainedTokenizerFast"}))
-    return str(d)
+    """The tiny checkpoint with a ChatML template."""
+    return with_template(model_dir, tmp_path_factory.mktemp("chat-model"), CHATML)
 
 
 @pytest.fixture(scope="module")
 def gw(stack, chat_dir):
-    proc = gateway_over(stack, chat_dir, stack.procs["prefill"], stack.procs["decode"], http=True,
-                        extra=("--api-key", KEY))
-    yield proc
-    launcher.stop(proc)
+    with openai_gateway(stack, chat_dir, KEY) as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
 def client(gw):
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{gw.http_port}/v1", api_key=KEY, max_retries=0)
+    return gw.client
 
 
 @pytest.fixture(scope="module")

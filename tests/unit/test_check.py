@@ -136,3 +136,26 @@ def test_check_allocates_nothing(model_dir):
     assert r.returncode == 0 and "8589934592 bytes" in r.stdout, r.stdout + r.stderr
     peak_kib = int(r.stdout.split("peak_kib ")[1])
     assert peak_kib < 1 << 20, peak_kib
+
+
+def test_a_hugging_face_id_is_checked_from_its_cached_snapshot_down_to_the_tensors_dtype(tmp_path, monkeypatch,
+                                                                                            capsys):
+    # issue 21: --model as a hub id; a config.json without torch_dtype sends `auto` to the tensors' own dtype, so
+    # the id must reach the weight files too, not only config.json
+    from pdserve.engine.make_model import make_model
+    snap = tmp_path / "hub" / "models--acme--tiny-bf16" / "snapshots" / "abc123"
+    make_model(str(snap), "tiny", 0, dtype="bfloat16")
+    config = json.loads((snap / "config.json").read_text())
+    config.pop("torch_dtype", None), config.pop("dtype", None)
+    (snap / "config.json").write_text(json.dumps(config))
+    (snap.parent.parent / "refs").mkdir()
+    (snap.parent.parent / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    by_id = run(["prefill", "--model", "acme/tiny-bf16", "--pool-tokens", "8192"], capsys)
+    by_path = run(["prefill", "--model", str(snap), "--pool-tokens", "8192"], capsys)
+    assert by_id == by_path and by_id[0] == 0
+    assert "  KV per token:  2048 bytes (4 layers x 2 x 4 KV heads x 32 x 2 bytes of bfloat16)" in by_id[1]
+    rc, lines = run(["decode", "--model", "acme/absent"], capsys)
+    assert rc == 1 and exits_with(lines, "decode").startswith("pdserve decode: --model acme/absent: no local directory")
+    assert f"the Hugging Face hub cache {tmp_path / 'hub'} (HF_HUB_CACHE, else HF_HOME/hub) has no models--acme--absent/" \
+        in exits_with(lines, "decode")

@@ -62,3 +62,16 @@ def test_version_is_pyprojects(capsys):
         cli.main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out == f"pdserve {want}\n"
+
+
+def test_generate_has_a_flag_for_every_optional_request_field():
+    """build_request reads each client.OPTIONAL name off the parsed arguments: a name without a flag is an
+    AttributeError on every `pdserve generate`."""
+    from pdserve import client
+    parsed = sub_parsers()["generate"].parse_args([])
+    assert [n for n in client.OPTIONAL if not hasattr(parsed, n)] == []
+    req = client.build_request(**{n: getattr(parsed, n) for n in client.OPTIONAL})
+    assert [f.name for f, _ in req.ListFields() if f.name in client.OPTIONAL] == []
+    parsed = sub_parsers()["generate"].parse_args(["--min-p", "0.25", "--min-tokens", "3", "--json-object"])
+    req = client.build_request(**{n: getattr(parsed, n) for n in client.OPTIONAL})
+    assert (round(req.min_p, 6), req.min_tokens, req.json_object) == (0.25, 3, True)

@@ -1,10 +1,12 @@
-"""The FastAPI application: request ids and the API key (and with it the tenant) around every route, the error
-object for every failure, /health, /v1/models and the two generation routes."""
+"""The FastAPI application: request ids and the API key (and with it the tenant) around every route, each answer
+counted by route and status, the error object for every failure, /health, /v1/models and the two generation
+routes."""
 from __future__ import annotations
 
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +20,7 @@ from ..scope import check_cache_salt
 from . import chat, completions
 from .errors import ApiError
 from .generation import ClientGone
+from .http_metrics import CountRequests, RouteLabels
 from .server import Limits
 
 log = logging.getLogger(__name__)
@@ -25,18 +28,23 @@ MAX_REQUEST_ID = 128
 
 
 class Front:
-    """What the routes share: the servicer (admission, tokenizer, capacity), the served name and limits."""
+    """What the routes share: the servicer (admission, tokenizer, capacity), the served names and limits. A request
+    may name any of the names; responses report the first (`model`), as vLLM's --served-model-name documents."""
 
-    def __init__(self, servicer, model: str, limits: Limits, template=None):
-        self.servicer, self.model, self.limits, self.template = servicer, model, limits, template
+    def __init__(self, servicer, names: Sequence[str], limits: Limits, template=None):
+        if isinstance(names, str) or not names:
+            raise TypeError(f"names must be a non-empty sequence of names, got {names!r}")
+        self.servicer, self.names, self.limits, self.template = servicer, tuple(names), limits, template
+        self.model = self.names[0]
         self.created = int(time.time())
 
     def check(self, body) -> None:
         """What both generation routes refuse before any work: another model, stream_options without a
         stream, a draining gateway."""
-        if body.model is not None and body.model != self.model:
+        if body.model is not None and body.model not in self.names:
+            served = ", ".join(f"`{n}`" for n in self.names)
             raise ApiError(404, "model_not_found", f"the model `{body.model}` does not exist; this server "
-                                                   f"serves `{self.model}`", param="model")
+                                                   f"serves {served}", param="model")
         opts = body.stream_options
         if opts is not None and not body.stream:
             raise ApiError(400, "invalid_value", "stream_options needs stream: true", param="stream_options")
@@ -95,7 +103,7 @@ class Envelope:
         await self.app(scope, receive, send_with_id)
 
 
-def create_app(front: Front, keys: ApiKeys | None) -> Envelope:
+def create_app(front: Front, keys: ApiKeys | None) -> CountRequests:
     app = FastAPI(title="pdserve", openapi_url=None, docs_url=None, redoc_url=None)
 
     @app.exception_handler(ApiError)
@@ -127,15 +135,21 @@ def create_app(front: Front, keys: ApiKeys | None) -> Envelope:
 
     @app.get("/health")
     async def health():
+        """200 only while a request could be served: not draining, and a prefill and a decode take work (as the
+        gRPC health); otherwise 503 saying which role has no backend."""
         if front.servicer.draining:
             return ApiError.from_pd(draining_error("gateway", "it takes no new requests")).response()
+        for router in (front.servicer.prefills, front.servicer.decodes):
+            if not router.backends:
+                return ApiError.from_pd(router.no_backend()).response()
         return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models():
         cap = front.servicer.cap
-        return {"object": "list", "data": [{"id": front.model, "object": "model", "created": front.created,
-                                            "owned_by": "pdserve", "max_model_len": cap.context_length}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": front.created,
+                                            "owned_by": "pdserve", "max_model_len": cap.context_length}
+                                           for name in front.names]}
 
     @app.post("/v1/completions")
     async def _completions(request: Request):
@@ -145,4 +159,4 @@ def create_app(front: Front, keys: ApiKeys | None) -> Envelope:
     async def _chat(request: Request):
         return await chat.handle(front, request)
 
-    return Envelope(app, keys)
+    return CountRequests(Envelope(app, keys), RouteLabels(app.routes))

@@ -1,8 +1,10 @@
 """POST /v1/chat/completions: the conversation is rendered by the checkpoint's chat template (as
 transformers' apply_chat_template renders it) and the text encoded with the gateway's tokenizer, adding no
-special tokens (the template writes its own). JSON or SSE; logprobs in the chat format."""
+special tokens (the template writes its own). JSON or SSE; logprobs in the chat format; tool calls parsed from the
+output or forced through the grammar (tools.py), streamed in OpenAI's delta format (tool_stream.py)."""
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -14,8 +16,10 @@ from ...engine.chat import ChatTemplateError
 from ..admit import encode_prompt
 from .body import parse, read_body
 from .errors import ApiError
-from .generation import Output, build, collect
-from .schema import ChatRequest
+from .generation import Output, build, collect, grammar_of
+from .schema import ChatRequest, NamedToolChoice
+from .tool_stream import ToolStream
+from .tools import ToolPlan, format_of, new_call_id, plan
 from .stream import event_stream, open_stream, usage, usage_fields
 
 log = logging.getLogger(__name__)
@@ -41,18 +45,45 @@ def _max_tokens(body: ChatRequest, num_prompt: int, context_length: int) -> int:
     return a or b or max(1, context_length - num_prompt)
 
 
-def prompt_ids(front, body: ChatRequest) -> list[int]:
+def template_args(body: ChatRequest) -> tuple[bool, dict]:
+    """(add_generation_prompt, the other template variables). As in vLLM, chat_template_kwargs win over the
+    request's own add_generation_prompt; the conversation and the tools come only from their own fields."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    add = kwargs.pop("add_generation_prompt", body.add_generation_prompt)
+    if not isinstance(add, bool):
+        raise ApiError(400, "invalid_type", f"chat_template_kwargs.add_generation_prompt must be a boolean, got "
+                                            f"{type(add).__name__}", param="chat_template_kwargs")
+    if taken := sorted({"messages", "tools"} & kwargs.keys()):
+        raise ApiError(400, "invalid_value", f"chat_template_kwargs may not set {', '.join(taken)}: send "
+                                             f"{'them' if len(taken) > 1 else 'it'} as the request's own field",
+                       param="chat_template_kwargs")
+    return add, kwargs
+
+
+def prompt_ids(front, body: ChatRequest, render_tools: list[dict] | None) -> list[int]:
     if front.template is None:
         raise ApiError(400, "no_chat_template", f"the model `{front.model}` has no chat template "
                                                 f"(tokenizer_config.json chat_template); use /v1/completions")
+    add, kwargs = template_args(body)
     try:
-        text = front.template.render([m.to_template() for m in body.messages], body.add_generation_prompt,
-                                     tools=body.tools, **(body.chat_template_kwargs or {}))
+        text = front.template.render([m.to_template() for m in body.messages], add, tools=render_tools, **kwargs)
     except ChatTemplateError as e:
         raise ApiError(400, "chat_template_error", str(e), param="messages") from None
     # unset, max_tokens defaults to what the context leaves (at least 1): a prompt that cannot fit with 1 fits with none
     least = body.max_completion_tokens or body.max_tokens or 1
     return encode_prompt(front.servicer.tokenizer, text, least, front.servicer.cap)
+
+
+def plan_of(front, body: ChatRequest, structured: bool) -> ToolPlan:
+    choice = body.tool_choice
+    return plan([t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+                choice.model_dump() if isinstance(choice, NamedToolChoice) else choice, body.parallel_tool_calls,
+                format_of(front.template), structured)
+
+
+def finish_of(finish: str | None, has_calls: bool) -> str | None:
+    """OpenAI's reason for an output that ended in tool calls (one cut by max_tokens stays "length")."""
+    return "tool_calls" if has_calls and finish == "stop" else finish
 
 
 async def handle(front, request: Request) -> Response:
@@ -61,14 +92,18 @@ async def handle(front, request: Request) -> Response:
     front.check(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "invalid_value", "top_logprobs needs logprobs: true", param="top_logprobs")
-    ids = prompt_ids(front, body)
+    grammar = grammar_of(body)
+    tools = plan_of(front, body, grammar != ("", False))
+    if tools.schema is not None:  # required or named: the call is forced through the grammar
+        grammar = (json.dumps(tools.schema, ensure_ascii=False), False)
+    ids = prompt_ids(front, body, tools.render)
     if not ids:
         raise ApiError(400, "empty_prompt", "the chat template rendered an empty prompt", param="messages")
     log.info("http request %s: chat, %d messages, %d prompt tokens x %d choice(s)%s", rid, len(body.messages),
              len(ids), body.n, f", user {body.user!r}" if body.user else "")
     max_tokens = _max_tokens(body, len(ids), front.servicer.cap.context_length)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    reqs = [build(body, ids, max_tokens, i, logprobs, None) for i in range(body.n)]
+    reqs = [build(body, ids, max_tokens, i, logprobs, None, grammar) for i in range(body.n)]
     tok = front.servicer.tokenizer
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": front.model}
     if body.stream:
@@ -76,18 +111,29 @@ async def handle(front, request: Request) -> Response:
         started = [False] * body.n
         counts = [0] * body.n
 
+        streams = [ToolStream(tools) for _ in range(body.n)] if tools.parses else None
+
         def chunks(i, r):
             o = Output()
             o.add(r)
             counts[i] += len(o.token_ids)
-            delta = {"content": "".join(o.text)}
-            if not started[i]:
-                started[i] = True
-                delta = {"role": "assistant", **delta}
-            choice = {"index": i, "delta": delta, "logprobs": logprobs_of(tok, o) if body.logprobs else None,
-                      "finish_reason": o.finish}
-            yield {**head, "object": "chat.completion.chunk", "choices": [choice],
-                   **usage_fields(body, lambda: usage(len(ids), sum(counts)))}
+            piece, finish = "".join(o.text), o.finish
+            if streams is None:
+                deltas = [{"content": piece}]
+            else:  # content while no call can start in it; each call once its text is whole
+                deltas = streams[i].push(piece) + (streams[i].finish() if finish is not None else [])
+                if not deltas and (finish is not None or body.logprobs):
+                    deltas = [{}]
+                finish = finish_of(finish, streams[i].has_calls)
+            for k, delta in enumerate(deltas):
+                if not started[i]:
+                    started[i] = True
+                    delta = {"role": "assistant", **delta}
+                choice = {"index": i, "delta": delta,
+                          "logprobs": logprobs_of(tok, o) if body.logprobs and k == 0 else None,
+                          "finish_reason": finish if k == len(deltas) - 1 else None}
+                yield {**head, "object": "chat.completion.chunk", "choices": [choice],
+                       **usage_fields(body, lambda: usage(len(ids), sum(counts)))}
 
         def tail():
             if with_usage:
@@ -95,8 +141,13 @@ async def handle(front, request: Request) -> Response:
                        "usage": usage(len(ids), sum(counts))}
         return event_stream(*await open_stream(front.servicer, reqs, request, rid), chunks, tail, rid)
     outs = await collect(front.servicer, reqs, request, rid)
-    choices = [{"index": i, "message": {"role": "assistant", "content": "".join(o.text)},
-                "logprobs": logprobs_of(tok, o) if body.logprobs else None, "finish_reason": o.finish}
-               for i, o in enumerate(outs)]
+    choices = []
+    for i, o in enumerate(outs):
+        content, calls = tools.parse("".join(o.text))
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.to_openai(new_call_id()) for c in calls]
+        choices.append({"index": i, "message": message, "logprobs": logprobs_of(tok, o) if body.logprobs else None,
+                        "finish_reason": finish_of(o.finish, bool(calls))})
     return {**head, "object": "chat.completion", "choices": choices,
             "usage": usage(len(ids), sum(len(o.token_ids) for o in outs))}

@@ -24,10 +24,29 @@ class ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready."""
 
 
+def logit_bias_of(body: Sampling) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings."""
+    out = {}
+    for k, v in (body.logit_bias or {}).items():
+        if not k.isdigit() or int(k) >= 2**31:
+            raise ApiError(400, "invalid_value", f"logit_bias keys are token ids; got {k[:40]!r}", param="logit_bias")
+        out[int(k)] = v
+    return out
+
+
+def grammar_of(body: Sampling) -> tuple[str, bool]:
+    """(json_schema, json_object) of the body's response_format."""
+    try:
+        return body.grammar()
+    except ValueError as e:
+        raise ApiError(400, "invalid_value", str(e), param="response_format") from None
+
+
 def build(body: Sampling, prompt: str | list[int], max_tokens: int, choice: int, logprobs: int | None,
-          prompt_logprobs: int | None) -> gateway_pb2.GenerateRequest:
+          prompt_logprobs: int | None, grammar: tuple[str, bool] | None = None) -> gateway_pb2.GenerateRequest:
     """Choice i of a request with a seed samples with seed + i, so n > 1 gives n different, reproducible
-    choices."""
+    choices. grammar: (json_schema, json_object) to enforce; None: the body's response_format."""
+    json_schema, json_object = grammar if grammar is not None else grammar_of(body)
     req = gateway_pb2.GenerateRequest(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, ignore_eos=body.ignore_eos,
         frequency_penalty=body.frequency_penalty, presence_penalty=body.presence_penalty, stop=body.stops(),
@@ -48,6 +67,11 @@ def build(body: Sampling, prompt: str | list[int], max_tokens: int, choice: int,
         req.prompt_logprobs = prompt_logprobs
     if body.cache_salt is not None:
         req.cache_salt = body.cache_salt
+    req.logit_bias.update(logit_bias_of(body))
+    if body.min_p:
+        req.min_p = body.min_p
+    req.min_tokens = body.min_tokens
+    req.json_schema, req.json_object = json_schema, json_object
     return req
 
 

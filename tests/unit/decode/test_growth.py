@@ -90,24 +90,27 @@ async def _drain(seq: Sequence) -> tuple[list[int], PdError | None]:
 
 
 class Writes:
-    """Wraps runner.decode: records, for every step, each sequence's written page and whether it was leased."""
+    """Wraps runner.run_decode (the step in the worker thread): records, for every step, each sequence's written
+    page and whether it was leased."""
 
     def __init__(self, runner, broker: Broker):
-        self.runner, self.decode, self.broker = runner, runner.decode, broker
+        self.runner, self.run_decode, self.broker = runner, runner.run_decode, broker
         self.unleased: list[tuple[int, int]] = []
-        runner.decode = self
+        self.steps = 0
+        runner.run_decode = self
 
-    def __call__(self, tokens, positions, tables):
-        for pos, table in zip(positions, tables):
+    def __call__(self, inputs):
+        self.steps += 1
+        for pos, table in zip(inputs.positions.tolist(), inputs.table.tolist()):
             page = table[pos // PS]
             tag = self.runner.pool.tags[page]
             # the page this step writes carries, before the step, the tag of a lease the broker gave
             if self.broker.granted.get(page) != int(tag[GENERATION]) or int(tag[PAGE_INDEX]) != pos // PS:
                 self.unleased.append((page, pos))
-        return self.decode(tokens, positions, tables)
+        return self.run_decode(inputs)
 
     def restore(self):
-        self.runner.decode = self.decode
+        self.runner.run_decode = self.run_decode
 
 
 def test_sequences_grow_their_leases_in_batches_and_decode_the_references_tokens(runner, oracle):
@@ -132,7 +135,7 @@ def test_sequences_grow_their_leases_in_batches_and_decode_the_references_tokens
         assert err is None and len(toks) == 64
         oracle.check(p, toks)
         assert len(seq.leases) == seq.max_pages  # grown to what it used, never more
-    assert writes.unleased == []
+    assert writes.steps >= 63 and writes.unleased == []  # every step was seen (3 sequences, 63 steps or more)
     grown = sum(n for call in broker.calls for _, n in call)
     assert grown == sum(len(q.leases) for q in seqs) - sum(-(-len(p) // PS) + 1 for p in prompts)
     assert len(broker.calls) < sum(len(call) for call in broker.calls)  # batched: some calls grew several

@@ -7,6 +7,7 @@ import time
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from pdserve.common.errors import PdError
 from pdserve.common.proto import broker_pb2, common_pb2
@@ -89,6 +90,41 @@ def test_a_waiter_whose_deadline_passes_ends_with_deadline_exceeded_and_the_next
     err = asyncio.run(main())
     assert err.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
+
+
+def queue_times() -> float:
+    return REGISTRY.get_sample_value("pdserve_queue_time_seconds_count", {"service": "decode"}) or 0.0
+
+
+def test_every_granted_request_has_its_queue_time_observed_and_a_refused_one_none():
+    """Issue 21: one observation per grant, the ones granted at once and the ones that queued for pages alike."""
+    async def main():
+        pool = Pool(free=1, limit=1)
+        before = queue_times()
+        assert await pool._granted(b"now", 1, 1, None) == b"now"  # granted at once
+        assert queue_times() - before == 1
+        queued = asyncio.create_task(pool._granted(b"later", 1, 1, None))
+        await asyncio.sleep(0.05)
+        with pytest.raises(PdError):  # the queue (limit 1) is full: refused, never granted
+            await pool._granted(b"refused", 1, 1, None)
+        assert queue_times() - before == 1 and not queued.done()
+        pool.give_back(1)
+        assert await queued == b"later"
+        assert queue_times() - before == 2
+    asyncio.run(main())
+
+
+def test_decode_counts_running_sequences_and_requests_queued_for_pages():
+    """What pdserve_requests_running/_waiting read: the batch and the joining (their KV arrived), and the queue for
+    pages; an allocation whose KV prefill still writes is in neither."""
+    from types import SimpleNamespace
+
+    from pdserve.decode.servicer import DecodeServicer
+    queue = GrantQueue()
+    queue._queue.extend([object(), object()])
+    fake = SimpleNamespace(scheduler=SimpleNamespace(running={b"a": 1, b"b": 2, b"c": 3}, joining={b"d": 4}),
+                           queue=queue, allocations={b"e": 5})
+    assert DecodeServicer.load(fake) == (4, 2)
 
 
 class Waiting(Notices):

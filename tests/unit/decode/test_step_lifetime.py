@@ -25,24 +25,25 @@ def runner(model_dir):
 
 
 class Gate:
-    """Wraps runner.decode: the step numbered `hold_at` waits in its worker thread until released."""
+    """Wraps runner.run_decode (the step in the worker thread): the step numbered `hold_at` waits there until
+    released."""
 
     def __init__(self, runner, hold_at: int | None = None):
-        self.runner, self.decode, self.hold_at = runner, runner.decode, hold_at
+        self.runner, self.run_decode, self.hold_at = runner, runner.run_decode, hold_at
         self.steps, self.entered, self.go = 0, threading.Event(), threading.Event()
         self.batches: list[list[int]] = []  # per step: the first page of each sequence in it
-        runner.decode = self
+        runner.run_decode = self
 
-    def __call__(self, *args):
+    def __call__(self, inputs):
         self.steps += 1
-        self.batches.append([table[0] for table in args[2]])
+        self.batches.append(inputs.table[:, 0].tolist())
         if self.steps == self.hold_at:
             self.entered.set()
             assert self.go.wait(30)
-        return self.decode(*args)
+        return self.run_decode(inputs)
 
     def restore(self):
-        self.runner.decode = self.decode
+        self.runner.run_decode = self.run_decode
 
 
 def _seqs(runner, n: int, max_tokens: int, pages_each: int):

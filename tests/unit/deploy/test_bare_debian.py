@@ -98,7 +98,7 @@ def test_runtime_list_covers_mooncake():
 def test_unknown_list_is_refused():
     out = subprocess.run([str(ROOT / "deploy/install.sh"), "apt", "everything"], capture_output=True, text=True,
                          timeout=30)
-    assert out.returncode == 2 and "runtime or dev, got 'everything'" in out.stderr
+    assert out.returncode == 2 and "runtime, dev or build, got 'everything'" in out.stderr
 
 
 def test_the_venv_is_made_after_the_debian_packages(tmp_path):

@@ -1,11 +1,14 @@
 """The images install exactly what `make setup` installs: every install step of both Dockerfiles and of the
 Makefile is a call of deploy/install.sh (issue 10: one source of truth); the images run as non-root, carry no
-model, and are tagged with pyproject's version, as the manifests reference them."""
+model, and are tagged with pyproject's version, as the manifests reference them. Each image installs its own
+variant (issue 21): what its install.sh call would hand pip, read by running that call with a stand-in pip, holds
+the CUDA Mooncake build and the CUDA runtime it links in the CUDA image and the non-CUDA build in the CPU one."""
 from __future__ import annotations
 
 import os
 import re
 import subprocess
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -16,7 +19,10 @@ from .dockerfile import exec_form, installs, parse_dockerfile, script_call, simp
 
 ROOT = Path(__file__).resolve().parents[3]
 VARIANTS = ("cpu", "cuda")
-STEPS = {"apt", "python", "stubs"}
+STEPS = {"apt", "python", "stubs", "native", "verify"}
+# what each image's pip set must and must not hold (distribution names, as pyproject's extras spell them)
+MOONCAKE = {"cpu": "mooncake-transfer-engine-non-cuda", "cuda": "mooncake-transfer-engine"}
+CUDA_ONLY = {"nvidia-cuda-runtime-cu12"}
 
 
 def pyproject() -> dict:
@@ -172,3 +178,130 @@ def test_make_image_without_a_running_engine_says_so(tmp_path):
                          timeout=60)
     assert out.returncode != 0
     assert "no engine answers" in out.stderr and str(engine) in out.stderr
+
+
+def install_calls(text: str) -> list[list[str]]:
+    """Every deploy/install.sh call of a Dockerfile, sub-command first, in order."""
+    _, stages = parse_dockerfile(text)
+    return [call for stage in stages for run in stage.all("RUN") for words in simple_commands(run)
+            if (call := script_call(words))]
+
+
+def requirement_name(req: str) -> str:
+    return re.split(r"[\s<>=!~;\[]", req, maxsplit=1)[0].lower().replace("_", "-")
+
+
+def pip_set(call: list[str], tmp_path: Path) -> dict[str, str]:
+    """{name: requirement} that `deploy/install.sh python VENV VARIANT [EXTRAS]` hands pip: the call is run for real,
+    in a venv whose pip only records its arguments; `-e .[EXTRAS]` stands for pyproject's dependencies and extras."""
+    here = Path(tempfile.mkdtemp(dir=tmp_path))
+    venv, log = here / "venv", here / "pip.log"
+    (venv / "bin").mkdir(parents=True)
+    for tool in ("python", "pip"):  # an existing bin/python: install.sh makes no venv
+        (venv / "bin" / tool).write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n")
+        (venv / "bin" / tool).chmod(0o755)
+    out = subprocess.run([str(ROOT / "deploy/install.sh"), "python", str(venv), *call[2:]], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    project = pyproject()["project"]
+    reqs = []
+    for line in log.read_text().splitlines():
+        words = [w for w in line.split()[1:] if not w.startswith("-") or w == "-e"]
+        for i, w in enumerate(words):
+            if w == "-e":
+                continue
+            if i and words[i - 1] == "-e":
+                m = re.fullmatch(r"\.(?:\[(.*)\])?", w)
+                assert m, f"install.sh installs {w!r} editable, not this checkout"
+                reqs += project["dependencies"]
+                for extra in filter(None, (m.group(1) or "").split(",")):
+                    reqs += project["optional-dependencies"][extra]
+            elif w != "pip":
+                reqs.append(w)
+    return {requirement_name(r): r for r in reqs}
+
+
+def variant_problems(variant: str, text: str, tmp_path: Path) -> list[str]:
+    """Every way the image of this variant would install, check or link for the other one; empty when none."""
+    calls = install_calls(text)
+    python = [c for c in calls if c[0] == "python"]
+    if len(python) != 1:
+        return [f"{len(python)} install.sh python calls, want 1"]
+    problems = []
+    got = pip_set(python[0], tmp_path)
+    other = "cpu" if variant == "cuda" else "cuda"
+    want = {MOONCAKE[variant]} | (CUDA_ONLY if variant == "cuda" else set())
+    unwanted = {MOONCAKE[other]} | (CUDA_ONLY if variant == "cpu" else set())
+    problems += [f"the {variant} image's pip set lacks {n}" for n in sorted(want - set(got))]
+    problems += [f"the {variant} image's pip set holds {got[n]}" for n in sorted(unwanted & set(got))]
+    for sub in ("apt", "verify"):
+        named = [c for c in calls if c[0] == sub and (sub == "verify" or c[1] == "runtime")]
+        variants = [c[2] if len(c) > 2 else "cpu" for c in named]  # apt's list defaults to cpu
+        if variants != [variant]:
+            problems.append(f"install.sh {sub}{' runtime' if sub == 'apt' else ''} for {variants}, want [{variant!r}]")
+    # torch: the CPU index (a CPU build) in the CPU image, PyPI's CUDA build in the CUDA one
+    args, stages = parse_dockerfile(text)
+    index = {a.partition("=")[2] for st in stages for a in st.all("ARG") if a.startswith("TORCH_INDEX")}
+    if (variant == "cpu") != (index == {"https://download.pytorch.org/whl/cpu"}):
+        problems.append(f"torch from index {sorted(index)} in the {variant} image")
+    return problems
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_each_image_installs_its_own_variant(variant, tmp_path):
+    text = (ROOT / "deploy/docker" / f"Dockerfile.{variant}").read_text()
+    assert variant_problems(variant, text, tmp_path) == []
+    got = pip_set(next(c for c in install_calls(text) if c[0] == "python"), tmp_path)
+    pins = {requirement_name(r): r for r in pyproject()["project"]["optional-dependencies"][variant]}
+    assert {n: got[n] for n in pins} == pins  # the extra's own pins, not some other version
+    assert got["torch"] == torch_pin()
+
+
+def test_the_cuda_image_of_before_is_refused_for_its_non_cuda_mooncake(tmp_path):
+    # issue 21: the CUDA image ran `install.sh python ... cpu`, the non-CUDA Mooncake and no CUDA runtime
+    text = (ROOT / "deploy/docker/Dockerfile.cuda").read_text()
+    before = text.replace("/opt/pdserve/venv cuda\n", "/opt/pdserve/venv cpu\n", 1)
+    assert before != text
+    problems = variant_problems("cuda", before, tmp_path)
+    assert "the cuda image's pip set lacks mooncake-transfer-engine" in problems
+    assert "the cuda image's pip set lacks nvidia-cuda-runtime-cu12" in problems
+    assert "the cuda image's pip set holds mooncake-transfer-engine-non-cuda==0.3.13.post1" in problems
+
+
+def test_the_cpu_image_would_be_refused_with_the_cuda_build(tmp_path):
+    text = (ROOT / "deploy/docker/Dockerfile.cpu").read_text()
+    mutant = text.replace("/opt/pdserve/venv cpu\n", "/opt/pdserve/venv cuda\n", 1)
+    assert mutant != text
+    assert "the cpu image's pip set holds nvidia-cuda-runtime-cu12==12.9.79" in variant_problems("cpu", mutant, tmp_path)
+    mutant = text.replace("install.sh verify /opt/pdserve/venv/bin/python cpu", "install.sh verify "
+                          "/opt/pdserve/venv/bin/python cuda")
+    assert variant_problems("cpu", mutant, tmp_path) == ["install.sh verify for ['cuda'], want ['cpu']"]
+
+
+def test_the_apt_lists_add_what_mooncake_s_cuda_build_links():
+    def packages(*args):
+        out = subprocess.run([str(ROOT / "deploy/install.sh"), "packages", *args], capture_output=True, text=True,
+                             timeout=30)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+    # libmlx5.so.1 (ibverbs-providers): engine.so of mooncake-transfer-engine 0.3.13.post1 links it, the non-CUDA
+    # build's does not (readelf -d of both wheels); `install.sh verify` proves it where the CUDA build is installed
+    for kind in ("runtime", "dev"):
+        assert packages(kind, "cuda") == packages(kind) + ["ibverbs-providers"] and packages(kind) == packages(kind, "cpu")
+    assert packages("build", "cuda") == packages("build")
+
+
+def test_the_native_kernel_is_left_loadable_by_the_image_s_user(tmp_path):
+    # the images build it as root and serve as uid 10001; the build writes it 0600 (a temporary file renamed)
+    name = f".stand-in-{os.getpid()}.so"
+    built = ROOT / "services/engine/_native" / name
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nmkdir -p {built.parent} && touch {built} && chmod 600 {built}\n")
+    python.chmod(0o755)
+    try:
+        out = subprocess.run([str(ROOT / "deploy/install.sh"), "native", str(python)], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert built.stat().st_mode & 0o777 == 0o644
+    finally:
+        built.unlink(missing_ok=True)

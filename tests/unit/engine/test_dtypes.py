@@ -53,6 +53,15 @@ def test_make_model_long_preset_is_bf16_at_a_million_tokens(long_dir):
     assert checkpoint_nbytes(long_dir)[1] == {"torch.bfloat16"}
 
 
+def test_make_model_files_follow_the_umask(long_dir):
+    """A checkpoint made as one user and served as another (the images serve as uid 10001) must be readable: every
+    file is 0644 under the usual umask 022 (safetensors alone leaves its file 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {name: os.stat(os.path.join(long_dir, name)).st_mode & 0o777 for name in os.listdir(long_dir)}
+    assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
+
+
 def test_bf16_checkpoint_is_served_in_bf16(long_dir):
     runner = ModelRunner(long_dir, 4, PS, device="cpu")
     nbytes, _ = checkpoint_nbytes(long_dir)

@@ -266,16 +266,22 @@ def test_float8_tensors_are_refused_not_converted(model_dir, state, tmp_path):
 
 
 def test_rope_at_a_million_positions_is_transformers(tmp_path):
-    """The long preset's last position rotates as transformers rotates it (the same float32 product), and one
-    step's tables are [T, D] for its T tokens: nothing the size of the context is built."""
+    """The long preset's last position rotates as transformers rotates it (the same float32 product, and the same
+    rotation of q and k, bit for bit), and one step's tables are [T, 1, D] for its T tokens: nothing the size of
+    the context is built."""
     from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-    from pdserve.engine.rope import RotaryEmbedding
+    from pdserve.engine.rope import RotaryEmbedding, apply_rope
     positions = torch.tensor([0, 1, 4095, 524_287, 1_048_574, 1_048_575])
-    ours = RotaryEmbedding(32, 10000.0)(positions)
+    cos, sin = RotaryEmbedding(32, 10000.0)(positions)
     hf = LlamaRotaryEmbedding(LlamaConfig(hidden_size=256, num_attention_heads=8, max_position_embeddings=1_048_576))
-    theirs = hf(torch.zeros(1, dtype=torch.float32), positions[None])
-    for a, b in zip(ours, theirs):
-        assert a.shape == (len(positions), 32)
-        assert torch.equal(a, b[0])
+    hf_cos, hf_sin = hf(torch.zeros(1, dtype=torch.float32), positions[None])
+    assert cos.shape == sin.shape == (len(positions), 1, 32)
+    assert torch.equal(cos[:, 0], hf_cos[0])
+    # ours carries the sign of rotate_half in its first half (a roll then rotates): the same numbers otherwise
+    assert torch.equal(sin[:, 0], torch.cat([-hf_sin[0, :, :16], hf_sin[0, :, 16:]], dim=-1))
+    q, k = torch.randn(len(positions), 8, 32), torch.randn(len(positions), 4, 32)
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], hf_cos, hf_sin)
+    assert torch.equal(apply_rope(q, cos, sin), hf_q[0].transpose(0, 1))
+    assert torch.equal(apply_rope(k, cos, sin), hf_k[0].transpose(0, 1))

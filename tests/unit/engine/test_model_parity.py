@@ -1,4 +1,6 @@
-"""The engine's logits match transformers' LlamaForCausalLM on the same files (fp32, < 1e-3)."""
+"""The engine's logits match transformers' LlamaForCausalLM on the same files (fp32, < 1e-3), over each of its
+decode paths: the whole step in one native call (small batches on the CPU), the native attention block, the native
+attention alone, and the torch path (what a GPU and larger batches run)."""
 import random
 
 import pytest
@@ -15,9 +17,23 @@ def hf(model_dir):
     return LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module")
-def runner(model_dir):
-    return ModelRunner(model_dir, num_pages=128, page_size=16, device="cpu")
+DECODE_PATHS = ["step", "block", "attention", "torch"]
+
+
+def use_path(runner: ModelRunner, path: str) -> ModelRunner:
+    """Forces one decode path (the runner picks the fastest it has otherwise)."""
+    if path != "step":
+        runner.native_step = None
+    runner.native_block = path in ("step", "block")
+    runner.native_decode = path != "torch"
+    return runner
+
+
+@pytest.fixture(scope="module", params=DECODE_PATHS)
+def runner(model_dir, request):
+    r = ModelRunner(model_dir, num_pages=128, page_size=16, device="cpu")
+    assert r.native_step is not None and r.native_block and r.native_decode  # the CPU default: all of them
+    return use_path(r, request.param)
 
 
 def _prompt(n, seed):
@@ -107,3 +123,17 @@ def test_mixed_lengths_over_stale_pages_equal_prefill(runner):
     assert torch.isfinite(batch).all()
     for b, ref in enumerate(alone):
         assert (batch[b] - ref).abs().max().item() < 1e-4, f"sequence {b} ({lengths[b]} tokens)"
+
+
+@torch.inference_mode()
+def test_the_native_step_gives_a_sequence_the_same_logits_whatever_shares_its_step(model_dir):
+    """Bit for bit: each output of the native step is one dot product in a fixed order, whatever the batch."""
+    runner = ModelRunner(model_dir, num_pages=128, page_size=16, device="cpu")
+    seqs = [_prompt(n, 3 * n) for n in (9, 50, 120, 33)]
+    tables = [list(range(10 * b, 10 * b + 9)) for b in range(4)]
+    for s, t in zip(seqs, tables):
+        runner.prefill(s[:-1], t)
+    batch = runner.decode([s[-1] for s in seqs], [len(s) - 1 for s in seqs], tables)
+    for b, (s, t) in enumerate(zip(seqs, tables)):
+        alone = runner.decode([s[-1]], [len(s) - 1], [t])
+        assert torch.equal(batch[b], alone[0])

@@ -157,10 +157,11 @@ def test_up_passes_byte_tokenizer_and_dtype_to_the_services(hf_dir, monkeypatch)
     monkeypatch.setattr(launcher, "start_stack", start_stack)
     auto, bf16 = ["--dtype", "auto", "--kv-cache-dtype", "auto"], ["--dtype", "float32", "--kv-cache-dtype", "bfloat16"]
     alias = ["--dtype", "auto", "--kv-dtype", "bfloat16"]  # the deprecated spelling reaches the services, which warn
-    for argv, extra in ((["--byte-tokenizer"], {"prefill": auto, "decode": auto, "gateway": ["--byte-tokenizer"]}),
+    host = ["--host", "127.0.0.1"]  # up's default --host, which the gateway's HTTP API listens on
+    for argv, extra in ((["--byte-tokenizer"], {"prefill": auto, "decode": auto, "gateway": ["--byte-tokenizer", *host]}),
                         (["--dtype", "float32", "--kv-cache-dtype", "bfloat16"],
-                         {"prefill": bf16, "decode": bf16, "gateway": []}),
-                        (["--kv-dtype", "bfloat16"], {"prefill": alias, "decode": alias, "gateway": []})):
+                         {"prefill": bf16, "decode": bf16, "gateway": host}),
+                        (["--kv-dtype", "bfloat16"], {"prefill": alias, "decode": alias, "gateway": host})):
         with pytest.raises(KeyboardInterrupt):
             cli.main(["up", "--model", hf_dir, *argv])
         assert seen["extra"] == extra

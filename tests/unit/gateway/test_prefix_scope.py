@@ -126,7 +126,7 @@ KEYS = ApiKeys({"sk-acme-0001": "acme", "sk-globex-01": "globex"})
 
 
 async def _post(gw, path, body, key):
-    front = Front(gw, "m", Limits())
+    front = Front(gw, ["m"], Limits())
     app = create_app(front, KEYS)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         return await c.post(path, json=body, headers={"Authorization": f"Bearer {key}"})

@@ -65,13 +65,14 @@ class Prefill:
         return prefill_pb2.PrefillResponse()
 
 
-def _generate(script, max_resubmissions: int = 3, max_tokens: int = 7):
+def _generate(script, max_resubmissions: int = 3, max_tokens: int = 7, **fields):
     info = SimpleNamespace(free_pages=100, queue_depth=0)
     decode, prefill = Decode(script), Prefill()
     gw = GatewayServicer(Router("prefill", [Backend("pf", prefill, info)]),
                          Router("decode", [Backend("dc", decode, info)]), ByteTokenizer(512),
                          Capacity("m", 4096, 512, 16, 100, 4096), max_resubmissions=max_resubmissions)
-    req = gateway_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=max_tokens, ignore_eos=True)
+    gw.grammars = SimpleNamespace(start=lambda spec: object())  # every grammar compiles (prefill and decode check)
+    req = gateway_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=max_tokens, ignore_eos=True, **fields)
     got = []
 
     async def main():
@@ -121,3 +122,17 @@ def test_decode_counts_each_submission_on_its_own():
     assert err is None and [t for m in got for t in m.token_ids] == list(range(65, 72))
     assert [list(r.token_ids) for r in prefill.requests] == [PROMPT, PROMPT + [65, 66], PROMPT + [65, 66, 67, 68]]
     assert [r.sampling.max_tokens for r in decode.requests] == [7, 5, 3]
+
+
+def test_a_constrained_resubmission_carries_its_output_so_far_to_the_grammar():
+    """Prefill and decode start the grammar afresh: they are told the tokens it must consume first, and min_tokens
+    counts what was streamed before."""
+    got, err, decode, prefill = _generate([([65, 66], 2, None), ([67, 68], 2, None), ([69, 70, 71], None, None)],
+                                          json_object=True, min_tokens=5)
+    assert err is None and [t for m in got for t in m.token_ids] == list(range(65, 72))
+    for reqs in (decode.requests, prefill.requests):
+        assert [list(r.sampling.grammar_prefix) for r in reqs] == [[], [65, 66], [65, 66, 67, 68]]
+        assert [r.sampling.min_tokens for r in reqs] == [5, 3, 1] and all(r.sampling.json_object for r in reqs)
+    _, _, plain, _ = _generate([([65, 66], 2, None), ([67], None, None)], max_tokens=3)
+    assert [list(r.sampling.grammar_prefix) for r in plain.requests] == [[], []]  # unconstrained: nothing to replay
+

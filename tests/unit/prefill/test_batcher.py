@@ -167,3 +167,33 @@ def test_a_failed_pass_fails_its_prompts_and_the_queue_goes_on():
         assert calls == [2, 2] and b.alloc.num_free == 64
 
     asyncio.run(main())
+
+
+def test_queued_prompts_are_counted_waiting_and_their_queue_time_observed_as_they_start():
+    """Issue 21: pdserve_requests_waiting reads num_waiting (prompts whose first pass has not started); each prompt's
+    time in the queue is observed once, when it starts."""
+    from types import SimpleNamespace
+
+    from pdserve.prefill.servicer import PrefillServicer
+
+    def started() -> float:
+        return metric("pdserve_queue_time_seconds_count", service="prefill")
+
+    async def main():
+        fwd = FakeForward(gate_first=True)
+        b = Batcher(fwd, PageAllocator(3), PS, max_batch_tokens=64)  # room for one of these prompts at a time
+        before = started()
+        tasks = [asyncio.create_task(served(b, prompt(i, 12))) for i in (1, 2, 3)]
+        try:
+            await asyncio.to_thread(fwd.started.wait, 10)  # the first pass runs (held at the gate)
+            assert b.num_waiting == 2 and started() - before == 1
+            # the servicer's view, with the three Prefill calls in flight (the first one's KV is being computed)
+            assert PrefillServicer.load(SimpleNamespace(batcher=b, in_flight={1, 2, 3})) == (1, 2)
+        finally:  # a failed check must not leave the pass, and the callers behind it, waiting at the gate
+            fwd.gate.set()
+            firsts = await asyncio.gather(*tasks, return_exceptions=True)
+        assert firsts == [12, 12, 12]
+        assert b.num_waiting == 0 and started() - before == 3
+        assert [p[0][0] for p in fwd.passes] == [1, 2, 3]
+
+    asyncio.run(main())
