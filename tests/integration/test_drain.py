@@ -17,6 +17,7 @@ from tests.integration.stack import Stack
 DECODE_DRAIN_S = 40.0
 PREFILL_DRAIN_S = 2.0
 GATEWAY_DRAIN_S = 20.0
+GATEWAY_STREAM_TOKENS = 512  # outlasts the streams' start (up to ~1 s on a loaded 2-core machine) many times over
 GRACE_S = 1.0 + 5.0  # the server's grace after the drain, and the give-backs it waits for
 # prefill's bound is the Kubernetes default termination grace: its process teardown after a drain that failed
 # calls (their writes still winding down) has taken up to ~6 s more than the drain itself on a loaded machine
@@ -163,8 +164,14 @@ def test_gateway_drain_finishes_streams_and_refuses_new_ones(drain_stack, model_
     s = drain_stack
     gw = gateway_over(s, model_dir, s.procs["prefill"][1:], s.procs["decode"][1:], http=True)
     try:
-        streams = Streams(gw.target, [prompt(12 + i, 700 + i) for i in range(6)], max_tokens=120)
+        # warm, as in the decode drain test: the first transfer from prefill1 to decode1 sets up its connection;
+        # on a loaded 2-core machine that made the early streams of 120 tokens end before the last one started
+        Streams(gw.target, [prompt(8, 690 + i) for i in range(2)], max_tokens=2).join(60)
+        t0 = time.monotonic()
+        streams = Streams(gw.target, [prompt(12 + i, 700 + i) for i in range(6)], max_tokens=GATEWAY_STREAM_TOKENS)
         streams.wait_started(60)
+        firsts = [round(t, 2) for t in streams.first_at]
+        print(f"6 streams started in {time.monotonic() - t0:.2f}s (first tokens at {firsts} s)")
         t0 = time.monotonic()
         os.killpg(gw.popen.pid, signal.SIGTERM)
         time.sleep(0.3)
@@ -176,10 +183,10 @@ def test_gateway_drain_finishes_streams_and_refuses_new_ones(drain_stack, model_
         streams.join(30)
     finally:
         launcher.stop(gw)
-    print(f"gateway drained in {took:.2f}s")
+    print(f"gateway drained in {took:.2f}s; streams ended at {[round(t, 2) for t in streams.end_at]} s")
     assert refused.get("error", {}).get("code") == "UNAVAILABLE", refused
     assert refused["error"]["reason"] == "DRAINING", refused
     assert status == 503 and body["error"]["code"] == "draining", (status, body)
     assert rc == 0, "".join(gw.lines[-30:])
     assert took < GATEWAY_DRAIN_S + GRACE_S, took
-    _check_all(oracle, streams.results(), max_tokens=120)
+    _check_all(oracle, streams.results(), max_tokens=GATEWAY_STREAM_TOKENS)
