@@ -1,6 +1,7 @@
 """Shared fixtures: the default checkpoint and the reference oracle (DESIGN §7)."""
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 
@@ -16,6 +17,20 @@ if ROOT not in sys.path:
 # thread SPIN holds descheduled (test_paged_decode_logits_match_transformers[300]: 62-104 s against 0.7 s). The
 # services the tests start pick their own threads (engine.runner.set_threads).
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _stdlib_event_loop():
+    """Every asyncio.run in the test process runs on the standard library's loop, as the services do. Importing
+    guidellm installs uvloop's policy process-wide, and a broker test's grpc.aio loop on uvloop once slept in
+    epoll_wait for 25 minutes of a fresh clone's `make test` (a wake-up lost; a debugger's attach woke it). A test
+    that leaves another policy behind fails here, and the policy is put back for the tests after it."""
+    yield
+    policy = asyncio.get_event_loop_policy()
+    if type(policy) is not asyncio.DefaultEventLoopPolicy:
+        asyncio.set_event_loop_policy(None)
+        pytest.fail(f"this test left the asyncio event loop policy {type(policy).__module__}."
+                    f"{type(policy).__qualname__} installed (the services run the standard library's loop)")
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 pdserve stack: concurrency 1 and 2 (16-token prompts, 4 output tokens, 2 and 3 requests), and a run whose
 4,100-token prompts the gateway refused (over the 4,096 context). Expected figures are recomputed from the
 per-request timings in the same file, not from guidellm's own aggregates."""
+import asyncio
 import gzip
 import json
 import math
@@ -71,8 +72,17 @@ def test_parse_refuses_unknown_output(tmp_path):
         parse(path)
 
 
+def _guidellm_schema():
+    """guidellm's models; its import installs uvloop's event loop policy process-wide, which is put back."""
+    policy = asyncio.get_event_loop_policy()
+    try:
+        return pytest.importorskip("guidellm.schemas.benchmark")
+    finally:
+        asyncio.set_event_loop_policy(policy)
+
+
 def test_scenario_is_valid_for_guidellm(tmp_path):
-    schema = pytest.importorskip("guidellm.schemas.benchmark")
+    schema = _guidellm_schema()
     spec = scenario("http://127.0.0.1:1", "/models/x", 128, 32, [1, 4], [8, 16], str(tmp_path / "o.json"))
     s = schema.BenchmarkScenario.model_validate(spec).spec  # unknown fields are refused by guidellm's models
     assert (s.backend.request_format, s.profile.streams, s.constraints[0].count) == ("/v1/completions", [1, 4], [8, 16])
