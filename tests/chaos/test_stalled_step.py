@@ -18,6 +18,10 @@ from tests.integration.helpers import allocate, collect, decode_stream, generate
 LOCK_DELAY = float(CHAOS_EXTRA["broker"][CHAOS_EXTRA["broker"].index("--lock-delay") + 1])
 STALL_MS = int((LOCK_DELAY + 2.5) * 1000)
 
+# each victim still runs when the stall is armed (the native decode step runs ~1 ms a token here), and the
+# three leave most of the chaos pool's 128 pages to the grants tried during the stall
+VICTIM_TOKENS = 400
+
 
 def test_no_page_is_granted_again_while_a_stalled_step_may_write_it(chaos, oracle):
     # an earlier schedule's broker restart may have moved decode to a new pool incarnation, served only after the
@@ -28,9 +32,9 @@ def test_no_page_is_granted_again_while_a_stalled_step_may_write_it(chaos, oracl
     victims = []
     for i in range(3):  # granted first on an idle pool: the lowest page ids, the next ones any grant would take
         tokens = prompt(40, 500 + i)
-        rid, dest = allocate(chaos, len(tokens), 200)
-        resp = prefill(chaos, rid, tokens, dest, 200)
-        victims.append((rid, dest, tokens, iter(decode_stream(chaos, rid, tokens, resp, 200))))
+        rid, dest = allocate(chaos, len(tokens), VICTIM_TOKENS)
+        resp = prefill(chaos, rid, tokens, dest, VICTIM_TOKENS)
+        victims.append((rid, dest, tokens, iter(decode_stream(chaos, rid, tokens, resp, VICTIM_TOKENS))))
     got = {rid: [next(stream).token_id for _ in range(5)] for rid, _, _, stream in victims}
     outcome = {}
 
@@ -76,7 +80,7 @@ def test_no_page_is_granted_again_while_a_stalled_step_may_write_it(chaos, oracl
     oracle.check(victims[0][2], got[revoked] + rest)
     for rid, _, tokens, _ in victims[1:]:
         rest, err, _ = outcome[rid]
-        assert err is None and len(got[rid] + rest) == 200, err
+        assert err is None and len(got[rid] + rest) == VICTIM_TOKENS, err
         oracle.check(tokens, got[rid] + rest)
     for tokens, stream in extra:
         out, err = collect(stream)

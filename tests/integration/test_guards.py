@@ -13,21 +13,25 @@ from pdserve.engine.tags import TAG_NBYTES
 from pdserve.kvtransfer.engine import Run, TransferEngine
 from tests.integration.helpers import allocate, collect, decode_stream, prefill, prompt, wait_no_leases
 
+VICTIM_TOKENS = 3000  # 200 + 3,000 tokens, within the 4,096 context
+
 
 def test_tag_overwritten_under_live_request_fails_it_alone(stack, oracle):
     """A rogue one-sided write (a late writer) lands on a live request's tag: that request ends with
     DATA_LOSS at its next step; the requests batched with it finish and pass the oracle."""
     others = [(prompt(60 + 13 * i, 100 + i), 40) for i in range(8)]
     victim = prompt(200, 21)
-    rid, dest = allocate(stack, len(victim), 300)
-    resp = prefill(stack, rid, victim, dest, 300)
-    stream = iter(decode_stream(stack, rid, victim, resp, 300))
+    # the rogue engine is up before the victim's stream starts, and the victim asks for far more tokens than the
+    # few steps the write takes to land: with the native decode step a 300-token victim could finish before it
+    rogue = TransferEngine()
+    garbage = torch.full((TAG_NBYTES // 8,), 0x5A5A5A5A, dtype=torch.int64)
+    rogue.register(garbage.data_ptr(), TAG_NBYTES)
+    rid, dest = allocate(stack, len(victim), VICTIM_TOKENS)
+    resp = prefill(stack, rid, victim, dest, VICTIM_TOKENS)
+    stream = iter(decode_stream(stack, rid, victim, resp, VICTIM_TOKENS))
     with ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(stack.generate, prompt_token_ids=p, max_tokens=m, ignore_eos=True) for p, m in others]
         got = [next(stream).token_id for _ in range(3)]
-        rogue = TransferEngine()
-        garbage = torch.full((TAG_NBYTES // 8,), 0x5A5A5A5A, dtype=torch.int64)
-        rogue.register(garbage.data_ptr(), TAG_NBYTES)
         page = dest.leases[1].page
         rogue.write(dest.transfer_session, [Run(garbage.data_ptr(), dest.tag_base + page * TAG_NBYTES, TAG_NBYTES)],
                     stage="late")
@@ -35,7 +39,7 @@ def test_tag_overwritten_under_live_request_fails_it_alone(stack, oracle):
         results = [f.result() for f in futures]
     assert err is not None and err.code == grpc.StatusCode.DATA_LOSS and err.reason == "STEP_TAG_MISMATCH", err
     tokens = got + rest
-    assert len(tokens) < 300
+    assert len(tokens) < VICTIM_TOKENS
     oracle.check(victim, tokens)  # what was sent was computed before the page was touched
     for (p, m), out in zip(others, results):
         assert "error" not in out, out
