@@ -18,6 +18,14 @@ if ROOT not in sys.path:
 # services the tests start pick their own threads (engine.runner.set_threads).
 torch.set_num_threads(1)
 
+# Every Mooncake the tests start (in this process and in the services it launches, which inherit the environment)
+# draws its two listening ports from 15002-17000, not Mooncake's default 15000-17000: the manifests' decode listens
+# on 15000 and 15001 (--transfer-port 15000), and tests/deploy launches it on those ports beside the integration
+# stream, where a stack's random draw of either one made the launch refuse to start ("ports ... are taken").
+# A service given --transfer-port still pins its own pair (kvtransfer.engine._pin_ports).
+os.environ.setdefault("MC_MIN_RPC_PORT", "15002")
+os.environ.setdefault("MC_MAX_RPC_PORT", "17000")
+
 
 @pytest.fixture(autouse=True)
 def _stdlib_event_loop():

@@ -49,7 +49,7 @@ def replicas(tmp_path_factory) -> dict[str, list[LocalPod]]:
                    for i, name in enumerate(replica_names(d, d["spec"].get("replicas", 1)))]
         for extra in pods[r][1:]:
             give_own_ports(extra)
-    busy = [f"{port} ({p.name} {name})" for ps in pods.values() for name, port in ps[0].ports().items()
+    busy = [f"{port} ({ps[0].name} {name})" for ps in pods.values() for name, port in ps[0].ports().items()
             if not port_free(port)]
     assert not busy, (f"ports the manifests use are taken: {', '.join(busy)}. Stop whatever holds them "
                       "(`make run` / `pdserve up` use the same defaults) and run again.")

@@ -18,6 +18,9 @@ DECODE_DRAIN_S = 40.0
 PREFILL_DRAIN_S = 2.0
 GATEWAY_DRAIN_S = 20.0
 GATEWAY_STREAM_TOKENS = 512  # outlasts the streams' start (up to ~1 s on a loaded 2-core machine) many times over
+# 16 streams of 256 tokens lasted ~3 s on the native decode step, and one had ended by the SIGTERM (~1 s after the
+# last started, on a loaded 2-core machine); 768 last ~9 s, well inside decode's drain timeout
+DECODE_STREAM_TOKENS = 768
 GRACE_S = 1.0 + 5.0  # the server's grace after the drain, and the give-backs it waits for
 # prefill's bound is the Kubernetes default termination grace: its process teardown after a drain that failed
 # calls (their writes still winding down) has taken up to ~6 s more than the drain itself on a loaded machine
@@ -94,7 +97,8 @@ def test_decode_drain_finishes_its_streams_and_releases_its_pool(drain_stack, mo
         # makes slow enough that early streams could finish before the last one starts
         Streams(gw.target, [prompt(8, 90 + i) for i in range(4)], max_tokens=2).join(60)
         t0 = time.monotonic()
-        streams = Streams(gw.target, [prompt(10 + 3 * i, 100 + i) for i in range(16)], max_tokens=256)
+        streams = Streams(gw.target, [prompt(10 + 3 * i, 100 + i) for i in range(16)],
+                          max_tokens=DECODE_STREAM_TOKENS)
         streams.wait_started(60)
         print(f"16 streams started in {time.monotonic() - t0:.2f}s")
         traffic = Traffic(s, s.gateway, 5000)
@@ -115,7 +119,7 @@ def test_decode_drain_finishes_its_streams_and_releases_its_pool(drain_stack, mo
     # read right after exit: a lease left behind would still be held (the broker revokes only after its TTL)
     assert state.num_leased == 0, state
     assert any("draining: 16 still running" in ln for ln in d0.lines), "".join(d0.lines[-30:])
-    _check_all(oracle, streams.results(), max_tokens=256)
+    _check_all(oracle, streams.results(), max_tokens=DECODE_STREAM_TOKENS)
     assert len(new) >= 3
     _check_all(oracle, new)
     # every request begun after the SIGTERM was allocated on decode1 (the one in flight then may have been on
