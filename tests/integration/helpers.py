@@ -72,6 +72,20 @@ def wait_no_leases(stack, timeout: float = 10.0):
         time.sleep(0.1)
 
 
+def wait_idle_pool(stack, timeout: float = 30.0) -> None:
+    """Until no page is leased or quarantined (an earlier test's failed request quarantines its pages for the
+    broker's lock delay), so the next grant takes the lowest free pages; raises when the pool stays busy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = stack.pool_states()
+        if all(s.num_leased == 0 and s.num_quarantined == 0 for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pool still busy after {timeout:.0f}s: "
+                                 + "; ".join(f"{s.num_leased} leased, {s.num_quarantined} quarantined" for s in states))
+        time.sleep(0.1)
+
+
 def generate_when_served(stack, prompt_ids: list[int], max_tokens: int, timeout: float = 15.0,
                          refused_code: str | None = None) -> dict:
     """Asks the gateway until it serves again (after a partition or a restart) and returns the last answer;
