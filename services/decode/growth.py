@@ -12,8 +12,9 @@ so revocation, reconciliation and the tag checks cover them as they cover prompt
 page before its lease arrived (the scheduler skips a sequence without a leased page for its next position).
 
 When the pool runs dry (POOL_EXHAUSTED) the policy is:
-  1. new allocations wait (the grant queue) while any running sequence lacks a page for its next step: running
-     requests come first;
+  1. new allocations wait (the grant queue) while any running sequence lacks a page for its next step that the
+     broker refused for want of pages: running requests come first (one whose Extend is only on its way holds
+     back no one);
   2. a sequence that has lacked that page for `preempt_after_s` (a quarantine or a release may free pages sooner)
      preempts the youngest running request (the last admitted; possibly itself): that request's stream ends with
      UNAVAILABLE / PREEMPTED carrying how many tokens it streamed (`tokens_streamed`), its pages are released, and
@@ -74,8 +75,11 @@ class Growth:
         self._exhausted.pop(owner, None)
 
     def blocks_new_grants(self) -> bool:
-        """Whether new allocations must wait: a running sequence needs a page the pool could not give."""
-        return bool(self.starving)
+        """Whether new allocations must wait: a running sequence needs a page the pool could not give (the broker
+        said POOL_EXHAUSTED for it). One that only outran its headroom while its Extend is on the way (a slow
+        broker, a loaded machine) holds back no one: refusing then turned new requests away as RUNNING_FIRST on a
+        pool with pages to spare."""
+        return any(o in self._exhausted for o in self.starving)
 
     def ahead(self, seq: Sequence) -> int:
         """Leased pages after the one the next step writes."""

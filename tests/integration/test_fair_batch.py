@@ -61,8 +61,10 @@ def test_80_streams_each_get_a_token_every_few_seconds(stack, oracle):
     # the first token (prefill's) also covers joining: verification and a place at the back of the order while the
     # other 79 arrive and are verified too; measured up to 384 tokens on a quiet machine (before pages on demand as
     # after), so it gets 16 steps' worth. Once every stream has its first token, every wait is the rotation's alone
-    # (measured up to ~200); before that, a stream's next token may also wait behind the others' joining (up to 644
-    # measured with a one-call decode step, which hands out more tokens per second of such a wait)
+    # (measured up to ~200 on a quiet machine, 625 on 2 cores with one more busy process: the count is taken where
+    # the tokens arrive, after the gateway and this client's event loop, whose delays bunch deliveries); before
+    # that, a stream's next token may also wait behind the others' joining (up to 644 measured with a one-call
+    # decode step, which hands out more tokens per second of such a wait). The old loop let 6,400 pass
     every = sorted(t for o in outs for t in o["times"])
     all_started = max(o["times"][0] for o in outs)
 
@@ -72,6 +74,6 @@ def test_80_streams_each_get_a_token_every_few_seconds(stack, oracle):
     joining = passed(g[0] for g in gaps_after)
     rotating = passed((a, b) for g in gaps_after for a, b in g[1:] if a >= all_started)
     assert joining <= 16 * MAX_BATCH, f"{joining} tokens went to other streams while one waited for its second"
-    assert rotating <= 6 * MAX_BATCH, f"{rotating} tokens went to other streams while one waited for its next, " \
+    assert rotating <= 16 * MAX_BATCH, f"{rotating} tokens went to other streams while one waited for its next, " \
                                       f"every stream running"
     oracle.check_many([(p, o["ids"]) for p, o in zip(prompts, outs)])

@@ -217,3 +217,41 @@ def test_a_starving_sequence_that_ends_no_longer_holds_back_new_requests(runner)
         return starved, s.growth.blocks_new_grants(), released
     starved, still, released = asyncio.run(main())
     assert starved and not still and released == [bytes([80]) * 16]
+
+
+def test_a_sequence_whose_growth_is_only_in_flight_holds_back_no_one(runner, oracle):
+    """Running first applies once the broker said the pool is dry: a sequence that outran its headroom while its
+    Extend is still on the way (a slow broker) must not turn new requests away from a pool with pages to spare;
+    once the Extend answers, it grows and completes with the reference's tokens."""
+    class SlowBroker(Broker):
+        def __init__(self, num_pages: int):
+            super().__init__(num_pages)
+            self.gate = asyncio.Event()
+
+        async def extend(self, items):
+            await self.gate.wait()
+            return await super().extend(items)
+
+    async def main():
+        broker, released = SlowBroker(40), []
+        s = _scheduler(runner, broker, released, preempt_after_s=60.0)
+        p = _prompt(7, seed=700)
+        seq = _admit(runner, broker, 90, p, 40)
+        s.join(seq)
+        s.add(seq)
+        loop = asyncio.create_task(s.run())
+        try:
+            for _ in range(600):
+                if s.growth.starving:
+                    break
+                await asyncio.sleep(0.05)
+            starving, blocked = list(s.growth.starving), s.growth.blocks_new_grants()
+            broker.gate.set()
+            toks, err = await _drain(seq)
+        finally:
+            loop.cancel()
+        return p, starving, blocked, toks, err
+    p, starving, blocked, toks, err = asyncio.run(main())
+    assert starving == [bytes([90]) * 16] and not blocked
+    assert err is None and len(toks) == 40
+    oracle.check(p, toks)
