@@ -18,9 +18,10 @@ from tests.integration.helpers import allocate, collect, decode_stream, generate
 LOCK_DELAY = float(CHAOS_EXTRA["broker"][CHAOS_EXTRA["broker"].index("--lock-delay") + 1])
 STALL_MS = int((LOCK_DELAY + 2.5) * 1000)
 
-# each victim still runs when the stall is armed (the native decode step runs ~1 ms a token here), and the
-# three leave most of the chaos pool's 128 pages to the grants tried during the stall
-VICTIM_TOKENS = 400
+# each victim still runs when the stall is armed (the native decode step runs ~1 ms a token here: with 400, the
+# first finished before it on 2 cores with one more busy process), and the three, leased as they generate, leave
+# most of the chaos pool's 128 pages to the grants tried during the stall
+VICTIM_TOKENS = 600
 
 
 def test_no_page_is_granted_again_while_a_stalled_step_may_write_it(chaos, oracle):
@@ -29,12 +30,14 @@ def test_no_page_is_granted_again_while_a_stalled_step_may_write_it(chaos, oracl
     assert "error" not in generate_when_served(chaos, [7, 8, 9], 2, timeout=60)
     wait_for(lambda: drained(chaos), 20, "an idle pool")
     canaries = chaos.metric("decode", "pdserve_canary_hits_total")
-    victims = []
+    ready = []
     for i in range(3):  # granted first on an idle pool: the lowest page ids, the next ones any grant would take
         tokens = prompt(40, 500 + i)
         rid, dest = allocate(chaos, len(tokens), VICTIM_TOKENS)
-        resp = prefill(chaos, rid, tokens, dest, VICTIM_TOKENS)
-        victims.append((rid, dest, tokens, iter(decode_stream(chaos, rid, tokens, resp, VICTIM_TOKENS))))
+        ready.append((rid, dest, tokens, prefill(chaos, rid, tokens, dest, VICTIM_TOKENS)))
+    # the three start decoding together, once all are prefilled: the first no longer runs alone meanwhile
+    victims = [(rid, dest, tokens, iter(decode_stream(chaos, rid, tokens, resp, VICTIM_TOKENS)))
+               for rid, dest, tokens, resp in ready]
     got = {rid: [next(stream).token_id for _ in range(5)] for rid, _, _, stream in victims}
     outcome = {}
 
