@@ -16,6 +16,8 @@ from pdserve.common.proto import gateway_pb2_grpc
 from tests.integration.helpers import prompt
 
 NUM_STREAMS, MAX_TOKENS, MAX_BATCH = 80, 100, 64
+PASSED_BOUND = 5000  # tokens to the others during one wait (see the test)
+assert PASSED_BOUND < MAX_BATCH * (MAX_TOKENS - 1)  # what the old loop let pass: the bound still tells it apart
 
 
 async def _stream(target: str, p: list[int], out: dict, start: asyncio.Event) -> None:
@@ -56,15 +58,14 @@ def test_80_streams_each_get_a_token_every_few_seconds(stack, oracle):
     worst = max(range(NUM_STREAMS), key=lambda i: gaps[i])
     assert gaps[worst] <= 5.0, f"stream {worst} waited {gaps[worst]:.1f}s between two tokens (median of the " \
                                f"streams' worst gaps {sorted(gaps)[NUM_STREAMS // 2]:.2f}s)"
-    # tokens the others got while one stream waited: a rotating batch lets at most a few steps pass; the old loop
-    # let the first 64 streams run to their end (64 x 100 tokens, at the wait after the first token). The wait after
-    # the first token (prefill's) also covers joining: verification and a place at the back of the order while the
-    # other 79 arrive and are verified too; measured up to 384 tokens on a quiet machine (before pages on demand as
-    # after), so it gets 16 steps' worth. Once every stream has its first token, every wait is the rotation's alone
-    # (measured up to ~200 on a quiet machine, 625 on 2 cores with one more busy process: the count is taken where
-    # the tokens arrive, after the gateway and this client's event loop, whose delays bunch deliveries); before
-    # that, a stream's next token may also wait behind the others' joining (up to 644 measured with a one-call
-    # decode step, which hands out more tokens per second of such a wait). The old loop let 6,400 pass
+    # tokens the others got while one stream waited, whatever the machine's speed. The old loop let the first 64
+    # streams run to their end before the other 16 had their second token: 64 x 99 = 6,336 tokens passed. A
+    # rotating batch lets a few steps pass: on a quiet machine up to ~400 for the second token (its wait also covers
+    # verification and a place at the back of the order while the other 79 arrive) and ~200 for a later one. The
+    # count is taken where the tokens arrive, after the gateway and this client's one event loop, and a busy CPU
+    # bunches deliveries: with two more busy processes on 2 cores, 183-3,148 and 81-2,778 passed over runs of the
+    # same code while the worst gap stayed under 1 s. So the bound is what tells the old loop apart (5,000 < 6,336),
+    # and the 5 s gap above is the promise to the client; the printed counts show how close a run came
     every = sorted(t for o in outs for t in o["times"])
     all_started = max(o["times"][0] for o in outs)
 
@@ -73,7 +74,9 @@ def test_80_streams_each_get_a_token_every_few_seconds(stack, oracle):
     gaps_after = [list(zip(o["times"], o["times"][1:])) for o in outs]
     joining = passed(g[0] for g in gaps_after)
     rotating = passed((a, b) for g in gaps_after for a, b in g[1:] if a >= all_started)
-    assert joining <= 16 * MAX_BATCH, f"{joining} tokens went to other streams while one waited for its second"
-    assert rotating <= 16 * MAX_BATCH, f"{rotating} tokens went to other streams while one waited for its next, " \
-                                      f"every stream running"
+    print(f"tokens passed while a stream waited: for its second {joining}, for a later one {rotating}; "
+          f"worst gap {gaps[worst]:.2f}s")
+    assert joining <= PASSED_BOUND, f"{joining} tokens went to other streams while one waited for its second"
+    assert rotating <= PASSED_BOUND, f"{rotating} tokens went to other streams while one waited for its next, " \
+                                     f"every stream running"
     oracle.check_many([(p, o["ids"]) for p, o in zip(prompts, outs)])
