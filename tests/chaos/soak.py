@@ -15,8 +15,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 from tests.chaos.conftest import CHAOS_EXTRA
-from tests.chaos.test_failures import drained
 from tests.chaos.test_schedules import FAULT_ARGS, FAULTS, OTHER_FAULTS, run_request
+from tests.integration.helpers import drained
 from tests.integration.stack import Stack
 from tests.oracle import Oracle, OracleMismatch
 

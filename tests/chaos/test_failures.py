@@ -9,33 +9,14 @@ import pytest
 
 from pdserve.common.errors import from_rpc_error
 from pdserve.common.proto import broker_pb2, decode_pb2
-from tests.integration.helpers import allocate, collect, decode_stream, generate_when_served, prefill, prompt
+from tests.integration.helpers import (allocate, collect, decode_stream, drained, generate_when_served, prefill, prompt,
+                                       wait_for)
 
 LOCK_DELAY, WRITER_TTL = 5.5, 2.0
 
 
 def state(stack):
     return stack.pool_states()[0]
-
-
-def wait_for(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
-
-def drained(stack):
-    try:
-        s = state(stack)
-    except grpc.RpcError as e:
-        if e.code() == grpc.StatusCode.NOT_FOUND:  # a restarted broker that decode has not re-registered with yet
-            return False
-        raise
-    # cached pages (prefix reuse) are neither leased nor free: unread, they are evictable
-    return (s.num_leased == 0 and s.num_quarantined == 0 and s.num_shared_reads == 0
-            and s.num_free + s.num_cached == s.num_pages)
 
 
 def test_late_write_after_abort_lands_only_on_quarantined_pages(chaos, oracle):

@@ -12,8 +12,8 @@ import pytest
 
 from pdserve.common.errors import from_rpc_error
 from pdserve.common.proto import common_pb2, decode_pb2
-from tests.chaos.test_failures import LOCK_DELAY, drained, state, wait_for
-from tests.integration.helpers import allocate, prefill, prompt
+from tests.chaos.test_failures import LOCK_DELAY, state
+from tests.integration.helpers import allocate, drained, prefill, prompt, wait_for
 
 
 def landing_bound(chaos) -> float:

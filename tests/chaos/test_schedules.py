@@ -19,8 +19,7 @@ import pytest
 from pdserve.client import build_request
 from pdserve.common.errors import from_rpc_error
 from tests.chaos.hostile import REFUSED, hostile_calls
-from tests.chaos.test_failures import drained, wait_for
-from tests.integration.helpers import generate_when_served
+from tests.integration.helpers import drained, generate_when_served, wait_for
 
 NUM_SCHEDULES = 20
 REQUESTS_PER_SCHEDULE = 100

@@ -12,8 +12,8 @@ import grpc
 from pdserve.common.errors import from_rpc_error
 from pdserve.common.proto import broker_pb2, decode_pb2
 from tests.chaos.conftest import CHAOS_EXTRA
-from tests.chaos.test_failures import drained, wait_for
-from tests.integration.helpers import allocate, collect, decode_stream, generate_when_served, prefill, prompt
+from tests.integration.helpers import (allocate, collect, decode_stream, drained, generate_when_served, prefill, prompt,
+                                       wait_for)
 
 LOCK_DELAY = float(CHAOS_EXTRA["broker"][CHAOS_EXTRA["broker"].index("--lock-delay") + 1])
 STALL_MS = int((LOCK_DELAY + 2.5) * 1000)

@@ -16,9 +16,8 @@ import pytest
 from pdserve.common.errors import from_rpc_error
 from pdserve.common.proto import broker_pb2 as pb, broker_pb2_grpc
 from tests.chaos.conftest import CHAOS_EXTRA
-from tests.chaos.test_failures import wait_for
 from tests.chaos.test_schedules import TYPED, run_request
-from tests.integration.helpers import allocate, collect, decode_stream, generate_when_served, prefill
+from tests.integration.helpers import allocate, collect, decode_stream, drained, generate_when_served, prefill, wait_for
 from tests.integration.stack import Stack
 from tests.integration.test_instance_identity import OWN, foreign_calls
 
@@ -38,12 +37,6 @@ def two(model_dir):
               allow_small=True, extra=CHAOS_EXTRA)
     yield s
     s.close()
-
-
-def drained(stack) -> bool:
-    states = stack.pool_states()
-    return len(states) == 2 and all(s.num_leased == 0 and s.num_quarantined == 0 and s.num_shared_reads == 0
-                                    and s.num_free + s.num_cached == s.num_pages for s in states)
 
 
 def served_runs(stack, index: int) -> float:
@@ -176,7 +169,7 @@ def test_decode_a_identity_against_decode_b_pool_under_load(two, oracle):
     print(f"  {ok}/{NUM_REQUESTS} through the gateway (Run calls per decode {served}), {len(on_b)} on B, "
           f"hostile calls {made}", flush=True)
 
-    wait_for(lambda: drained(two), 20, "both pools idle")
+    wait_for(lambda: drained(two, pools=2), 20, "both pools idle")
     assert [two.metric("decode", "pdserve_canary_hits_total", index=i) for i in (0, 1)] == canaries
     for name, procs in two.procs.items():
         for p in procs:

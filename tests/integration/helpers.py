@@ -72,18 +72,29 @@ def wait_no_leases(stack, timeout: float = 10.0):
         time.sleep(0.1)
 
 
-def wait_idle_pool(stack, timeout: float = 30.0) -> None:
-    """Until no page is leased or quarantined (an earlier test's failed request quarantines its pages for the
-    broker's lock delay), so the next grant takes the lowest free pages; raises when the pool stays busy."""
-    deadline = time.monotonic() + timeout
-    while True:
+def wait_for(pred, timeout: float, what: str) -> float:
+    """Polls pred until it holds; returns the seconds it took, raises naming `what` after timeout."""
+    start = time.monotonic()
+    while not pred():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def drained(stack, pools: int | None = None) -> bool:
+    """Every pool idle: no page leased, quarantined or read; cached pages (prefix reuse, unread: evictable) count
+    as idle. pools: how many the broker must know (a restarted broker that a decode has not re-registered with
+    yet knows fewer)."""
+    try:
         states = stack.pool_states()
-        if all(s.num_leased == 0 and s.num_quarantined == 0 for s in states):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"pool still busy after {timeout:.0f}s: "
-                                 + "; ".join(f"{s.num_leased} leased, {s.num_quarantined} quarantined" for s in states))
-        time.sleep(0.1)
+    except grpc.RpcError as e:
+        if e.code() == grpc.StatusCode.NOT_FOUND:  # a restarted broker that decode has not re-registered with yet
+            return False
+        raise
+    return (pools is None or len(states) == pools) and all(
+        s.num_leased == 0 and s.num_quarantined == 0 and s.num_shared_reads == 0
+        and s.num_free + s.num_cached == s.num_pages for s in states)
 
 
 def generate_when_served(stack, prompt_ids: list[int], max_tokens: int, timeout: float = 15.0,

@@ -8,7 +8,7 @@ import pytest
 
 from pdserve.common.errors import from_rpc_error
 from pdserve.common.proto import common_pb2, prefill_pb2
-from tests.integration.helpers import allocate, collect, decode_stream, prefill, prompt, wait_idle_pool, wait_no_leases
+from tests.integration.helpers import allocate, collect, decode_stream, prefill, prompt, drained, wait_for, wait_no_leases
 from tests.integration.stack import Stack
 
 POOL = 1024
@@ -92,7 +92,7 @@ def test_stale_page_left_unwritten_is_refused(small, oracle):
     """A fills pages and ends; B is granted the same physical pages with a new generation, and one of
     them is deliberately not written: decode refuses B."""
     # pages an earlier test's failures quarantined would leave quarantine between A and B, and B would get them
-    wait_idle_pool(small)
+    wait_for(lambda: drained(small), 30, "an idle pool")
     a_tokens = prompt(250, 5)
     rid_a, dest_a = allocate(small, 250, 4)
     resp = prefill(small, rid_a, a_tokens, dest_a, 4)

@@ -11,7 +11,7 @@ import pytest
 from pdserve.common.config import pages_needed
 from pdserve.common.errors import from_rpc_error
 from pdserve.common.proto import broker_pb2
-from tests.integration.helpers import allocate, decode_stream, generate_when_served, prefill, prompt
+from tests.integration.helpers import allocate, decode_stream, drained, generate_when_served, prefill, prompt, wait_for
 from tests.integration.proxy import TcpProxy
 from tests.integration.stack import Stack
 
@@ -45,20 +45,6 @@ def live(model_dir):
 
 def state(stack):
     return stack.pool_states()[0]
-
-
-def drained(stack) -> bool:
-    s = state(stack)
-    return s.num_free + s.num_cached == s.num_pages and s.num_leased == 0 and s.num_quarantined == 0
-
-
-def wait_for(pred, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not pred():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-    return time.monotonic() - start
 
 
 def start_request(stack, n_prompt: int, max_tokens: int, seed: int):

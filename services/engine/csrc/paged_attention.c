@@ -236,8 +236,9 @@ static inline uint16_t f32_to_bf16(float f) {  /* round to nearest even, as torc
  * cannot bring FMA back. */
 __attribute__((noinline, optimize("fp-contract=off")))
 static void rope(const float *x, const float *cos, const float *sin, int d, float *out) {
-    const int half = d / 2;
-    for (int i = 0; i < d; i++) out[i] = x[i] * cos[i] + x[(i + half) % d] * sin[i];
+    const int half = d / 2;  /* rotate_half(x)[i] is x[i + half] in the first half, x[i - half] in the second */
+    for (int i = 0; i < half; i++) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
+    for (int i = half; i < d; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
 /*
