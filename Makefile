@@ -12,7 +12,7 @@ PROTOS := $(wildcard protos/pdserve/v1/*.proto)
 NATIVE := services/engine/_native/.stamp
 NATIVE_SRC := $(wildcard services/engine/csrc/*.c)
 
-.PHONY: setup run test unit integration chaos formal bench bench-quick bench-gpu soak clean deps stubs model image
+.PHONY: setup run test unit integration chaos formal bench bench-quick bench-commit bench-gpu soak clean deps stubs model image
 
 setup: .deps-apt $(VENV)/.installed $(VENV)/.verified $(STUBS) $(NATIVE) $(MODEL)/tokenizer_config.json
 
@@ -99,7 +99,15 @@ bench: setup
 bench-quick: setup
 	$(VENV)/bin/pdserve bench --quick
 
-# the same table on a CUDA machine, into bench/results/cuda/ (its own venv, .venv-cuda): BENCH_ARGS=--quick for the
+# A run writes bench/out/ (git-ignored), so it leaves the checkout clean; keeping a run's tables is a choice: this
+# copies its Markdown and JSON over bench/results/, for a `git add bench/results` and a commit that says what ran
+bench-commit:
+	@shopt -s nullglob; files=(bench/out/*.md bench/out/*.json); \
+	if [ $${#files[@]} -eq 0 ]; then \
+	  echo "make bench-commit: no results in bench/out/: run make bench-quick or make bench first" >&2; exit 1; fi; \
+	cp -v "$${files[@]}" bench/results/ && git status --short bench/results
+
+# the same table on a CUDA machine, into bench/out/cuda/ (its own venv, .venv-cuda): BENCH_ARGS=--quick for the
 # short one
 bench-gpu:
 	bash bench/gpu.sh $(BENCH_ARGS)

@@ -1,7 +1,7 @@
 """Over-long floods on their own (issue 12 target: >= 5,000 rejections/s while admitted traffic slows by <= 5 %):
 `python -m pdserve.bench.flood_ab [--repeats 3] [--seconds 3]` starts a tiny stack and measures, per flood kind
 (gRPC token ids, gRPC text, HTTP text), the closed-loop rejection capacity with the gateway's CPU per rejection, then
-admitted traffic alone vs under that flood paced at --rate, interleaved pairs. Writes bench/results/flood.{json,md}.
+admitted traffic alone vs under that flood paced at --rate, interleaved pairs. Writes bench/out/flood.{json,md}.
 
 Every flood runs in its own process (flood.py); on a shared 2-core machine the flood client, the gateway and the
 admitted traffic's four processes share the cores, so the report states the other load beside each figure."""
@@ -107,6 +107,7 @@ def main() -> None:
             res["kinds"][kind] = {"capacity": cap, "pairs": pairs}
     finally:
         stack.close()
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out + ".json", "w") as f:
         json.dump(res, f, indent=1)
     with open(a.out + ".md", "w") as f:

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The `make bench` table on a CUDA machine: every engine (pdserve's prefill and decode, co-located, transformers)
 # on the GPU, Mooncake's CUDA build. Usage: bench/gpu.sh [--quick] [--no-profile]   (or: make bench-gpu)
-# Results go to bench/results/cuda/ (PDSERVE_BENCH_RESULTS), never over the CPU tables in bench/results/.
+# Results go to bench/out/cuda/ (PDSERVE_BENCH_RESULTS), never over a CPU run's tables in bench/out/.
 # A fresh machine needs git, make and an NVIDIA driver; the venv (.venv-cuda, VENV to change) is set up by the
 # Makefile, whose installer takes the `cuda` extra wherever nvidia-smi exists.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv-cuda}
-OUT=${PDSERVE_BENCH_RESULTS:-bench/results/cuda}
+OUT=${PDSERVE_BENCH_RESULTS:-bench/out/cuda}
 
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   echo "bench/gpu.sh: no nvidia-smi on this machine: it needs an NVIDIA GPU and its driver" >&2

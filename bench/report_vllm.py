@@ -1,4 +1,4 @@
-"""The vLLM comparison's Markdown report (bench/results/vllm-<mode>.md, also printed), built from its JSON."""
+"""The vLLM comparison's Markdown report (bench/out/vllm-<mode>.md, also printed), built from its JSON."""
 from __future__ import annotations
 
 import math

@@ -3,7 +3,8 @@
 One invocation, one checkpoint per preset, one request mix (seeded prompts, greedy, ignore_eos,
 max_tokens 32, closed loop at each concurrency). For every cell the co-located engine and pdserve
 run back to back, so background load drifts between systems as little as it can. Writes
-bench/results/bench-<mode>.md (also printed) and .json, and PNG plots when matplotlib is installed.
+bench/out/bench-<mode>.md (also printed) and .json, and PNG plots when matplotlib is installed; `make bench-commit`
+copies the tables to bench/results/, the ones kept in git.
 Also runnable as `python -m pdserve.bench.run [--quick] [--no-profile]`.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ def parse(argv=None):
                    help="where every engine runs (pdserve's prefill and decode, co-located, transformers); "
                         "default: cuda when present, as the services choose")
     p.add_argument("--report-only", action="store_true",
-                   help="measure nothing: rebuild the table and plots from bench/results/bench-<mode>.json")
+                   help="measure nothing: rebuild the table and plots from bench/out/bench-<mode>.json")
     return p.parse_args(argv)
 
 

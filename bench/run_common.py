@@ -8,8 +8,11 @@ import subprocess
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# bench/gpu.sh points this elsewhere, so a CUDA run never overwrites the CPU tables the next CPU run compares with
-RESULTS = os.path.abspath(os.environ.get("PDSERVE_BENCH_RESULTS") or os.path.join(ROOT, "bench", "results"))
+# Where a run writes: an ignored folder, so a run leaves the checkout as it was. The tables kept in git are in
+# COMMITTED, copied there only on purpose (`make bench-commit`). bench/gpu.sh points RESULTS elsewhere, so a CUDA
+# run never overwrites the CPU tables of the last CPU run.
+RESULTS = os.path.abspath(os.environ.get("PDSERVE_BENCH_RESULTS") or os.path.join(ROOT, "bench", "out"))
+COMMITTED = os.path.join(ROOT, "bench", "results")
 MODELS = os.path.join(ROOT, "bench", ".models")
 _T0 = time.perf_counter()
 

@@ -64,8 +64,10 @@ class TransferSteps:
                     f"{per_req / wp['median_s'] / 1e9:.2f} GB/s, raw {per_req / row['raw_s'] / 1e9:.2f} GB/s "
                     f"back to back, {per_req / row['raw_paced_s'] / 1e9:.2f} GB/s paced")
             self.res["transfer"]["cells"] = out
+            # one entry in one batch call, up to the write unit: pdserve never posts a larger call (a larger one
+            # would be refused: the landing bound covers only calls of at most the unit)
             sweep = []
-            for nb in (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20):
+            for nb in (64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, raw.engine.max_write_bytes):
                 ts = sorted(raw.measure(nb, 0, max(self.plan.raw_repeats, min(50, int(32e6 / nb)))))
                 sweep.append({"bytes": nb, "median_s": ts[len(ts) // 2]})
             self.res["transfer"]["raw_sweep"] = sweep

@@ -6,7 +6,8 @@ never both at once, and points the same streaming HTTP client (bench/httpload.py
 `stream: true`, greedy, ignore_eos, 32 output tokens, prompt token ids) at each, cell by cell on the same seeded
 prompts. Then: whether greedy outputs are the same token ids; pdserve's start-up time and memory per token at
 pools of 2,097,152 tokens (and vLLM's with a KV cache of as many tokens); py-spy on pdserve at one cell that misses
-the target. Writes bench/results/vllm-<mode>.json and .md (also printed).
+the target. Writes bench/out/vllm-<mode>.json and .md (also printed; `make bench-commit` copies them to
+bench/results/).
 """
 from __future__ import annotations
 
@@ -19,11 +20,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
-from .run_common import log
+from .run_common import RESULTS, log
 from .vllm_venv import ROOT
 from .workload import MAX_TOKENS
 
-RESULTS = os.path.abspath(os.environ.get("PDSERVE_BENCH_RESULTS") or os.path.join(ROOT, "bench", "results"))
 MODELS = os.path.join(ROOT, "bench", ".models")
 BIG_POOL = 2_097_152
 
