@@ -10,6 +10,21 @@ class CheckpointError(ValueError):
     """A checkpoint the engine cannot serve exactly as written: the CLI prints the message, no traceback."""
 
 
+def weight_files(path: str) -> list[str]:
+    """The files transformers reads: the shards the index names, else model.safetensors. Other
+    *.safetensors beside them (a hub repo's consolidated.safetensors, a stray copy) are not the checkpoint."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, s) for s in shards]
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json under {path}: run "
+                                f"`pdserve make-model --out {path}`")
+    return [single]
+
+
 @dataclass(slots=True)
 class ModelConfig:
     vocab_size: int

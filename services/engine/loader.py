@@ -6,33 +6,15 @@ serving without it would give wrong logits with no error. Nothing is loaded unle
 """
 from __future__ import annotations
 
-import json
-import os
-
 import torch
 from safetensors import safe_open
 
-from .config import CheckpointError, ModelConfig
+from .config import CheckpointError, ModelConfig, weight_files
 from .dtypes import DTYPES, SAFETENSORS_FLOATS, weight_dtype
 from .model import CausalLM
 from .rope import RotaryEmbedding
 
 SHOWN = 5  # names quoted per kind of mismatch; the count says how many there are
-
-
-def _weight_files(path: str) -> list[str]:
-    """The files transformers reads: the shards the index names, else model.safetensors. Other
-    *.safetensors beside them (a hub repo's consolidated.safetensors, a stray copy) are not the checkpoint."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(path, s) for s in shards]
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.exists(single):
-        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json under {path}: run "
-                                f"`pdserve make-model --out {path}`")
-    return [single]
 
 
 def _listed(kind: str, names: list[str]) -> str:
@@ -95,7 +77,7 @@ def _stored_dtypes(metas: dict[str, torch.Tensor]) -> set[str]:
 
 def checkpoint_dtypes(path: str) -> set[str]:
     """What --dtype auto falls back on when config.json states none, from the headers alone (pdserve check)."""
-    return _stored_dtypes(_headers(_weight_files(path))[1])
+    return _stored_dtypes(_headers(weight_files(path))[1])
 
 
 def _read(file: str, name: str) -> torch.Tensor:
@@ -126,7 +108,7 @@ def load_model(path: str, device: torch.device | str = "cpu", dtype: str | torch
     cfg = ModelConfig.from_dir(path)
     with torch.device("meta"):
         model = CausalLM(cfg)
-    where, metas = _headers(_weight_files(path))
+    where, metas = _headers(weight_files(path))
     # rotary inv_freq is a non-persistent buffer (on meta so far): rebuild it, in float32 as transformers does
     rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     inv = [k for k in metas if k.endswith(".rotary_emb.inv_freq")]

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import NamedTuple
+import threading
+from concurrent.futures import Future
+from typing import Callable, NamedTuple, TypeVar
 
 import torch
 
@@ -25,6 +27,23 @@ def set_threads(n: int = 0, switch_interval_ms: float | None = None) -> None:
     torch.set_num_threads(n or max(1, (os.cpu_count() or 2) // 2))
     if switch_interval_ms is not None:
         sys.setswitchinterval(switch_interval_ms / 1000)
+
+
+T = TypeVar("T")
+
+
+def in_thread(fn: Callable[[], T], name: str) -> Future[T]:
+    """fn() in a daemon thread: a start-up that fails before it needs the result exits without waiting for it."""
+    done: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            done.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the result
+            done.set_exception(e)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return done
 
 
 def pick_device() -> torch.device:
@@ -63,8 +82,11 @@ class ModelRunner:
         num_pages: a count, or a PoolSize resolved once the weights are on the device (a memory budget, or a
         fraction of what the device has left after them)."""
         self.device = torch.device(device) if device is not None else pick_device()
+        # the prefix chain's checkpoint term hashes every byte of the weights, beside the load that reads them; a
+        # runner never exists without it, so nothing serves a prefix page before it is known
+        identity = in_thread(lambda: checkpoint_identity(model_dir), "checkpoint-identity")
         self.model = load_model(model_dir, self.device, dtype)
-        self.checkpoint = checkpoint_identity(model_dir)  # the prefix chain's checkpoint term
+        self.checkpoint = identity.result()
         self.config = self.model.config
         self.dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         self.kv_dtype = pick_kv_dtype(kv_dtype, self.dtype)

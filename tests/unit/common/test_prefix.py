@@ -65,14 +65,68 @@ def test_chain_words_are_the_key_as_two_signed_words():
     assert (hi & (2**64 - 1)).to_bytes(8, "big") + (lo & (2**64 - 1)).to_bytes(8, "big") == key
 
 
-def test_checkpoint_identity_sees_a_weight_byte_at_a_sampled_offset(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"a": 1}))
-    header = json.dumps({"w": {"dtype": "F32", "shape": [1024], "data_offsets": [0, 4096]}}).encode()
-    body = bytearray(len(header).to_bytes(8, "little") + header + bytes(4096 * 64))
-    (tmp_path / "model.safetensors").write_bytes(body)
-    first = checkpoint_identity(str(tmp_path))
-    body[len(body) // 2] ^= 1  # offset 8/16 of the file is sampled
-    (tmp_path / "model.safetensors").write_bytes(body)
-    assert checkpoint_identity(str(tmp_path)) != first
-    (tmp_path / "config.json").write_text(json.dumps({"a": 2}))
-    assert len({first, checkpoint_identity(str(tmp_path))}) == 2
+def _safetensors(tensor: str, body: bytes) -> bytes:
+    """A safetensors file of one F32 tensor whose bytes are body."""
+    header = json.dumps({tensor: {"dtype": "F32", "shape": [len(body) // 4], "data_offsets": [0, len(body)]}}).encode()
+    return len(header).to_bytes(8, "little") + header + body
+
+
+def _checkpoint(folder, body: bytes, config=b'{"a": 1}'):
+    """config.json and a model.safetensors of one tensor."""
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_bytes(config)
+    (folder / "model.safetensors").write_bytes(_safetensors("w", body))
+    return str(folder)
+
+
+def test_one_byte_in_the_middle_of_a_weight_file_is_another_checkpoint(tmp_path):
+    # 4 MiB: a sampler of 16 x 64 KiB would see a quarter of it; the byte flipped lies between two such samples,
+    # in the middle of the file (a partial fine-tune: same size, same header)
+    body = bytearray(os.urandom(4 << 20))
+    base = checkpoint_identity(_checkpoint(tmp_path / "base", bytes(body)))
+    middle = len(body) // 2 + (1 << 16) + 4093
+    body[middle] ^= 1
+    tuned = checkpoint_identity(_checkpoint(tmp_path / "tuned", bytes(body)))
+    assert tuned != base
+    # and the identity is the files' content: an identical copy, written later (another mtime), is the same one
+    body[middle] ^= 1
+    copy = tmp_path / "copy"
+    _checkpoint(copy, bytes(body))
+    os.utime(copy / "model.safetensors", (1, 1))
+    assert checkpoint_identity(str(copy)) == base
+    assert checkpoint_identity(_checkpoint(tmp_path / "config", bytes(body), config=b'{"a": 2}')) != base
+
+
+def test_every_shard_the_index_names_counts(tmp_path):
+    shards = [os.urandom(1 << 20) for _ in range(2)]
+
+    def write(folder, shards):
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        weight_map = {}
+        for i, body in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-00002.safetensors"
+            (folder / name).write_bytes(_safetensors(f"w{i}", body))
+            weight_map[f"w{i}"] = name
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        (folder / "consolidated.safetensors").write_bytes(os.urandom(64))  # not the checkpoint: ignored
+        return str(folder)
+
+    base = checkpoint_identity(write(tmp_path / "a", shards))
+    assert checkpoint_identity(write(tmp_path / "b", shards)) == base
+    last = bytearray(shards[1])
+    last[-1] ^= 0x80
+    assert checkpoint_identity(write(tmp_path / "c", [shards[0], bytes(last)])) != base
+
+
+def test_prefill_and_decode_runners_of_one_checkpoint_share_the_identity(tmp_path):
+    from pdserve.engine.make_model import make_model
+    from pdserve.engine.runner import ModelRunner
+
+    model_dir = str(tmp_path / "m")
+    make_model(model_dir, "tiny", 0)
+    # served in two dtypes (a prefill in float32, a decode in bfloat16): the files decide, not the dtype served
+    a = ModelRunner(model_dir, 4, 16, dtype="float32", device="cpu")
+    b = ModelRunner(model_dir, 4, 16, dtype="bfloat16", device="cpu")
+    assert a.checkpoint == b.checkpoint == checkpoint_identity(model_dir)
+    assert a.chain_seed(scope_key("t", "")) != b.chain_seed(scope_key("t", ""))  # the KV dtype still parts them
