@@ -1,10 +1,10 @@
 """Raw Mooncake: batch_transfer_sync_write of the bytes pdserve moves, process to process, as the floor.
 
-pdserve's prefill writes one coalesced run of page bytes and then one run of tags into another
-process's registered pool, cut into batch calls of at most its write unit (`--max-write-bytes`, the bytes the
-landing bound is computed from); this does exactly that with the same wrapper, the same default write unit and
-nothing else (no forward pass, no checksum, no RPC). The destination is a peer process (`python -m pdserve.bench.mooncake_raw
-peer NBYTES`), as decode is for prefill.
+pdserve's prefill writes one coalesced run of page bytes and then one run of tags into another process's
+registered pool, cut into batch calls of at most its write unit (`--max-write-bytes`, the bytes the landing bound
+is computed from); this does exactly that with the same wrapper, the same default write unit and nothing else (no
+forward pass, no checksum, no RPC). The destination is a peer process
+(`python -m pdserve.bench.mooncake_raw peer NBYTES`), as decode is for prefill.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""One pool's cached prefix pages (DESIGN.md §9): the chain index, the unread pages in least-recently-used order,
+"""One pool's cached prefix pages (docs/design.md §8): the chain index, the unread pages in least-recently-used order,
 and the pinned ones. Bookkeeping only: LeaseTable makes every transition and keeps this in step with the pages.
 
 A cached page is in `cached` from Publish until it is evicted or quarantined. It is indexed (found by Grants)

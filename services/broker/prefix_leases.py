@@ -1,6 +1,6 @@
-"""Prefix reuse in the lease table (a mixin of LeaseTable; DESIGN.md §9): Publish turns an owner's written,
-checked pages into CACHED pages, read-only to a set of readers; Grants share the longest cached run of their
-prefix chain under their own scope tag; short Grants and Extends evict unread cached pages, least recently read
+"""Prefix reuse in the lease table (a mixin of LeaseTable; docs/design.md §8): Publish turns an owner's
+written, checked pages into CACHED pages, read-only to a set of readers; Grants share the longest cached run of
+their prefix chain under their own scope tag; short Grants and Extends evict unread cached pages, least recently read
 first; Unpublish takes pages found bad out of the index, and they leave through quarantine once unread.
 
 The rules of exclusive pages are untouched: a cached page is never LEASED, so no BeginWrite, EndWrite or

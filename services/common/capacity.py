@@ -1,6 +1,6 @@
-"""Start-up sizing checks (DESIGN §4, §9) as pure functions, so `pdserve check` prints the very refusal a service
-would exit with: a pool smaller than the context window is refused unless overridden, and one KV page must fit in
-prefill's write unit. No torch here: the sizes come from config.json alone."""
+"""Start-up sizing checks (docs/design.md §4, §8) as pure functions, so `pdserve check` prints the very refusal a
+service would exit with: a pool smaller than the context window is refused unless overridden, and one KV page must
+fit in prefill's write unit. No torch here: the sizes come from config.json alone."""
 from __future__ import annotations
 
 import logging

@@ -1,5 +1,5 @@
-"""Decode's side of prefix reuse (DESIGN §9): the chain a request's pages must carry, computed here from its own
-token ids, and the check of the cached pages the broker shares with it, before any of them is read.
+"""Decode's side of prefix reuse (docs/design.md §8): the chain a request's pages must carry, computed here from
+its own token ids, and the check of the cached pages the broker shares with it, before any of them is read.
 
 A cached page is proof of nothing but what its tag and bytes say: decode reads one only when its tag carries this
 request's chain key at this position, the lease's epoch and generation, a full page's token count, and its bytes
