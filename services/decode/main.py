@@ -48,8 +48,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rpc-timeout", type=float, default=10.0,
                    help="timeout of decode's broker RPCs; keep <= the broker's --reconcile-grace")
     p.add_argument("--drain-timeout", type=float, default=25.0,
-                   help="on SIGTERM, seconds running streams (and granted allocations) get to finish; then they end "
-                        "UNAVAILABLE and their leases are released. Keep under the pod's terminationGracePeriodSeconds")
+                   help="on SIGTERM, seconds running streams (and granted allocations) get to finish; then streams "
+                        "are handed back (UNAVAILABLE DRAINED with the tokens streamed: the gateway continues them on "
+                        "another decode), allocations end UNAVAILABLE DRAINING, and their leases are released. Keep "
+                        "under the pod's terminationGracePeriodSeconds")
     p.add_argument("--headroom-pages", type=int, default=config.DEFAULT_HEADROOM_PAGES,
                    help="pages on demand: pages a request is leased beyond its prompt before its first token, and "
                         "kept ahead of it while it generates (the rest is leased as it goes, in batched Extend calls)")

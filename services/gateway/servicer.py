@@ -32,6 +32,10 @@ from .scope import Scoping
 
 log = logging.getLogger(__name__)
 
+# decode's reasons for ending a stream it could continue elsewhere, with tokens_streamed: the pool ran dry, or the
+# drain timeout ended while it ran
+HANDED_BACK = ("PREEMPTED", "DRAINED")
+
 
 @dataclass(slots=True)
 class Capacity:
@@ -51,6 +55,8 @@ class _Stream:
     last: float | None = None  # when the last token went out
     resubmissions: int = 0
     resubmitted_at: int = 0  # len(ids) when the current submission went out: decode counts from there
+    decode: str = ""  # the decode the current submission runs on
+    avoid: set[str] = field(default_factory=set)  # decodes that handed the request back draining: never again
     scope: bytes = b""  # the request's prefix scope (scope.py), the same for every submission; b"": no reuse
 
 
@@ -133,12 +139,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         internal call: past it the request ends with DEADLINE_EXCEEDED and its pages are given back. tenant: the
         caller's API key's tenant (keys.py); it and request.cache_salt decide the prefix scope.
 
-        A request decode preempted (its pool ran dry: UNAVAILABLE / PREEMPTED, carrying how many tokens it
-        streamed) is resubmitted as prompt + the tokens streamed so far, through prefill, with max_tokens what is
-        left, and its stream goes on where it stopped: no token twice, none missing (at most
-        --max-resubmissions times; then the client gets the error). Greedy output is the same as without the
-        preemption; a sampled one draws its later tokens afresh, and frequency/presence penalties count the tokens
-        before the preemption as prompt tokens."""
+        A request decode hands back (UNAVAILABLE, carrying how many tokens it streamed: PREEMPTED when its pool
+        ran dry, DRAINED when it was still running at the end of decode's drain timeout) is resubmitted as
+        prompt + the tokens streamed so far, through prefill, with max_tokens what is left, and its stream goes
+        on where it stopped: no token twice, none missing (at most --max-resubmissions times; then the client
+        gets the error). A drained request goes to another decode, never back to the draining one; with no other
+        decode taking work the client gets UNAVAILABLE DRAINED saying so. Greedy output is the same as without
+        the hand-back; a sampled one draws its later tokens afresh, and frequency/presence penalties count the
+        tokens before it as prompt tokens."""
         start = time.perf_counter()
         code = "OK"
         client = None
@@ -175,25 +183,33 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             REQUESTS.labels(code).inc()
 
     def _resubmittable(self, e: PdError, tokens: list[int], request, client: "_Stream") -> None:
-        """Returns when a preempted request is to be resubmitted; raises what the client gets otherwise."""
-        if e.reason != "PREEMPTED" or not client.ids:
+        """Returns when a request decode handed back (HANDED_BACK) is to be resubmitted; raises what the client
+        gets otherwise."""
+        if e.reason not in HANDED_BACK or not client.ids:
             raise e
         said, got = e.metadata.get("tokens_streamed"), len(client.ids) - client.resubmitted_at
         if said != str(got):
             # decode and the gateway disagree on what the client has: continuing could skip or repeat a token
-            raise PdError(grpc.StatusCode.INTERNAL, "PREEMPTED_MISMATCH",
-                          f"decode preempted the request after {said} tokens; the gateway streamed {got} of this "
-                          f"submission ({len(client.ids)} in all)") from None
+            raise PdError(grpc.StatusCode.INTERNAL, f"{e.reason}_MISMATCH",
+                          f"decode handed the request back ({e.reason}) after {said} tokens; the gateway streamed "
+                          f"{got} of this submission ({len(client.ids)} in all)") from None
+        if e.reason == "DRAINED":
+            client.avoid.add(client.decode)
+            if not any(b.target not in client.avoid for b in self.decodes.backends):
+                RESUBMISSIONS.labels("gave_up").inc()
+                raise e.prefixed(f"not resubmitted after {len(client.ids)} tokens: no other decode instance takes "
+                                 f"work ({len(self.decodes.all)} known, {len(self.decodes.backends)} ready, "
+                                 f"{len(client.avoid)} draining under this request); retry the request") from None
         if client.resubmissions >= self.max_resubmissions:
             RESUBMISSIONS.labels("gave_up").inc()
-            raise e.prefixed(f"preempted {client.resubmissions + 1} times (limit --max-resubmissions "
+            raise e.prefixed(f"handed back {client.resubmissions + 1} times (limit --max-resubmissions "
                              f"{self.max_resubmissions})") from None
         if len(tokens) + len(client.ids) > self.cap.prefill_pool_tokens:
             RESUBMISSIONS.labels("gave_up").inc()
             raise e.prefixed(f"prompt {len(tokens)} + {len(client.ids)} streamed tokens exceed the prefill pool of "
                              f"{self.cap.prefill_pool_tokens}: not resubmitted") from None
-        log.warning("request preempted after %d of %d tokens (%s); resubmitting prompt + those tokens",
-                    len(client.ids), request.max_tokens, e.message)
+        log.warning("request handed back (%s) after %d of %d tokens (%s); resubmitting prompt + those tokens",
+                    e.reason, len(client.ids), request.max_tokens, e.message)
 
     async def _attempts(self, tokens: list[int], sampling, request, start: float, deadline: float | None,
                         client: "_Stream"):
@@ -209,7 +225,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if sampling.json_schema or sampling.json_object:  # the grammar goes on from where the output is
                 left.grammar_prefix[:] = client.ids
             sampling = left
-        tried: set[str] = set()
+        tried: set[str] = set(client.avoid)
         prefix = route_keys(client.scope, tokens, self.cap.page_size)
         for attempt in range(2):
             request_id = secrets.token_bytes(16)
@@ -218,6 +234,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             need = pages_up_front(len(tokens), sampling.max_tokens, self.cap.page_size)
             decode = self.decodes.pick(exclude=tried, pages=need, prefix=prefix)
             prefill = self.prefills.pick(exclude=tried, prefix=prefix)
+            client.decode = decode.target
             tickets = (decode.take(need), prefill.take())
             sent = len(client.ids)
             try:
@@ -227,7 +244,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 return
             except PdError as e:  # a backend's DRAINING refusal is UNAVAILABLE: retried, that pair excluded
                 if len(client.ids) > sent or attempt or e.code != grpc.StatusCode.UNAVAILABLE \
-                        or e.reason == "PREEMPTED":
+                        or e.reason in HANDED_BACK:
                     raise
                 log.warning("request %s failed before its first token (%s); retrying on another pair",
                             request_id.hex(), e)

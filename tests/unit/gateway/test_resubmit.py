@@ -1,13 +1,16 @@
-"""GatewayServicer.generate when decode preempts a request (its pool ran dry): the gateway resubmits prompt + the
-tokens streamed so far through prefill, with max_tokens what is left, and the client's stream goes on with no
-token twice and none missing; a preemption whose count disagrees with what the client has, or one past
---max-resubmissions, ends the stream with an error instead. Stub backends (a unit test of the gateway alone); the
-whole stack's preemption is tests/integration/test_pages_on_demand.py."""
+"""GatewayServicer.generate when decode hands a request back (preempted: its pool ran dry; drained: still running at
+the end of its drain timeout): the gateway resubmits prompt + the tokens streamed so far through prefill, with
+max_tokens what is left, and the client's stream goes on with no token twice and none missing; a drained one goes
+to another decode, never back. A hand-back whose count disagrees with what the client has, one past
+--max-resubmissions, or a drained one with no other decode, ends the stream with an error instead. Stub backends (a
+unit test of the gateway alone); the whole stack's are tests/integration/test_pages_on_demand.py and
+test_drain_hand_back.py."""
 import asyncio
 from types import SimpleNamespace
 
 import grpc
 import pytest
+from prometheus_client import REGISTRY
 
 from pdserve.common.errors import PdError, to_status
 from pdserve.common.proto import common_pb2, decode_pb2, gateway_pb2, prefill_pb2
@@ -18,8 +21,8 @@ from pdserve.gateway.servicer import Capacity, GatewayServicer
 PROMPT = [5, 6, 7]
 
 
-def _preempted(tokens_streamed: int) -> grpc.aio.AioRpcError:
-    status = to_status(PdError(grpc.StatusCode.UNAVAILABLE, "PREEMPTED", "the KV pool ran dry",
+def _handed_back(tokens_streamed: int, reason: str) -> grpc.aio.AioRpcError:
+    status = to_status(PdError(grpc.StatusCode.UNAVAILABLE, reason, "the KV pool ran dry or decode drains",
                                metadata={"tokens_streamed": str(tokens_streamed)}))
     return grpc.aio.AioRpcError(status.code, grpc.aio.Metadata(), grpc.aio.Metadata(*status.trailing_metadata),
                                 details=status.details)
@@ -27,14 +30,14 @@ def _preempted(tokens_streamed: int) -> grpc.aio.AioRpcError:
 
 class Run:
     """Decode's Run stream: the destination, then `tokens` (the first from the prefill's notice), then the end
-    or a preemption."""
+    or a hand-back (a preemption unless reason says otherwise)."""
 
-    def __init__(self, tokens: list[int], preempt_after: int | None, said: int | None):
+    def __init__(self, tokens: list[int], preempt_after: int | None, said: int | None, reason: str = "PREEMPTED"):
         self.events = [decode_pb2.RunEvent(destination=common_pb2.Destination(pool_id="p"))]
         for i, t in enumerate(tokens):
             finish = common_pb2.FINISH_REASON_LENGTH if preempt_after is None and i == len(tokens) - 1 else 0
             self.events.append(decode_pb2.RunEvent(token=decode_pb2.DecodeResponse(token_id=t, finish_reason=finish)))
-        self.error = None if preempt_after is None else _preempted(preempt_after if said is None else said)
+        self.error = None if preempt_after is None else _handed_back(preempt_after if said is None else said, reason)
 
     async def read(self):
         if self.events:
@@ -65,11 +68,15 @@ class Prefill:
         return prefill_pb2.PrefillResponse()
 
 
-def _generate(script, max_resubmissions: int = 3, max_tokens: int = 7, **fields):
+def _generate(script, max_resubmissions: int = 3, max_tokens: int = 7, others: tuple = (), **fields):
+    """others: further decodes (Decode, queue depth), each looking busier than the first: the load choice is
+    always the first one unless it is excluded."""
     info = SimpleNamespace(free_pages=100, queue_depth=0)
     decode, prefill = Decode(script), Prefill()
+    decodes = [Backend("dc", decode, info)] + [Backend(f"dc{i + 1}", d, SimpleNamespace(free_pages=100, queue_depth=q))
+                                               for i, (d, q) in enumerate(others)]
     gw = GatewayServicer(Router("prefill", [Backend("pf", prefill, info)]),
-                         Router("decode", [Backend("dc", decode, info)]), ByteTokenizer(512),
+                         Router("decode", decodes), ByteTokenizer(512),
                          Capacity("m", 4096, 512, 16, 100, 4096), max_resubmissions=max_resubmissions)
     gw.grammars = SimpleNamespace(start=lambda spec: object())  # every grammar compiles (prefill and decode check)
     req = gateway_pb2.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=max_tokens, ignore_eos=True, **fields)
@@ -136,3 +143,39 @@ def test_a_constrained_resubmission_carries_its_output_so_far_to_the_grammar():
     _, _, plain, _ = _generate([([65, 66], 2, None), ([67], None, None)], max_tokens=3)
     assert [list(r.sampling.grammar_prefix) for r in plain.requests] == [[], []]  # unconstrained: nothing to replay
 
+
+
+def _resubmissions(outcome: str) -> float:
+    return REGISTRY.get_sample_value("pdserve_resubmissions_total", {"outcome": outcome}) or 0.0
+
+
+def test_a_drained_stream_goes_on_at_another_decode_never_back_at_the_draining_one():
+    """decode dc hands the request back DRAINED after 3 tokens: though the load choice is still dc (dc1 looks
+    busier, and the gateway's poll may not have seen dc drain yet), the resubmission runs on dc1, and the
+    client's stream goes on there without a gap or a repeat."""
+    other = Decode([([68, 69, 70, 71], None, None)])
+    before = _resubmissions("resubmitted")
+    got, err, decode, prefill = _generate([([65, 66, 67], 3, None, "DRAINED")], others=[(other, 5)])
+    assert err is None, err
+    assert [t for m in got for t in m.token_ids] == [65, 66, 67, 68, 69, 70, 71]
+    assert len(decode.requests) == 1 and len(other.requests) == 1
+    assert [list(r.token_ids) for r in prefill.requests] == [PROMPT, PROMPT + [65, 66, 67]]
+    assert other.requests[0].sampling.max_tokens == 4 and other.requests[0].num_prompt_tokens == 6
+    assert _resubmissions("resubmitted") == before + 1
+
+
+def test_a_drained_stream_with_no_other_decode_ends_unavailable_saying_so():
+    before = _resubmissions("gave_up"), _resubmissions("resubmitted")
+    got, err, decode, prefill = _generate([([65, 66, 67], 3, None, "DRAINED")])
+    assert err.code == grpc.StatusCode.UNAVAILABLE and err.reason == "DRAINED", err
+    assert "not resubmitted after 3 tokens: no other decode instance takes work" in err.message, err.message
+    assert [t for m in got for t in m.token_ids] == [65, 66, 67]
+    assert len(decode.requests) == 1 and len(prefill.requests) == 1
+    assert (_resubmissions("gave_up"), _resubmissions("resubmitted")) == (before[0] + 1, before[1])
+
+
+def test_a_drained_count_that_disagrees_with_the_stream_ends_it():
+    other = Decode([([68], None, None)])
+    got, err, _, prefill = _generate([([65, 66, 67], 3, 4, "DRAINED")], others=[(other, 5)])
+    assert err.code == grpc.StatusCode.INTERNAL and err.reason == "DRAINED_MISMATCH", err
+    assert "after 4 tokens" in err.message and not other.requests and len(prefill.requests) == 1
