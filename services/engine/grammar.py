@@ -6,19 +6,23 @@ what the library cannot compile, prefill to sample the first token, decode every
 matcher that has consumed every token the request generated so far, so prefill's first token and decode's later
 ones are drawn under one grammar; decode's matcher must first accept the tokens prefill chose, or the request ends.
 
-JSON is compact (no free whitespace): a schema whose language is finite (enums, booleans, bounded integers)
-closes after a bounded number of tokens, whatever the model prefers. Compiled grammars are kept by schema in a
-bounded LRU; each request gets a copy of the compiled matcher."""
+JSON is compact (no free whitespace), and an object refuses the properties its schema does not declare unless
+the schema says otherwise (closed_objects.py): a schema whose language is finite (enums, booleans, bounded
+integers) closes after a bounded number of tokens, whatever the model prefers. Compiled grammars are kept by
+schema in a bounded LRU; each request gets a copy of the compiled matcher."""
 from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Sequence
 
 import numpy as np
+
+from .closed_objects import close
 
 if TYPE_CHECKING:
     import torch
@@ -135,7 +139,18 @@ class Grammars:
         if len(spec.schema()) > MAX_SCHEMA_BYTES:
             raise GrammarError(f"the JSON schema is {len(spec.schema())} bytes; at most {MAX_SCHEMA_BYTES}")
         try:
-            grammar = llg.LLMatcher.grammar_from_json_schema(spec.schema(), defaults=_COMPACT)
+            schema = json.loads(spec.schema())
+        except (ValueError, RecursionError) as e:
+            raise GrammarError(f"not a JSON schema: {e}") from None
+        try:
+            schema = json.dumps(close(schema))
+        except ValueError as e:
+            raise GrammarError(str(e)) from None
+        except RecursionError:
+            raise GrammarError(f"the JSON schema nests (or chains $refs) deeper than {sys.getrecursionlimit()} "
+                               "levels") from None
+        try:
+            grammar = llg.LLMatcher.grammar_from_json_schema(schema, defaults=_COMPACT)
         except ValueError as e:
             raise GrammarError(f"not a JSON schema: {e}") from None
         # terse errors: the library's words reach the client, without a dump of the whole grammar

@@ -30,6 +30,8 @@ class JsonSchemaFormat(Strict):
     name: Annotated[str, Field(min_length=1, max_length=64)]
     description: str | None = None
     schema_: dict = Field(alias="schema")
+    # accepted and changes nothing: every schema is held as OpenAI's strict mode holds it, objects closed to the
+    # properties they declare (engine/closed_objects.py); false does not loosen that
     strict: bool | None = None
 
 
@@ -105,7 +107,7 @@ class FunctionDef(Strict):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
     description: str | None = None
     parameters: dict | None = None
-    strict: bool | None = None
+    strict: bool | None = None  # as JsonSchemaFormat.strict: accepted, changes nothing
 
 
 class Tool(Strict):

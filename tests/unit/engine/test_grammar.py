@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from pdserve.engine.closed_objects import MAX_NAMES
 from pdserve.engine.grammar import GrammarError, Grammars, GrammarSpec, allowed, apply_mask, fill
 
 SCHEMA = {"type": "object", "properties": {
@@ -106,3 +107,90 @@ def test_bitmask_unpacks_to_the_tokens_it_names():
     x = torch.zeros(3, 70)
     apply_mask(x, mask)
     assert torch.equal(x == 0, want) and bool((x[~want] == float("-inf")).all())
+
+
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}
+
+
+def takes(grammars, tok, schema, text: str) -> bool:
+    """Whether the grammar of schema takes text whole: every token, and nothing more needed."""
+    state = grammars.start(GrammarSpec(json.dumps(schema)))
+    return state.replay(tok.encode(text, add_special_tokens=False).ids) is None and state.matcher.is_accepting()
+
+
+def test_an_object_refuses_properties_its_schema_does_not_declare(grammars, tok):
+    assert takes(grammars, tok, CITY, '{"city":"Oslo"}')
+    assert not takes(grammars, tok, CITY, '{"city":"Oslo","x":1}')
+    assert not takes(grammars, tok, {**CITY, "required": []}, '{"x":1}')
+    assert takes(grammars, tok, {**CITY, "additionalProperties": True}, '{"city":"Oslo","x":1}')
+    typed = {**CITY, "additionalProperties": {"type": "integer"}}
+    assert takes(grammars, tok, typed, '{"city":"Oslo","x":1}')
+    assert not takes(grammars, tok, typed, '{"city":"Oslo","x":"a"}')
+    # an object that declares no properties at all is any object, as json_object is
+    assert takes(grammars, tok, {"type": "object"}, '{"x":1,"y":[2]}')
+
+
+@pytest.mark.parametrize("where", ["properties", "items", "anyOf", "$defs", "recursive $defs"])
+def test_nested_objects_are_closed_at_every_level(grammars, tok, where):
+    digit = {"type": "integer", "minimum": 0, "maximum": 9}
+    inner = {"type": "object", "properties": {"n": digit}, "required": ["n"]}
+    schema, good, bad = {
+        "properties": ({**CITY, "properties": {**CITY["properties"], "in": inner}, "required": ["city", "in"]},
+                       '{"city":"Oslo","in":{"n":1}}', '{"city":"Oslo","in":{"n":1,"x":2}}'),
+        "items": ({"type": "array", "items": inner}, '[{"n":1},{"n":2}]', '[{"n":1},{"n":2,"x":3}]'),
+        "anyOf": ({"anyOf": [inner, CITY]}, '{"n":1}', '{"n":1,"x":2}'),
+        "$defs": ({"$defs": {"In": inner}, "type": "array", "items": {"$ref": "#/$defs/In"}}, '[{"n":1}]',
+                  '[{"n":1,"x":2}]'),
+        "recursive $defs": ({"$defs": {"T": {"type": "object", "properties": {
+            "n": digit, "kids": {"type": "array", "items": {"$ref": "#/$defs/T"}}}, "required": ["n"]}},
+            "$ref": "#/$defs/T"}, '{"n":1,"kids":[{"n":2}]}', '{"n":1,"kids":[{"n":2,"x":3}]}'),
+    }[where]
+    assert takes(grammars, tok, schema, good) and not takes(grammars, tok, schema, bad)
+
+
+@pytest.mark.parametrize("how", ["allOf", "allOf of a $ref", "$ref beside properties", "anyOf beside properties"])
+def test_an_intersection_is_closed_as_a_whole_not_part_by_part(grammars, tok, how):
+    """Closing each part would refuse what its sibling declares: {"a", "b"} is the object, "c" is not in it (the
+    library orders an intersection's properties as it chooses: either order is the object)."""
+    a, b = {"properties": {"a": {"type": "integer"}}, "required": ["a"]}, {"properties": {"b": {"type": "integer"}}}
+    schema = {"allOf": {"type": "object", "allOf": [a, b]},
+              "allOf of a $ref": {"$defs": {"A": a}, "allOf": [{"$ref": "#/$defs/A"}, b]},
+              "$ref beside properties": {"$defs": {"A": a}, "$ref": "#/$defs/A", **b},
+              "anyOf beside properties": {**a, "anyOf": [b, {"required": ["a"]}]}}[how]
+    assert any(takes(grammars, tok, schema, t) for t in ('{"a":1,"b":2}', '{"b":2,"a":1}'))
+    assert takes(grammars, tok, schema, '{"a":1}')
+    assert not any(takes(grammars, tok, schema, t) for t in ('{"a":1,"c":2}', '{"c":2,"a":1}'))
+    assert not takes(grammars, tok, schema, '{"b":2}')  # a is required
+
+
+def test_only_schemas_are_closed_not_values_that_look_like_them(grammars, tok):
+    value = {"properties": {"x": 1}}
+    assert takes(grammars, tok, {"const": value}, '{"properties":{"x":1}}')
+    assert takes(grammars, tok, {"enum": [value]}, '{"properties":{"x":1}}')
+    # a definition that is a part of an intersection and also used alone is closed where it is used alone
+    a = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    both = {"$defs": {"A": a}, "type": "array", "prefixItems": [
+        {"$ref": "#/$defs/A"}, {"allOf": [{"$ref": "#/$defs/A"}, {"properties": {"b": {}}}]}]}
+    assert takes(grammars, tok, both, '[{"a":1},{"a":1,"b":2}]')
+    assert not takes(grammars, tok, both, '[{"a":1,"b":2},{"a":1}]')
+
+
+def test_random_logits_under_an_open_looking_schema_write_exactly_its_properties(grammars, tok):
+    """The schema of a named tool call as clients send it, with no additionalProperties: whatever the logits
+    prefer, the output is the declared object and closes."""
+    spec = GrammarSpec(json.dumps(CITY))
+    for seed in range(40):
+        text = tok.decode(draw(grammars, spec, seed, limit=64))
+        assert json.loads(text).keys() == {"city"} and json.loads(text)["city"] in ("Paris", "Oslo"), text
+
+
+def test_intersections_that_would_gather_too_many_names_are_refused_with_the_bound(grammars, tok):
+    """A chain of definitions, each an allOf of the next and one property of its own: closing each link gathers the
+    names of every link after it, quadratic in the chain; past the bound the schema is refused, not worked on."""
+    n = 400
+    defs = {f"D{i}": {"allOf": [{"$ref": f"#/$defs/D{i + 1}"}], "properties": {f"p{i}": {}}} for i in range(n)}
+    defs[f"D{n}"] = {"properties": {"z": {}}}
+    with pytest.raises(GrammarError, match=f"more than {MAX_NAMES} property names"):
+        grammars.start(GrammarSpec(json.dumps({"$defs": defs, "$ref": "#/$defs/D0"})))
+    short = {"$defs": {f"D{i}": defs[f"D{i}"] for i in range(n - 20, n + 1)}, "$ref": f"#/$defs/D{n - 20}"}
+    assert takes(grammars, tok, short, '{}') and not takes(grammars, tok, short, '{"x":1}')  # 20 links close

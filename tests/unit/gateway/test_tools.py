@@ -168,22 +168,47 @@ def grammars(model_dir):
     return Grammars(os.path.join(model_dir, "tokenizer.json"), 512, [1])
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_forced_calls_from_random_logits_are_calls_to_the_tools_offered(grammars, choice, model_dir):
+@pytest.fixture(scope="module")
+def tok(model_dir):
     from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    return Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+
+
+def forced_calls(grammars, tok, p: ToolPlan, seed: int, limit: int) -> tuple[str | None, list[Call]]:
+    """What p parses out of an output drawn from random logits under its forced call's grammar, closed within
+    limit tokens."""
+    g, state, ids = torch.Generator().manual_seed(seed), grammars.start(GrammarSpec(json.dumps(p.schema))), []
+    while not state.is_done:
+        x = torch.randn(1, 512, generator=g) * 4
+        apply_mask(x, fill([state], 512))
+        ids.append(int(torch.multinomial(torch.softmax(x[0], -1), 1, generator=g)))
+        assert state.accept(ids[-1]) is None and len(ids) < limit
+    return p.parse(tok.decode(ids))
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_calls_from_random_logits_are_calls_to_the_tools_offered(grammars, tok, choice):
     p = plan([WEATHER, CLOCK], choice, False, HERMES, False)
     for seed in range(15):
-        g, state, ids = torch.Generator().manual_seed(seed), grammars.start(GrammarSpec(json.dumps(p.schema))), []
-        while not state.is_done:
-            x = torch.randn(1, 512, generator=g) * 4
-            apply_mask(x, fill([state], 512))
-            ids.append(int(torch.multinomial(torch.softmax(x[0], -1), 1, generator=g)))
-            assert state.accept(ids[-1]) is None and len(ids) < 150
-        content, calls = p.parse(tok.decode(ids))
+        content, calls = forced_calls(grammars, tok, p, seed, 150)
         assert content is None and len(calls) == 1
         args = json.loads(calls[0].arguments)
         if calls[0].name == "get_weather":
             assert args["city"] in ("Paris", "Nice") and 1 <= args["days"] <= 3 and len(args) == 2
         else:
             assert calls[0].name == "get_hour" and isinstance(args["utc"], bool) and choice == "required"
+
+
+def test_forced_arguments_hold_exactly_the_declared_properties(grammars, tok):
+    """Tools as clients usually send them, without additionalProperties: a forced call's arguments are the declared
+    properties and nothing else, and a function that declares no parameters is called with {}."""
+    city = {"type": "function", "function": {"name": "city", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"]}}}
+    ping = {"type": "function", "function": {"name": "ping"}}
+    for choice in [{"type": "function", "function": {"name": name}} for name in ("city", "ping")] + ["required"]:
+        p = plan([city, ping], choice, False, HERMES, False)
+        for seed in range(10):
+            (call,) = forced_calls(grammars, tok, p, seed, 64)[1]
+            args = json.loads(call.arguments)
+            want = {} if call.name == "ping" else {"city": args.get("city")}
+            assert args == want and want.get("city", "Oslo") in ("Paris", "Oslo")
