@@ -31,7 +31,10 @@
  *            it, and decode checks it (tag, chain words, checksum) before reading: a bad one is unpublished and
  *            the Grant redone as a miss; Release / Revoke of one reader end only its share (a revoked share
  *            keeps the page until swept, as quarantine); unread cached pages are evicted; a cached page may
- *            change in place while unread (fault); a BeginWrite naming a cached page is refused.
+ *            change in place while unread (fault); a BeginWrite naming a cached page is refused. Decode's
+ *            revocation stream may reconnect, or report a gap (a revocation notice it will never get): decode
+ *            then re-checks every running request's leases with the broker (Validate with recheck: its own
+ *            page LEASED to it, a shared or published one CACHED at its generation with it among the readers).
  *   Expiry   (-DEXPIRY) decode's allocation expiry (and drain), racing the reader's take:
  *            each allocation is handed out once, to the reader or to expiry, which releases it.
  *   Net      delivers one-sided writes late and in any order (data and tag of one write too);
@@ -63,7 +66,10 @@
  *                         it writes under (prefill's source page was not reused under it)
  *   With -DPREFIX, P1 for a shared page is by content: every cell it reads is KV of the reader's own (scope,
  *   position, tokens); P2 allows two readers of one CACHED page that counts both, and a live reader's page is
- *   never FREE; P5's end state may keep unread cached pages.
+ *   never FREE; P5's end state may keep unread cached pages; and
+ *   P7 no false alarm     a re-check refuses a running request only when the broker ended its lease (revoked
+ *                         it, or restarted) or a writer is active on its page: never a healthy shared or
+ *                         published page (a false DATA_LOSS is a defect too)
  */
 
 #ifndef NP
@@ -276,6 +282,10 @@ byte pscope[NP];                 /* its scope tag */
 byte pck[NP];                    /* the published checksum (the bytes decode verified: a stamp) */
 byte prd[NP];                    /* readers (bit r): the owner from Publish, then each Grant that shared it */
 byte prv[NP];                    /* revoked readers (bit r) not yet swept: the page stays unevictable */
+/* the revocation stream's outages (each once per run: a network event, not a fault of the budget) */
+bit  reconnected;                /* the stream reconnected: decode re-checked every running request */
+bit  gapped;                     /* the stream reported a gap: a revocation notice is lost for good */
+bit  bended[NR];                 /* ghost: the broker ended r's lease (revoke, restart): a refusal is honest */
 #endif
 
 /* ---------------- prefill processes and writer liveness ---------------- */
@@ -517,6 +527,17 @@ byte k;                          /* loop index inside atomic sequences only; 0 b
 /* Publish: only the owner's current lease, written (a write began on this generation and decode verified it),
  * its writer finished (no active writer: not a failed write's hold, not a write still in flight) */
 #define PUBLISH_OK(r) (LEASE_CUR(r) && paw[rpage[r]] == 0 && pwrit[rpage[r]])
+/* decode's re-check after its revocation stream reconnected or reported a gap (Validate, recheck=true): r's own
+ * page LEASED to it with no writer, or a page it shares or published CACHED at the generation it read with r among
+ * its readers (PoolPages.checked_pages with shares) */
+#if defined(MUT_RECHECK_LEASED_ONLY)
+#define RECHECK(r) (LEASE_CUR(r) && paw[rpage[r]] == 0)  /* exclusive leases only, as the first Validate */
+#elif defined(MUT_RECHECK_IGNORES_READERS)
+#define RECHECK(r) ((LEASE_CUR(r) && paw[rpage[r]] == 0) \
+                    || (pst[rpage[r]] == CACHED && pgen[rpage[r]] == rgen[r] && EPOK(r)))  /* cached, by anyone */
+#else
+#define RECHECK(r) ((LEASE_CUR(r) && paw[rpage[r]] == 0) || (SHARE_CUR(r) && pgen[rpage[r]] == rgen[r]))
+#endif
 /* an unread cached page (no reader, no revoked reader decode may still step) may be evicted */
 #ifdef MUT_EVICT_WHILE_READ
 #define EVICTABLE(p) 1                               /* readers or not */
@@ -616,6 +637,7 @@ inline drop_share(r) {
 #endif
 inline revoke(r) {
 #ifdef PREFIX
+  bended[r] = 1;
   if                                                 /* a reader of a cached page: only its share ends, ... */
   :: SHARE_CUR(r) ->
 #ifdef MUT_REVOKE_FREES_SHARED
@@ -826,6 +848,7 @@ inline restart() {
 #endif
 #ifdef PREFIX
      pidx[k] = 0; prd[k] = 0; prv[k] = 0;            /* the new incarnation's index is empty */
+     if :: k < NR -> bended[k] = 1 :: else fi;       /* NP == NR here: every request's lease ended */
 #endif
      k++
   :: else -> break
@@ -886,6 +909,29 @@ inline blind_stop() {
   od;
   k = 0
 }
+
+#ifdef PREFIX
+/* decode re-checks a running request (watch.recheck_leases): a refusal ends it (DATA_LOSS), and must be honest */
+inline recheck(o) {
+  if
+  :: reading[o] && !revoked[o] && !rdone[o] ->
+     printf("RECHECK   r%d page %d (%e, readers %d, g%d; lease g%d) -> %d\n", o, rpage[o], PSTATE(pst[rpage[o]]),
+            prd[rpage[o]], pgen[rpage[o]], rgen[o], RECHECK(o));
+     if
+     :: RECHECK(o)
+     :: else ->
+        if
+        :: !bended[o] && paw[rpage[o]] == 0 ->
+           printf("VIOLATION P7: r%d's healthy lease refused by the re-check (a false DATA_LOSS)\n", o)
+        :: else
+        fi;
+        assert(bended[o] || paw[rpage[o]] != 0);
+        revoked[o] = 1
+     fi
+  :: else
+  fi
+}
+#endif
 
 /* A revoked reader's page leaves quarantine lock_delay after the revocation, heard or not.
  * The stream is ordered (a sequence number per revocation, decode resumes from its cursor,
@@ -1348,6 +1394,21 @@ gone:
  * reaching a Run that has no notice yet may be dropped by decode: the model drops it (the worst
  * case; the Run can be cancelled at any time) */
 
+#ifdef PREFIX
+/* the revocation stream reconnects (a reset, a proxy, the broker's cut): decode re-checks what runs; or it reports
+ * a gap: a revocation notice of a running request is lost for good (the log moved past it), and the re-check alone
+ * must find it. Without the re-check decode would read on after its share ended. */
+#define OUTAGES \
+  :: atomic { !reconnected -> reconnected = 1; printf("NET       decode's revocation stream reconnects\n"); \
+              recheck(0); recheck(1) } \
+  :: atomic { !gapped && rvq[0] && reading[0] -> gapped = 1; rvq[0] = 0; \
+              printf("NET       the stream reports a gap: r0's revocation notice is lost\n"); recheck(0); recheck(1) } \
+  :: atomic { !gapped && rvq[1] && reading[1] -> gapped = 1; rvq[1] = 0; \
+              printf("NET       the stream reports a gap: r1's revocation notice is lost\n"); recheck(0); recheck(1) }
+#else
+#define OUTAGES
+#endif
+
 proctype Net() {
   byte p;
 end:
@@ -1357,6 +1418,7 @@ end:
 #if NR > 2
   NETR(2)
 #endif
+  OUTAGES
   od
 }
 

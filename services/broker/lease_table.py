@@ -238,11 +238,17 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
             return False
         return True
 
-    def validate(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease]) -> None:
+    def validate(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], recheck: bool = False) -> None:
+        """Whether owner may read these pages at these generations. The check before its first read (recheck
+        False) passes only pages LEASED to it, and seals them; a re-check of a request that already reads passes
+        its shares too (PoolPages.checked_pages): a shared or published page that is still its to read is no
+        violation, and failing it would end a healthy request as DATA_LOSS."""
         leases = list(leases)
-        for (_, generation), page in zip(leases, self._pool(pool_id, epoch).checked_pages(owner, leases)):
-            # decode has checked these bytes: no writer may begin again
-            page.sealed_generation = page.written_generation = generation
+        for (_, generation), page in zip(leases, self._pool(pool_id, epoch).checked_pages(owner, leases,
+                                                                                          shares=recheck)):
+            if page.state is PageState.LEASED:
+                # decode has checked these bytes: no writer may begin again
+                page.sealed_generation = page.written_generation = generation
 
     def release(self, pool_id: str, owner: bytes, epoch: int) -> tuple[int, int]:
         if epoch != self.epoch:

@@ -86,9 +86,13 @@ class PoolPages:
         self.free = [i for i in self.free if i not in self.quarantined]
         heapq.heapify(self.free)
 
-    def checked_pages(self, owner: bytes, leases: list[Lease], writer_id: str | None = None) -> list[Page]:
+    def checked_pages(self, owner: bytes, leases: list[Lease], writer_id: str | None = None,
+                      shares: bool = False) -> list[Page]:
         """The pages of leases, if every one is current and has no active writer (with writer_id: its write of that
-        generation is the active one, what a write-done notice stands for)."""
+        generation is the active one, what a write-done notice stands for). shares: a page the owner reads as a
+        share is current too, CACHED at that generation with the owner among its readers (what a request that
+        shares or published pages holds; a revoked or released reader is no longer among them, and an evicted page
+        comes back at a new generation)."""
         check_owner(owner)
         if not leases:
             raise LeaseError("INVALID_ARGUMENT", "NO_LEASES", "at least 1 lease is required; 0 given")
@@ -100,6 +104,9 @@ class PoolPages:
                 raise LeaseError("INVALID_ARGUMENT", "PAGE_OUT_OF_RANGE",
                                  f"page {page_id} is outside pool {self.pool_id} of {self.num_pages} pages")
             page = self.pages[page_id]
+            if shares and page.state is PageState.CACHED and page.generation == generation and owner in page.readers:
+                pages.append(page)
+                continue
             if page.state is not PageState.LEASED or page.owner != owner or page.generation != generation:
                 raise LeaseError("FAILED_PRECONDITION", "LEASE_NOT_CURRENT",
                                  f"page {page_id} generation {generation} is not leased to {owner.hex()} "

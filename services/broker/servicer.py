@@ -167,7 +167,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
     async def Validate(self, request: broker_pb2.ValidateRequest,
                        context: grpc.aio.ServicerContext) -> broker_pb2.ValidateResponse:
         await self._call(context, self._table.validate, request.pool_id, request.owner, request.epoch,
-                         _leases(request.leases), is_lease_check=True)
+                         _leases(request.leases), request.recheck, is_lease_check=True)
         return broker_pb2.ValidateResponse()
 
     async def Release(self, request: broker_pb2.ReleaseRequest,

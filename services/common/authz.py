@@ -116,7 +116,8 @@ FIELDS: dict[str, dict[str, str | dict[str, str]]] = {
                           **_LEASES, "writer_id": {"prefill": OWN}, "success": NO_ID, "nothing_posted": NO_ID,
                           **{f"coverage.{n}": NO_ID for n in ("num_tokens", "num_pages", "checksums")},
                           "first_token": NO_ID, "prompt_digest": NO_ID},
-    BROKER + "Validate": {"pool_id": {"decode": OWN}, "owner": {"decode": IN_OWN_POOL}, "epoch": NO_ID, **_LEASES},
+    BROKER + "Validate": {"pool_id": {"decode": OWN}, "owner": {"decode": IN_OWN_POOL}, "epoch": NO_ID, **_LEASES,
+                          "recheck": NO_ID},
     BROKER + "Release": {"pool_id": {"decode": OWN}, "owner": {"decode": IN_OWN_POOL}, "epoch": NO_ID},
     # the broker's own holders (revoked/..., failed/..., earlier-epoch/...) start with no role: no caller's own;
     # renewing one would keep its pages in quarantine for as long as the caller liked

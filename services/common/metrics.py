@@ -74,8 +74,14 @@ OVERLOAD_REJECTIONS = Counter("pdserve_overload_rejections_total", "Requests ref
 # the gateway resubmitted after a preemption
 GROWTH_PAGES = Counter("pdserve_kv_growth_pages_total", "Pages decode leased to running sequences as they grew")
 PREEMPTIONS = Counter("pdserve_preemptions_total", "Running requests decode preempted because its KV pool ran dry")
-RESUBMISSIONS = Counter("pdserve_resubmissions_total", "Preempted requests the gateway resubmitted (prompt + the "
-                        "tokens streamed) to continue their stream", ["outcome"])
+# decode's re-checks of running requests' leases after a gap or reconnect of its revocation stream, per request:
+# current (it goes on), not_current (the broker ended the lease: DATA_LOSS, also a lease violation), unreachable (no
+# answer: the request ends UNAVAILABLE, retryable; not a violation, nothing was found wrong)
+LEASE_RECHECKS = Counter("pdserve_lease_rechecks_total", "Running requests whose leases decode re-checked with the "
+                         "broker after its revocation stream reconnected or reported a gap, by outcome", ["outcome"])
+RECHECK_OUTCOMES = ("current", "not_current", "unreachable")
+RESUBMISSIONS = Counter("pdserve_resubmissions_total", "Requests decode handed back (preempted, or drained) that "
+                        "the gateway resubmitted (prompt + the tokens streamed) to continue their stream", ["outcome"])
 PREFIX_LOOKUPS = Counter("pdserve_prefix_cache_lookup_pages_total",
                          "Decode: prompt pages looked up in its pool's prefix cache, by result (hit: shared and "
                          "checked; miss: not cached; refused: cached but failed its check, so recomputed)", ["result"])
@@ -150,6 +156,8 @@ def init_metrics(service: str, pools: list[str] = ()) -> None:
     for o in RESUBMISSION_OUTCOMES:
         RESUBMISSIONS.labels(o)
     if service == "decode":
+        for o in RECHECK_OUTCOMES:
+            LEASE_RECHECKS.labels(o)
         for r in PREFIX_RESULTS:
             PREFIX_LOOKUPS.labels(r)
         for r in PREFIX_REFUSAL_REASONS:

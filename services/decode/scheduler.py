@@ -115,9 +115,16 @@ class Scheduler:
             self._mark(seq, None)
 
     def revoke(self, owner: bytes, err: PdError) -> None:
+        """The broker ended the request's leases: a lease violation, counted once per request."""
         if (seq := self._find(owner)) is not None and not seq.done:
-            LEASE_VIOLATIONS.labels("decode", "REVOKED").inc()
+            if seq.err is None:
+                LEASE_VIOLATIONS.labels("decode", "REVOKED").inc()
             self._mark(seq, err)
+
+    def fail(self, owner: bytes, err: PdError) -> None:
+        """Ends a request with err between steps, counted as nothing more (err says what it is)."""
+        if (seq := self._find(owner)) is not None:
+            self.mark(seq, err)
 
     def fail_all(self, err: PdError) -> None:
         for seq in [*self.running.values(), *self.joining.values()]:

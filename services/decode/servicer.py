@@ -453,12 +453,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             log.warning("Publish of %d pages of %s failed (they stay its own): %s", len(items), owner.hex(), e)
             return
         published = {p for (p, _), ok in zip(items, resp.published) if ok}
-        if published:
+        if published and owner in self.publishing:  # the owner's release pops it only after this: never re-added
             self.readonly.setdefault(owner, set()).update(published)
 
     async def release(self, owner: bytes, epoch: int, leases: list[tuple[int, int]]) -> None:
-        if (publish := self.publishing.pop(owner, None)) is not None:
-            await asyncio.wait([publish], timeout=self.rpc_timeout_s)  # which pages are cached decides the canary
+        if (publish := self.publishing.get(owner)) is not None:
+            # to its end (its call's own deadline bounds it): which pages are cached decides the canary, and a
+            # Publish answered after this release must leave nothing behind for the owner
+            await asyncio.wait([publish])
+            self.publishing.pop(owner, None)
         if self.scheduler.holds(owner):
             # a step may still read or write these pages: the broker would free them at once. Stop the sequence
             # instead; the scheduler releases it between steps (defence in depth: every path that takes an

@@ -3,7 +3,7 @@ it holds, broker restarts and moves (a new incarnation), and the revocation stre
 composes; it reaches the rest of decode only through the narrow `Holder` interface below.
 
 Revocations come with a per-pool cursor (seq): decode resumes from the last one it processed, and after
-any reconnect (or a gap the broker reports) re-checks every lease it reads with Validate. It counts as
+any reconnect (or a gap the broker reports) re-checks every lease it reads with Validate, shares included. It counts as
 blind from the last message of the stream (heartbeats included); blind longer than max_blind, it stops
 stepping and fails what runs (UNAVAILABLE), since a revocation it cannot hear frees the pages after
 lock_delay. Hence the start-up rule max_blind <= lock_delay / 2.
@@ -29,7 +29,7 @@ from typing import Protocol
 import grpc
 
 from ..common.errors import PdError
-from ..common.metrics import TIMEOUTS
+from ..common.metrics import LEASE_RECHECKS, TIMEOUTS
 from ..common.proto import broker_pb2
 from ..common.tasks import spawn
 from ..common.wire import call, leases_to_pb
@@ -219,22 +219,32 @@ class BrokerWatch:
         self.holder.queue.pages_may_be_free()
 
     async def recheck_leases(self) -> None:
-        """Validates every running and joining request's leases; a refused one is failed (DATA_LOSS)."""
+        """Re-checks every running and joining request's leases, exactly what it holds: its own pages as LEASED to
+        it, the pages it shares or published as CACHED with it among the readers (ValidateRequest.recheck). A lease
+        the broker ended fails its request closed (DATA_LOSS, a lease violation); a check that cannot be made ends
+        it UNAVAILABLE (retryable), counted as what it is: nothing was found wrong."""
         scheduler = self.holder.scheduler
-        seqs = [*scheduler.running.values(), *scheduler.joining.values()]
+        # one already ending (a revocation the replay brought, a cancellation) is not asked about again
+        seqs = [s for s in (*scheduler.running.values(), *scheduler.joining.values()) if not s.cancelled]
         results = await asyncio.gather(*(call(self.broker.Validate(broker_pb2.ValidateRequest(
-            pool_id=self.pool_id, owner=s.owner, epoch=s.epoch, leases=leases_to_pb(s.leases)),
+            pool_id=self.pool_id, owner=s.owner, epoch=s.epoch, leases=leases_to_pb(s.leases), recheck=True),
             timeout=self.rpc_timeout_s), "broker Validate") for s in seqs), return_exceptions=True)
         for seq, result in zip(seqs, results):
-            if not isinstance(result, PdError):
+            if not isinstance(result, Exception):
+                LEASE_RECHECKS.labels("current").inc()
                 continue
-            if result.code == grpc.StatusCode.FAILED_PRECONDITION:
-                err = PdError(grpc.StatusCode.DATA_LOSS, "REVOKED",
-                              f"re-checked after a revocation-stream outage: {result.reason}: {result.message}")
-            else:  # the check could not be made: fail closed
-                err = PdError(grpc.StatusCode.UNAVAILABLE, "RECHECK_FAILED", str(result))
             log.warning("request %s failed its lease re-check: %s", seq.owner.hex(), result)
-            scheduler.revoke(seq.owner, err)
+            if isinstance(result, PdError) and result.code == grpc.StatusCode.FAILED_PRECONDITION:
+                LEASE_RECHECKS.labels("not_current").inc()
+                scheduler.revoke(seq.owner, PdError(
+                    grpc.StatusCode.DATA_LOSS, "REVOKED",
+                    f"re-checked after a revocation-stream outage: {result.reason}: {result.message}"))
+            else:  # the check could not be made: fail closed, retryable
+                LEASE_RECHECKS.labels("unreachable").inc()
+                scheduler.fail(seq.owner, PdError(
+                    grpc.StatusCode.UNAVAILABLE, "RECHECK_FAILED",
+                    f"the broker did not answer decode's lease re-check after a revocation-stream outage "
+                    f"(timeout {self.rpc_timeout_s:g}s): {result}"))
 
     async def expire_allocations(self, interval_s: float = 1.0) -> None:
         """Allocations whose Decode never came (prefill failed, gateway gone) end at their deadline; should

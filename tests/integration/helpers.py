@@ -5,6 +5,7 @@ import json
 import os
 import random
 import secrets
+import subprocess
 import time
 
 import grpc
@@ -109,3 +110,14 @@ def generate_when_served(stack, prompt_ids: list[int], max_tokens: int, timeout:
         if refused_code is not None:
             assert out["error"]["code"] == refused_code, out
         time.sleep(0.2)
+
+
+def reset_connections(port: int) -> int:
+    """Resets every live TCP connection to 127.0.0.1:port, as a proxy's restart or a conntrack flush would (both
+    ends see ECONNRESET); returns how many sockets were reset. Needs iproute2's `ss` and CAP_NET_ADMIN."""
+    out = subprocess.run(["ss", "-K", "-tnH", "dst", "127.0.0.1", "dport", "=", str(port)], capture_output=True,
+                         text=True, timeout=10)
+    if out.returncode != 0:
+        raise AssertionError(f"`ss -K` could not reset connections to port {port} (rc {out.returncode}): "
+                             f"{out.stderr.strip()}")
+    return sum(1 for line in out.stdout.splitlines() if line.strip())
