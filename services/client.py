@@ -1,6 +1,7 @@
 """`pdserve generate`: streams one completion from the gateway."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -10,6 +11,7 @@ import grpc
 from .common import config
 from .common.errors import from_rpc_error
 from .common.proto import common_pb2, gateway_pb2, gateway_pb2_grpc
+from .common.token_ids import parse_token_id
 
 FINISH_NAMES = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
                 common_pb2.FINISH_REASON_UNSPECIFIED: None}
@@ -19,7 +21,10 @@ OPTIONAL = ("top_p", "seed", "top_k", "repetition_penalty", "logprobs", "prompt_
 
 
 def _ids(text: str) -> list[int]:
-    return [int(x) for x in text.split(",")] if text else []
+    try:
+        return [parse_token_id(x) for x in text.split(",")] if text else []
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(g) -> None:

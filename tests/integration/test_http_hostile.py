@@ -1,12 +1,14 @@
 """Hostile HTTP against the gateway (issue 11, acceptance 2), over raw sockets: every bad request gets a 4xx
 with an OpenAI error object, or its connection is closed (size and time limits); /health keeps answering and a
-good request afterwards still gets the right tokens."""
+good request afterwards still gets the right tokens. Token ids written oddly and JSON nested 100,000 deep are 400s
+that say what was wrong, and no request of this file is answered 500 (the gateway's own count, at the end)."""
 import json
 import socket
 
 import pytest
 
 from pdserve import launcher
+from pdserve.gateway.openai.body import MAX_JSON_DEPTH
 from tests.integration.drain_util import gateway_over
 from tests.integration.helpers import prompt
 
@@ -38,8 +40,10 @@ def exchange(port: int, data: bytes, timeout: float = 30) -> tuple[int | None, d
     return status, json.loads(body)
 
 
-def post(port: int, body: bytes, extra: bytes = b"") -> tuple[int | None, dict | None]:
-    return exchange(port, HEAD + extra + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+def post(port: int, body: bytes, extra: bytes = b"",
+         path: bytes = b"/v1/completions") -> tuple[int | None, dict | None]:
+    head = HEAD.replace(b"/v1/completions", path, 1)
+    return exchange(port, head + extra + b"Content-Length: %d\r\n\r\n" % len(body) + body)
 
 
 def is_error(status, body, want: int, code: str | None = None, param: str | None = None) -> bool:
@@ -60,9 +64,19 @@ def good_request_works(stack, port: int) -> None:
     assert out["choices"][0]["token_ids"] == want
 
 
+def answered_500(stack) -> float:
+    return stack.metric("gateway", "pdserve_http_requests_total", {"status": "500"})
+
+
 @pytest.fixture(scope="module")
 def port(stack):
     return stack.procs["gateway"][0].http_port
+
+
+@pytest.fixture(scope="module", autouse=True)
+def first_500s(stack) -> float:
+    """The gateway's count of 500 answers before this file's first request."""
+    return answered_500(stack)
 
 
 @pytest.mark.parametrize("body, code, param", [
@@ -88,6 +102,63 @@ def port(stack):
 def test_malformed_bodies_get_400_with_an_error_object(port, body, code, param):
     status, out = post(port, body)
     assert is_error(status, out, 400, code, param), (status, out)
+
+
+ODD_KEYS = ["\u00b2", "1" * 5000, "\u0663", "\u0661\u0662", "\uff11", "-1", " 1", "1 ", "+1", "1_0", "07", "",
+            "512", str(2**31)]
+
+
+@pytest.mark.parametrize("key", ODD_KEYS, ids=lambda k: ascii(k[:8]))
+def test_a_logit_bias_key_that_is_no_token_id_gets_400_naming_it(stack, port, key):
+    """ASCII digits only, within the vocabulary (512): what str.isdigit() or int() would take ("²", "٣", a 5,000-digit
+    number, a sign, a space) is refused, and the message quotes the key, cut short."""
+    for raw in (json.dumps({"prompt": "hi", "max_tokens": 3, "logit_bias": {key: 1}}).encode(),
+                json.dumps({"prompt": "hi", "max_tokens": 3, "logit_bias": {key: 1}}, ensure_ascii=False).encode()):
+        status, out = post(port, raw)
+        assert is_error(status, out, 400, "invalid_value", "logit_bias"), (status, out)
+        message = out["error"]["message"]
+        assert message.startswith(f"logit_bias key {key[:20]!r}") and len(message) < 200, message
+        reason = "outside the vocabulary [0, 512)" if key.isascii() and key.isdigit() and key[0] != "0" else \
+            "is not a token id"
+        assert reason in message, message
+
+
+DEEP = 100_000
+SCHEMA_AT = b'{"prompt": "hi", "max_tokens": 3, "response_format": {"type": "json_schema", "json_schema": ' \
+            b'{"name": "x", "schema": %s}}}'
+
+
+@pytest.mark.parametrize("body, depth", [
+    (b"[" * DEEP + b"]" * DEEP, DEEP),
+    (b'{"a":' * DEEP + b"1" + b"}" * DEEP, DEEP),
+    (b"[" * DEEP, DEEP),  # never closed
+    (SCHEMA_AT % (b'{"a":' * DEEP + b"1" + b"}" * DEEP), DEEP + 3),  # inside a field that takes any JSON
+], ids=["arrays", "objects", "unclosed", "in_a_schema"])
+def test_a_body_nested_100000_deep_gets_400_with_its_depth(stack, port, body, depth):
+    status, out = post(port, body)
+    assert is_error(status, out, 400, "json_too_deep"), (status, out)
+    assert out["error"]["message"] == f"the body nests arrays and objects {depth} levels deep; the limit is " \
+                                      f"{MAX_JSON_DEPTH}"
+    good_request_works(stack, port)
+
+
+def test_tool_call_arguments_nested_100000_deep_get_400(stack, port):
+    """Earlier calls' arguments are JSON inside a JSON string, parsed for the chat template."""
+    args = "[" * DEEP + "]" * DEEP
+    body = json.dumps({"max_tokens": 3, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                              "function": {"name": "f", "arguments": args}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}).encode()
+    status, out = post(port, body, path=b"/v1/chat/completions")
+    assert is_error(status, out, 400, "json_too_deep", "messages.1.tool_calls.0.function.arguments"), (status, out)
+    assert f"{DEEP} levels deep" in out["error"]["message"]
+
+
+def test_a_content_length_of_5000_digits_is_refused(stack, port):
+    status, out = exchange(port, HEAD + b"Content-Length: " + b"9" * 5000 + b"\r\n\r\n{}")
+    assert status is None or (status in (400, 413) and is_error(status, out, status)), (status, out)
+    assert health(port) == 200
 
 
 def test_oversized_and_chunked_bodies(stack, port):
@@ -165,3 +236,8 @@ def test_connections_over_the_limit_are_closed(stack, tight):
     finally:
         for s in held:
             s.close()
+
+
+def test_no_request_of_this_file_was_answered_500(stack, first_500s):
+    """Last in the file: every hostile request above got its 4xx (or a closed connection), none a 500."""
+    assert answered_500(stack) == first_500s

@@ -3,6 +3,7 @@ counted by route and status, the error object for every failure, /health, /v1/mo
 routes."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -21,7 +22,7 @@ from . import chat, completions
 from .errors import ApiError
 from .generation import ClientGone
 from .http_metrics import CountRequests, RouteLabels
-from .server import Limits
+from .server import Limits, largest_request_bytes
 
 log = logging.getLogger(__name__)
 MAX_REQUEST_ID = 128
@@ -34,6 +35,12 @@ class Front:
     def __init__(self, servicer, names: Sequence[str], limits: Limits, template=None):
         if isinstance(names, str) or not names:
             raise TypeError(f"names must be a non-empty sequence of names, got {names!r}")
+        if limits.max_body_bytes is None:
+            cap = servicer.cap
+            limits = dataclasses.replace(limits, max_body_bytes=largest_request_bytes(
+                cap.context_length, cap.vocab_size, servicer.tokenizer.max_chars_per_token))
+            log.info("gateway: HTTP bodies up to %d bytes: the largest legal request of context %d, vocabulary %d "
+                     "(--http-max-body-bytes)", limits.max_body_bytes, cap.context_length, cap.vocab_size)
         self.servicer, self.names, self.limits, self.template = servicer, tuple(names), limits, template
         self.model = self.names[0]
         self.created = int(time.time())
@@ -129,9 +136,9 @@ def create_app(front: Front, keys: ApiKeys | None) -> CountRequests:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, e: Exception):
-        log.exception("http request %s failed", request.state.request_id)
-        return ApiError(500, "internal_error", f"{type(e).__name__}: {e}",
-                        headers={"x-should-retry": "false"}).response()
+        rid = request.state.request_id
+        log.error("http request %s failed", rid, exc_info=e)
+        return ApiError.internal(rid).response()
 
     @app.get("/health")
     async def health():

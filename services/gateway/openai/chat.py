@@ -14,9 +14,9 @@ from fastapi.responses import Response
 
 from ...engine.chat import ChatTemplateError
 from ..admit import encode_prompt
-from .body import parse, read_body
+from .body import check_depth, parse, read_body
 from .errors import ApiError
-from .generation import Output, build, collect, grammar_of
+from .generation import Output, build, collect, grammar_of, logit_bias_of
 from .schema import ChatRequest, NamedToolChoice
 from .tool_stream import ToolStream
 from .tools import ToolPlan, format_of, new_call_id, plan
@@ -60,7 +60,17 @@ def template_args(body: ChatRequest) -> tuple[bool, dict]:
     return add, kwargs
 
 
+def check_arguments(body: ChatRequest) -> None:
+    """The template is given earlier tool calls' arguments parsed (schema.Message.to_template): JSON inside a JSON
+    string, which the body's depth check cannot see."""
+    for i, m in enumerate(body.messages):
+        for j, call in enumerate(m.tool_calls or ()):
+            param = f"messages.{i}.tool_calls.{j}.function.arguments"
+            check_depth(call.function.arguments.encode(), param, param)
+
+
 def prompt_ids(front, body: ChatRequest, render_tools: list[dict] | None) -> list[int]:
+    check_arguments(body)
     if front.template is None:
         raise ApiError(400, "no_chat_template", f"the model `{front.model}` has no chat template "
                                                 f"(tokenizer_config.json chat_template); use /v1/completions")
@@ -92,6 +102,7 @@ async def handle(front, request: Request) -> Response:
     front.check(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "invalid_value", "top_logprobs needs logprobs: true", param="top_logprobs")
+    bias = logit_bias_of(body, front.servicer.cap.vocab_size)
     grammar = grammar_of(body)
     tools = plan_of(front, body, grammar != ("", False))
     if tools.schema is not None:  # required or named: the call is forced through the grammar
@@ -103,7 +114,7 @@ async def handle(front, request: Request) -> Response:
              len(ids), body.n, f", user {body.user!r}" if body.user else "")
     max_tokens = _max_tokens(body, len(ids), front.servicer.cap.context_length)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    reqs = [build(body, ids, max_tokens, i, logprobs, None, grammar) for i in range(body.n)]
+    reqs = [build(body, ids, max_tokens, i, logprobs, None, bias, grammar) for i in range(body.n)]
     tok = front.servicer.tokenizer
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": front.model}
     if body.stream:

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 from ..admit import check_length_bound
 from .body import parse, read_body
 from .errors import ApiError
-from .generation import Output, build, collect
+from .generation import Output, build, collect, logit_bias_of
 from .schema import CompletionRequest
 from .stream import event_stream, open_stream, usage, usage_fields
 
@@ -91,12 +91,14 @@ async def handle(front, request: Request) -> Response:
     if len(prompts) * body.n > MAX_CHOICES:
         raise ApiError(400, "too_many_choices", f"{len(prompts)} prompts x n {body.n} = {len(prompts) * body.n} "
                                                 f"choices; the limit is {MAX_CHOICES}", param="n")
+    bias = logit_bias_of(body, front.servicer.cap.vocab_size)
     max_tokens = body.max_tokens or DEFAULT_MAX_TOKENS
     for p in prompts:  # generate() checks it again; here an over-long flood is refused before any call is built
         if isinstance(p, str):
             check_length_bound(front.servicer.tokenizer, p, max_tokens, front.servicer.cap)
     prompt_logprobs = body.logprobs if body.echo else None
-    reqs = [build(body, p, max_tokens, i, body.logprobs, prompt_logprobs) for p in prompts for i in range(body.n)]
+    reqs = [build(body, p, max_tokens, i, body.logprobs, prompt_logprobs, bias) for p in prompts
+            for i in range(body.n)]
     state = Choices(front, body, prompts)
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": front.model}

@@ -49,6 +49,13 @@ class ApiError(Exception):
             headers["x-should-retry"] = "false"
         return cls(status, e.reason.lower(), f"{e.code.name} {e.reason}: {e.message}", headers=headers)
 
+    @classmethod
+    def internal(cls, request_id: str) -> "ApiError":
+        """A failure of the gateway itself: the client gets the request id to quote, never the exception, whose text
+        may hold internal names, paths or another request's data; the log has it under that id."""
+        return cls(500, "internal_error", f"internal error; the gateway's log has the details under request id "
+                                          f"{request_id}", headers={"x-should-retry": "false"})
+
     def body(self) -> dict:
         kind = TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}

@@ -11,7 +11,9 @@ from typing import AsyncIterator
 
 from fastapi import Request
 
+from ...common.admission import MAX_LOGIT_BIAS
 from ...common.proto import common_pb2, gateway_pb2
+from ...common.token_ids import parse_token_id
 from .errors import ApiError
 from .schema import Sampling
 
@@ -24,13 +26,19 @@ class ClientGone(Exception):
     """The HTTP client disconnected before its answer was ready."""
 
 
-def logit_bias_of(body: Sampling) -> dict[int, float]:
-    """OpenAI's logit_bias keys are token ids written as strings."""
+def logit_bias_of(body: Sampling, vocab_size: int) -> dict[int, float]:
+    """OpenAI's logit_bias keys are token ids written as strings (common/token_ids.py says which spellings); the
+    count is checked before any key is read."""
+    bias = body.logit_bias or {}
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ApiError(400, "invalid_value", f"{len(bias)} logit_bias entries; at most {MAX_LOGIT_BIAS}",
+                       param="logit_bias")
     out = {}
-    for k, v in (body.logit_bias or {}).items():
-        if not k.isdigit() or int(k) >= 2**31:
-            raise ApiError(400, "invalid_value", f"logit_bias keys are token ids; got {k[:40]!r}", param="logit_bias")
-        out[int(k)] = v
+    for k, v in bias.items():
+        try:
+            out[parse_token_id(k, vocab_size)] = v
+        except ValueError as e:
+            raise ApiError(400, "invalid_value", f"logit_bias key {e}", param="logit_bias") from None
     return out
 
 
@@ -43,9 +51,11 @@ def grammar_of(body: Sampling) -> tuple[str, bool]:
 
 
 def build(body: Sampling, prompt: str | list[int], max_tokens: int, choice: int, logprobs: int | None,
-          prompt_logprobs: int | None, grammar: tuple[str, bool] | None = None) -> gateway_pb2.GenerateRequest:
+          prompt_logprobs: int | None, logit_bias: dict[int, float],
+          grammar: tuple[str, bool] | None = None) -> gateway_pb2.GenerateRequest:
     """Choice i of a request with a seed samples with seed + i, so n > 1 gives n different, reproducible
-    choices. grammar: (json_schema, json_object) to enforce; None: the body's response_format."""
+    choices. logit_bias: logit_bias_of(body), read once for every choice. grammar: (json_schema, json_object) to
+    enforce; None: the body's response_format."""
     json_schema, json_object = grammar if grammar is not None else grammar_of(body)
     req = gateway_pb2.GenerateRequest(
         max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, ignore_eos=body.ignore_eos,
@@ -67,7 +77,7 @@ def build(body: Sampling, prompt: str | list[int], max_tokens: int, choice: int,
         req.prompt_logprobs = prompt_logprobs
     if body.cache_salt is not None:
         req.cache_salt = body.cache_salt
-    req.logit_bias.update(logit_bias_of(body))
+    req.logit_bias.update(logit_bias)
     if body.min_p:
         req.min_p = body.min_p
     req.min_tokens = body.min_tokens

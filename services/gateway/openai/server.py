@@ -17,20 +17,40 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from ...common.admission import MAX_LOGIT_BIAS, MAX_STOP_CHARS, MAX_STOP_STRINGS
+from ...engine.grammar import MAX_SCHEMA_BYTES
 from ..keys import ApiKeys, KeysFileError
+from .completions import MAX_CHOICES
 from .errors import ApiError
 
 log = logging.getLogger(__name__)
+OTHER_FIELDS_BYTES = 64 << 10  # a request's scalar fields, names and the keys of its messages
+ESCAPED_CHAR_BYTES = 12  # the longest JSON spelling of one character: a surrogate pair, \ud83d\ude00
 
 
 @dataclass(slots=True)
 class Limits:
-    max_body_bytes: int = 4 << 20
+    max_body_bytes: int | None = None  # None: largest_request_bytes of the model served, once it is known
     max_header_bytes: int = 64 << 10
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     max_connections: int = 1024
     keep_alive_s: float = 5.0
+
+
+def largest_request_bytes(context_length: int, vocab_size: int, max_chars_per_token: int | None) -> int:
+    """The default body limit: the largest legal request, written compactly. Its prompts: MAX_CHOICES of
+    context_length token ids each (", " between ids), or one context of text whose every token is the tokenizer's
+    longest (max_chars_per_token characters of up to 4 UTF-8 bytes), whichever is more. Beside them, the most the
+    other fields carry: two JSON schemas (response_format, or tools forced through the grammar), a full logit_bias,
+    the stop strings escaped, and room for the scalar fields and messages' keys. More text than that (a batch of
+    such prompts, or \\u-escaped) is legal but over the default: send token ids, or set --http-max-body-bytes."""
+    ids = MAX_CHOICES * (len(str(vocab_size - 1)) + 2)
+    text = 4 * (max_chars_per_token or 0)
+    schemas = 2 * MAX_SCHEMA_BYTES
+    bias = MAX_LOGIT_BIAS * len(f'"{vocab_size - 1}": -100.00000000000001, ')
+    stops = MAX_STOP_STRINGS * MAX_STOP_CHARS * ESCAPED_CHAR_BYTES
+    return context_length * max(ids, text) + schemas + bias + stops + OTHER_FIELDS_BYTES
 
 
 class LimitedH11(H11Protocol):
@@ -132,7 +152,10 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
                         "key's tenant (prefix caching never shares KV across tenants unless --prefix-cache-scope "
                         "global); replaces --api-key and PDSERVE_API_KEY")
     p.add_argument("--http-max-body-bytes", type=int, default=d.max_body_bytes,
-                   help="largest request body, counted as it arrives (Content-Length or chunked); larger: 413")
+                   help="largest request body, counted as it arrives (Content-Length or chunked); larger: 413. "
+                        "Default: the largest legal request of the model served, written compactly (64 prompts "
+                        "of a full context of token ids, or one context of text at the tokenizer's longest token, "
+                        "plus two JSON schemas, logit_bias and stop strings), logged at start")
     p.add_argument("--http-max-header-bytes", type=int, default=d.max_header_bytes,
                    help="largest request line + headers; larger: 400 and the connection is closed")
     p.add_argument("--http-header-timeout", type=float, default=d.header_timeout_s,
@@ -148,7 +171,7 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
 def http_limits(args) -> Limits:
     limits = Limits(args.http_max_body_bytes, args.http_max_header_bytes, args.http_header_timeout,
                     args.http_body_timeout, args.http_max_connections, args.http_keep_alive)
-    bad = {f.name: getattr(limits, f.name) for f in dataclasses.fields(limits) if not getattr(limits, f.name) > 0}
+    bad = {f.name: v for f in dataclasses.fields(limits) if (v := getattr(limits, f.name)) is not None and not v > 0}
     if bad:
         raise SystemExit(f"gateway: HTTP limits must be > 0, got {bad}")
     return limits

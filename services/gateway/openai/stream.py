@@ -1,5 +1,6 @@
 """Server-sent events: the first message is awaited before the 200 goes out, so a request refused at
-admission gets its own status; later errors become an error event. Every stream ends with [DONE]."""
+admission gets its own status; a later failure of any kind becomes an error event (the gateway's own: the request
+id, its exception in the log). Every stream a client still reads ends with [DONE]."""
 from __future__ import annotations
 
 import contextlib
@@ -54,8 +55,8 @@ def event_stream(gen, first, chunks: Callable[[int, object], Iterable[dict]], ta
     """chunks(i, message): the events of one message of choice i; tail(): the events after the last one
     (the usage chunk). A client that leaves cancels the stream (Starlette watches for the disconnect)."""
     async def body():
-        async with contextlib.aclosing(gen):
-            try:
+        try:
+            async with contextlib.aclosing(gen):
                 for c in chunks(*first):
                     yield _event(c)
                 async for i, r in gen:
@@ -63,9 +64,12 @@ def event_stream(gen, first, chunks: Callable[[int, object], Iterable[dict]], ta
                         yield _event(c)
                 for c in tail():
                     yield _event(c)
-            except PdError as e:
-                log.warning("http request %s: stream failed: %s", rid, e)
-                yield _event(ApiError.from_pd(e).body())
+        except PdError as e:
+            log.warning("http request %s: stream failed: %s", rid, e)
+            yield _event(ApiError.from_pd(e).body())
+        except Exception as e:  # not CancelledError: a client that left reads nothing more
+            log.error("http request %s: stream failed", rid, exc_info=e)
+            yield _event(ApiError.internal(rid).body())
         yield b"data: [DONE]\n\n"
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -23,6 +23,8 @@ from .errors import ApiError
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 _BLOCK = re.compile(re.escape(TOOL_OPEN) + r"(.*?)" + re.escape(TOOL_CLOSE), re.S)
+# a model's output nested deeper than the JSON parser recurses (a few thousand '[') is text, not a call
+NOT_JSON = (ValueError, RecursionError)
 
 
 def format_of(template) -> str:
@@ -52,7 +54,7 @@ def _call_of(obj) -> Call | None:
     if isinstance(args, str):  # some models write the arguments as a JSON string already
         try:
             args = json.loads(args)
-        except ValueError:
+        except NOT_JSON:
             return None
     if not isinstance(args, dict):
         return None
@@ -62,7 +64,7 @@ def _call_of(obj) -> Call | None:
 def _json_call(text: str) -> Call | None:
     try:
         return _call_of(json.loads(text))
-    except ValueError:
+    except NOT_JSON:
         return None
 
 
@@ -88,7 +90,7 @@ def llama3_calls(text: str) -> list[Call]:
     while i < len(s):
         try:
             obj, i = dec.raw_decode(s, i)
-        except ValueError:
+        except NOT_JSON:
             return []
         if (c := _call_of(obj)) is None:
             return []
@@ -121,7 +123,7 @@ class ToolPlan:
         if self.mode == "required":
             try:
                 items = json.loads(text)
-            except ValueError:
+            except NOT_JSON:
                 return text, []
             calls = [c for c in map(_call_of, items if isinstance(items, list) else []) if c is not None]
             return (None, calls) if calls else (text, [])
