@@ -23,7 +23,8 @@ def _up_extra(args) -> dict[str, list[str]]:
     engine = ["--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype]
     if args.kv_dtype_alias is not None:  # the deprecated spelling, passed on as given: the services warn
         engine = ["--dtype", args.dtype, "--kv-dtype", args.kv_dtype_alias]
-    gateway = ["--byte-tokenizer"] * args.byte_tokenizer + ["--host", args.host]
+    gateway = ["--byte-tokenizer"] * args.byte_tokenizer + ["--host", args.host] + \
+        ["--allow-unauthenticated"] * args.allow_unauthenticated
     if args.http_port is not None:  # else the default port, or an OS-picked one with --free-ports
         gateway += ["--http-port", str(args.http_port)]
     if args.served_model_name:
@@ -198,6 +199,9 @@ def build_parser(argv: list[str], load_all: bool = False) -> argparse.ArgumentPa
                     help="the key both gateway APIs require (Authorization: Bearer KEY); passed to the gateway by its "
                          "environment, as PDSERVE_API_KEY is (default: $PDSERVE_API_KEY, else no key). A command-line "
                          "key is visible to every local user: prefer the variable")
+    up.add_argument("--allow-unauthenticated", action="store_true",
+                    help="let the gateway start with no API key on a --host that is not loopback (it refuses to "
+                         "otherwise: every caller could generate, and all would share one prefix-cache scope)")
     up.add_argument("--device", type=device_arg, default=None,
                     help="cpu, cuda or cuda:N for every prefill and decode instance (default: the services' own, cuda "
                          "when present)")

@@ -26,6 +26,7 @@ from .api_key import ApiKeyInterceptor
 from .backends import Backends
 from .discovery import Discovery
 from .drain import drain
+from .exposure import add_exposure_args, check_exposure
 from .limits import DEFAULT_MAX_CONCURRENT, ConcurrencyLimit
 from .openai.app import Front, create_app
 from .openai.server import HttpServer, add_http_args, api_keys, http_limits
@@ -42,6 +43,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
                         "/health); -1 disables it")
     add_http_args(p)
+    add_exposure_args(p)
     p.add_argument("--metrics-port", type=int, default=config.METRICS_PORTS["gateway"])
     add_service_args(p)
     p.add_argument("--prefill", action="append", default=None, help="prefill HOST:PORT (repeatable)")
@@ -187,6 +189,7 @@ def _eos_ids(model_dir: str) -> tuple[int, ...]:
 async def serve(args) -> None:
     check_unsafe("gateway", args)
     limits, keys, scoping = http_limits(args), api_keys(args), scoping_from_args(args)
+    check_exposure(args.host, args.port, args.http_port, keys, args.allow_unauthenticated)
     tls = tls_from_args(args, "gateway", "gateway")
     try:
         concurrency = ConcurrencyLimit(args.max_concurrent_requests)

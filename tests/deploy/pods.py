@@ -2,13 +2,15 @@
 containers' and the container's command, args and env, its ports, volumes and probes. What a kubelet and a
 cluster would supply is mapped onto this machine: Service DNS names (in HOST:PORT) and the pod IP become
 127.0.0.1, each volume mount becomes a folder of the pod's own, its cert-manager csi volume a certificate
-issued for the pod's own name by a local CA, and `pdserve` is this checkout's CLI.
+issued for the pod's own name by a local CA, a Secret volume the files of a Secret object the test made (as
+`kubectl create secret` makes it), and `pdserve` is this checkout's CLI.
 
 Two replicas of one Deployment cannot share a port here as they would in two network namespaces: a pod
 given `ports_here` listens on those ports instead (give_own_ports picks free ones), the flags that set them
 are rewritten or added, and pods that reach it through a Service name find it through `peers`."""
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -67,6 +69,7 @@ class LocalPod:
     service_names: list[str]
     pod_name: str = ""  # metadata.name, ${POD_NAME} of its csi volume; default: the first of replica_names
     issuers: dict[str, str] = field(default_factory=dict)  # cert-manager Issuer name -> folder with ca.crt, ca.key
+    secrets: dict[str, dict] = field(default_factory=dict)  # Secret name -> the Secret object in the namespace
     ports_here: dict[int, int] = field(default_factory=dict)  # containerPort -> the port it has on this machine
     peers: dict[str, "LocalPod"] = field(default_factory=dict)  # Service name -> the pod behind it
     namespace: str = "pdserve"
@@ -106,7 +109,10 @@ class LocalPod:
         path = os.path.join(self.root, "volumes", name)
         if "csi" in vol:
             return self._csi_volume(vol, path)
-        assert "emptyDir" in vol, f"{self.name}: volume {vol} is neither an emptyDir nor a cert-manager csi volume"
+        if "secret" in vol:
+            return self._secret_volume(vol["secret"], path)
+        assert "emptyDir" in vol, f"{self.name}: volume {vol} is neither an emptyDir, a Secret nor a cert-manager " \
+                                  "csi volume"
         os.makedirs(path, exist_ok=True)
         return path
 
@@ -127,6 +133,31 @@ class LocalPod:
         for src, key in ((files.cert, "cert"), (files.key, "key"), (files.ca, "ca")):
             shutil.copy(src, os.path.join(path, req.files[key]))
             os.chmod(os.path.join(path, req.files[key]), 0o440)
+        return path
+
+    def _secret_volume(self, src: dict, path: str) -> str:
+        """What the kubelet mounts for a Secret volume: each of `items` (else every key) as a file, with the item's
+        mode, else defaultMode, else 0644. A Secret that is not there (unless the volume is optional) or a key it
+        lacks stops the pod, as either holds a real one in ContainerCreating."""
+        if os.path.isdir(path):
+            return path
+        secret = self.secrets.get(src["secretName"])
+        if secret is None:
+            assert src.get("optional"), f"{self.name}: no Secret {src['secretName']}; the pod would not start"
+            os.makedirs(path)
+            return path
+        data = {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
+        data.update({k: v.encode() for k, v in (secret.get("stringData") or {}).items()})
+        items = src.get("items") or [{"key": k, "path": k} for k in data]
+        missing = [i["key"] for i in items if i["key"] not in data]
+        assert not missing, f"{self.name}: Secret {src['secretName']} has no key {missing} (it has {sorted(data)})"
+        os.makedirs(path)
+        for i in items:
+            file = os.path.join(path, i["path"])
+            os.makedirs(os.path.dirname(file), exist_ok=True)
+            with open(file, "wb") as f:
+                f.write(data[i["key"]])
+            os.chmod(file, i.get("mode", src.get("defaultMode", 0o644)))
         return path
 
     def env(self, container: dict) -> dict[str, str]:

@@ -2,9 +2,11 @@
 from the rendered YAML (tests/deploy/pods.py maps Service names and the pod IP to 127.0.0.1 and each
 volume to a folder), and each Deployment runs as many pods as its `replicas` (two gateways). The init containers
 make the model, the probes pass, and requests through every gateway's gRPC and HTTP ports pass the teacher-forcing
-oracle and are counted by the gateway that served them. The first pod of each Deployment uses the manifests' own
-ports, so it cannot run beside `make run`: it checks them first and says which one is taken; further replicas
-listen on free ports of their own, as they would in network namespaces of their own."""
+oracle and are counted by the gateway that served them. The gateways read their API keys from a Secret made as
+docs/kubernetes.md says (tests/deploy/api_keys.py), and refuse a call without one. The first pod of each
+Deployment uses the manifests' own ports, so it cannot run beside `make run`: it checks them first and says which
+one is taken; further replicas listen on free ports of their own, as they would in network namespaces of their
+own."""
 from __future__ import annotations
 
 import hashlib
@@ -13,16 +15,20 @@ import os
 import socket
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 
 import pytest
 
+from pdserve.gateway.api_key import REFUSAL
 from tests.conftest import ROOT
+from tests.deploy.api_keys import make_secret
 from tests.deploy.pods import LOOPBACK, LocalPod, give_own_ports, port_free, replica_names
 from tests.deploy.render import by_kind, render
 from tests.integration.helpers import prompt
 
 ORDER = ("broker", "prefill", "decode", "gateway")  # a kubelet starts them at once; order only saves retries
+TENANTS = ("acme", "globex")
 
 
 def digest(folder: str) -> dict[str, str]:
@@ -34,7 +40,13 @@ def digest(folder: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def replicas(tmp_path_factory) -> dict[str, list[LocalPod]]:
+def api_keys(tmp_path_factory) -> tuple[dict, dict[str, str]]:
+    """(the Secret in the namespace, {tenant: key}), made as the operator makes them."""
+    return make_secret(str(tmp_path_factory.mktemp("operator")), list(TENANTS))
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory, api_keys) -> dict[str, list[LocalPod]]:
     """Every pod of every Deployment, by role: spec.replicas of them, each named as its ReplicaSet would name it."""
     objs = render("cpu")
     deployments = by_kind(objs, "Deployment")
@@ -42,10 +54,11 @@ def replicas(tmp_path_factory) -> dict[str, list[LocalPod]]:
     root = tmp_path_factory.mktemp("pods")
     # the CA behind the Issuer each pod's csi volume names: every pod gets a certificate for its own name
     issuers = {"pdserve-ca": str(root / "ca")}
+    secrets = {api_keys[0]["metadata"]["name"]: api_keys[0]}
     pods: dict[str, list[LocalPod]] = {}
     for r in ORDER:
         d = deployments[f"pdserve-{r}"]
-        pods[r] = [LocalPod(d, str(root / f"{r}-{i}"), names, pod_name=name, issuers=issuers)
+        pods[r] = [LocalPod(d, str(root / f"{r}-{i}"), names, pod_name=name, issuers=issuers, secrets=secrets)
                    for i, name in enumerate(replica_names(d, d["spec"].get("replicas", 1)))]
         for extra in pods[r][1:]:
             give_own_ports(extra)
@@ -109,37 +122,60 @@ def test_each_pod_serves_as_the_identity_its_csi_volume_names(replicas):
             assert f"mutual TLS as {r}/{p.pod_name}" in p.log(tail=1 << 30), p.log()
 
 
-def test_grpc_requests_through_every_gateway_pass_the_oracle(replicas, oracle):
+def generate(gw: LocalPod, p: list[int], key: str | None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}
+    return subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--json", "--ignore-eos",
+                           "--max-tokens", "6", "--gateway", f"{LOOPBACK}:{gw.port('grpc')}",
+                           "--prompt-token-ids", ",".join(map(str, p))],
+                          env={**env, "PYTHONPATH": ROOT, **({"PDSERVE_API_KEY": key} if key else {})},
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_grpc_requests_through_every_gateway_pass_the_oracle(replicas, api_keys, oracle):
+    keys = api_keys[1]
     for i, gw in enumerate(replicas["gateway"]):
         for n, seed in ((1, 1), (17, 2), (60, 3)):
             p = prompt(n, 1000 + 10 * i + seed)
-            out = subprocess.run([sys.executable, "-m", "pdserve.cli", "generate", "--json", "--ignore-eos",
-                                  "--max-tokens", "6", "--gateway", f"{LOOPBACK}:{gw.port('grpc')}",
-                                  "--prompt-token-ids", ",".join(map(str, p))],
-                                 env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+            out = generate(gw, p, keys[TENANTS[(i + seed) % len(TENANTS)]])
             assert out.returncode == 0, out.stderr
             ids = json.loads(out.stdout)["token_ids"]
             assert len(ids) == 6
             oracle.check(p, ids)
 
 
-def completion(port: int, body: dict) -> dict:
+def completion(port: int, body: dict, key: str | None) -> dict:
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
     req = urllib.request.Request(f"http://{LOOPBACK}:{port}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **auth})
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 
 
-def test_http_requests_on_port_8000_pass_the_oracle(pods, oracle):
+def test_every_gateway_reads_the_keys_of_the_secret_and_refuses_a_call_without_one(replicas, api_keys):
+    p = prompt(12, 1050)
+    for gw in replicas["gateway"]:
+        assert f"API keys of {len(TENANTS)} tenant(s) from {gw.volume_dir('api-keys')}/keys" in gw.log(tail=1 << 30)
+        for key in (None, "sk-not-in-the-secret-0001"):
+            out = generate(gw, p, key)
+            assert out.returncode == 2 and json.loads(out.stdout) == {"error": {
+                "code": "UNAUTHENTICATED", "reason": "API_KEY", "message": REFUSAL.message}}, \
+                (gw.pod_name, key, out.stdout, out.stderr)
+            with pytest.raises(urllib.error.HTTPError) as e:
+                completion(gw.port("http"), {"prompt": p, "max_tokens": 2}, key)
+            assert e.value.code == 401 and json.loads(e.value.read())["error"]["code"] == "invalid_api_key"
+
+
+def test_http_requests_on_port_8000_pass_the_oracle(pods, api_keys, oracle):
     port = pods["gateway"].ports()["http"]
     assert port == 8000
     p = prompt(33, 1100)
-    ids = completion(port, {"prompt": p, "max_tokens": 5, "temperature": 0, "ignore_eos": True})["choices"][0]["token_ids"]
+    ids = completion(port, {"prompt": p, "max_tokens": 5, "temperature": 0, "ignore_eos": True},
+                     api_keys[1]["acme"])["choices"][0]["token_ids"]
     assert len(ids) == 5
     oracle.check(p, ids)
 
 
-def test_each_gateway_counts_the_http_requests_and_tokens_it_served(replicas, oracle):
+def test_each_gateway_counts_the_http_requests_and_tokens_it_served(replicas, api_keys, oracle):
     """A request through one gateway moves that gateway's counters by what it implies, and the other's not at all."""
     gateways = replicas["gateway"]
     completions = {"route": "/v1/completions", "status": "200"}
@@ -147,8 +183,8 @@ def test_each_gateway_counts_the_http_requests_and_tokens_it_served(replicas, or
         before = [(g.metric("pdserve_http_requests_total", completions), g.metric("pdserve_prompt_tokens_total"),
                    g.metric("pdserve_generation_tokens_total")) for g in gateways]
         p = prompt(21, 1200 + i)
-        ids = completion(served.port("http"), {"prompt": p, "max_tokens": 4, "temperature": 0,
-                                               "ignore_eos": True})["choices"][0]["token_ids"]
+        ids = completion(served.port("http"), {"prompt": p, "max_tokens": 4, "temperature": 0, "ignore_eos": True},
+                         api_keys[1][TENANTS[i % len(TENANTS)]])["choices"][0]["token_ids"]
         oracle.check(p, ids)
         after = [(g.metric("pdserve_http_requests_total", completions), g.metric("pdserve_prompt_tokens_total"),
                   g.metric("pdserve_generation_tokens_total")) for g in gateways]

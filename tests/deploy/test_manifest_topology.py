@@ -3,10 +3,12 @@ storage per overlay, and the monitoring objects' selectors and release label."""
 from __future__ import annotations
 
 import os
+import re
 import textwrap
 
 import pytest
 
+from tests.conftest import ROOT
 from tests.deploy.netpol import Pod, allowed, selects
 from tests.deploy.render import K8S, OVERLAYS, by_kind, containers, kustomize, render, workloads
 
@@ -106,6 +108,26 @@ def test_network_policies_admit_exactly_the_documented_paths(overlay):
     sources = {**pods, "outsider": outsider, "monitoring": monitoring}
     got = {k: allowed(pols, sources[k[0]], pods[k[1]], k[2]) for k in expect}
     assert got == expect
+
+
+def test_the_guide_s_patch_admits_only_the_ingress_controller_to_the_gateway(tmp_path):
+    """docs/kubernetes.md, 7: the gateway's public ports narrowed to one namespace, in an overlay of the user's own;
+    no other policy changes."""
+    with open(os.path.join(ROOT, "docs", "kubernetes.md")) as f:
+        blocks = [b for b in re.findall(r"```yaml\n(.*?)```", f.read(), re.S) if "name: pdserve-gateway" in b]
+    assert len(blocks) == 1, blocks
+    cpu = os.path.relpath(os.path.join(K8S, "overlays", "cpu"), tmp_path)
+    (tmp_path / "kustomization.yaml").write_text(f"resources: [{cpu}]\n{blocks[0]}")
+    objs = kustomize(str(tmp_path))
+    pols, gw = list(by_kind(objs, "NetworkPolicy").values()), pod(objs, "gateway")
+    ingress = Pod({"app.kubernetes.io/name": "ingress-nginx"}, namespace="ingress-nginx")
+    outsider = Pod({"app.kubernetes.io/name": "ingress-nginx"}, namespace="elsewhere")
+    for port in (50051, 8000):
+        assert allowed(pols, ingress, gw, port) and not allowed(pols, outsider, gw, port), port
+    assert not allowed(pols, ingress, gw, 9101)
+    plain = by_kind(render("cpu"), "NetworkPolicy")
+    assert {n: p for n, p in by_kind(objs, "NetworkPolicy").items() if n != "pdserve-gateway"} == \
+        {n: p for n, p in plain.items() if n != "pdserve-gateway"}
 
 
 def test_cpu_overlay_makes_the_model_in_an_init_container():

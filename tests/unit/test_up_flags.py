@@ -62,7 +62,12 @@ def test_the_gateway_gets_the_names_host_and_port_and_the_key_only_by_its_enviro
 def test_without_the_flags_the_gateway_keeps_its_defaults(monkeypatch):
     gw, env = started(monkeypatch)["gateway"]
     assert flag(gw, "--http-port") == [] and flag(gw, "--served-model-name") == [] and env == {}
-    assert flag(gw, "--host") == ["127.0.0.1"]
+    assert flag(gw, "--host") == ["127.0.0.1"] and "--allow-unauthenticated" not in gw
+
+
+def test_allow_unauthenticated_reaches_the_gateway_alone(monkeypatch):
+    seen = started(monkeypatch, "--host", "0.0.0.0", "--allow-unauthenticated")
+    assert {name for name, (argv, _) in seen.items() if "--allow-unauthenticated" in argv} == {"gateway"}
 
 
 def test_each_instance_gets_its_own_device(monkeypatch):
