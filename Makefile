@@ -56,6 +56,7 @@ run: setup
 # SIDE_TESTS, integration tests of their own (a stack each), run in the shorter stream to even them out. Each
 # stream has its own pytest temp folder. pdserve's own modules are compiled first: where PYTHONDONTWRITEBYTECODE is
 # set (as on these machines) every service process the tests start would compile them again (~0.4 s of CPU each).
+# Neither stream stops at its first failure: a run reports every failing test, so one flaky test hides nothing.
 SIDE_TESTS := tests/integration/test_incident_scale.py
 test: .deps-apt
 	@tmp=$$(mktemp -d); apid=; \
@@ -63,9 +64,9 @@ test: .deps-apt
 	trap 'kill -TERM -- -$$fpid $${apid:+-$$apid} 2>/dev/null; rm -rf "$$tmp"' EXIT; trap 'exit 143' INT TERM; \
 	$(MAKE) --no-print-directory setup || exit $$?; \
 	$(PY) -m compileall -q -j0 services tests >/dev/null || exit $$?; \
-	setsid -w $(PY) -m pytest -q -x -p no:cacheprovider --basetemp="$$tmp/a" --durations=10 \
+	setsid -w $(PY) -m pytest -q -p no:cacheprovider --basetemp="$$tmp/a" --durations=10 \
 	  tests/unit tests/deploy tests/chaos $(SIDE_TESTS) >"$$tmp/a.log" 2>&1 & apid=$$!; \
-	$(PY) -m pytest -q -x -p no:cacheprovider --basetemp="$$tmp/b" --durations=10 \
+	$(PY) -m pytest -q -p no:cacheprovider --basetemp="$$tmp/b" --durations=10 \
 	  $(addprefix --ignore=,$(SIDE_TESTS)) tests/integration; brc=$$?; \
 	echo "waiting for the unit, deploy and chaos tests (started beside the integration tests) ..."; \
 	wait $$apid; arc=$$?; cat "$$tmp/a.log"; \

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.integration.drain_util import openai_gateway
-from tests.integration.helpers import prompt, wait_no_leases, with_template
+from tests.integration.helpers import prompt, wait_for, wait_no_leases, with_template
 
 KEY = "sk-test-pdserve"
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -193,16 +193,25 @@ def test_a_client_that_leaves_cancels_its_generation(stack, gw, stream):
         return stack_metric(gw, 'pdserve_requests_total{code="CANCELLED"}')
     assert all(st.num_leased == 0 for st in wait_no_leases(stack, timeout=30))  # leases seen below are ours
     before = cancelled()
+    # no token before the write: the request cannot end by itself before the gateway learns that its client left,
+    # however slowly a loaded machine lets it notice
+    stack.arm("prefill", "prefill.delay_before_write", arg="8000")
     body = json.dumps({"prompt": prompt(8, 1204), "max_tokens": 3000, "ignore_eos": True, "stream": stream}).encode()
     s = socket.create_connection(("127.0.0.1", gw.http_port), timeout=30)
     s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
               b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode() +
               b"\r\n\r\n" + body)
     while all(st.num_leased == 0 for st in stack.pool_states()):
-        time.sleep(0.02)  # until decode holds its pages: the request is generating
+        time.sleep(0.02)  # until decode holds its pages: the request is under way
     s.close()
+    closed = time.monotonic()
+    # what the test is about: the gateway ends the generation as cancelled (counted when its call ends)
+    wait_for(lambda: cancelled() == before + 1, 30, "the gateway counting the generation CANCELLED")
+    noticed = time.monotonic() - closed
     assert all(st.num_leased == 0 for st in wait_no_leases(stack, timeout=20)), "".join(gw.lines[-15:])
     assert cancelled() == before + 1, "".join(gw.lines[-15:])
+    print(f"the gateway counted the cancellation {noticed:.2f}s after the client closed its socket")
+    stack.clear_faults()
 
 
 def stack_metric(proc, series: str) -> float:
