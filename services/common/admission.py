@@ -47,8 +47,20 @@ def check_sampling(max_tokens: int, temperature: float, top_p: float) -> None:
         raise _reject("BAD_TOP_P", f"top_p must be in (0, 1], got {top_p}")
 
 
+def check_field_sizes(num_logit_bias: int, num_stop_token_ids: int, schema_chars: int) -> None:
+    """The limits a field's length alone decides. The gateway passes len() of the fields as received (O(1) for
+    protobuf repeated and map fields), so an oversized one is refused before it is copied, sorted or converted."""
+    if num_logit_bias > MAX_LOGIT_BIAS:
+        raise _reject("BAD_LOGIT_BIAS", f"{num_logit_bias} logit_bias entries; at most {MAX_LOGIT_BIAS}")
+    if num_stop_token_ids > MAX_STOP_TOKEN_IDS:
+        raise _reject("BAD_STOP", f"{num_stop_token_ids} stop token ids; at most {MAX_STOP_TOKEN_IDS}")
+    if schema_chars > MAX_SCHEMA_BYTES:
+        raise _reject("BAD_GRAMMAR", f"the JSON schema is {schema_chars} bytes; at most {MAX_SCHEMA_BYTES}")
+
+
 def check_options(p, vocab_size: int, prompt_logprobs: int | None = None) -> None:
     """The options beyond temperature and top_p, on a SamplingParams (engine/sampler.py)."""
+    check_field_sizes(len(p.logit_bias), len(p.stop_token_ids), len(p.grammar.json_schema) if p.grammar else 0)
     if p.top_k > vocab_size:
         raise _reject("BAD_TOP_K", f"top_k must be <= the vocabulary size {vocab_size} (0 for no limit), got "
                                    f"{p.top_k}")
@@ -56,10 +68,7 @@ def check_options(p, vocab_size: int, prompt_logprobs: int | None = None) -> Non
         if not -2.0 <= v <= 2.0:  # NaN fails it too
             raise _reject("BAD_PENALTY", f"{name} must be in [-2, 2], got {v}")
     check_repetition_penalty(p.repetition_penalty)
-    ids = p.stop_token_ids
-    if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise _reject("BAD_STOP", f"{len(ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}")
-    if bad := [t for t in ids if not 0 <= t < vocab_size]:
+    if bad := [t for t in p.stop_token_ids if not 0 <= t < vocab_size]:
         raise _reject("BAD_STOP", f"{len(bad)} stop token ids outside [0, {vocab_size}), first {bad[0]}")
     for name, n in (("logprobs", p.logprobs), ("prompt_logprobs", prompt_logprobs)):
         if n is not None and not 0 <= n <= MAX_LOGPROBS:
@@ -70,8 +79,6 @@ def check_options(p, vocab_size: int, prompt_logprobs: int | None = None) -> Non
 def check_structure(p, vocab_size: int) -> None:
     """logit_bias, min_p, min_tokens and the grammar's fields (whether a grammar compiles is the grammar library's
     to say, where it is compiled)."""
-    if len(p.logit_bias) > MAX_LOGIT_BIAS:
-        raise _reject("BAD_LOGIT_BIAS", f"{len(p.logit_bias)} logit_bias entries; at most {MAX_LOGIT_BIAS}")
     for t, b in p.logit_bias:
         if not 0 <= t < vocab_size:
             raise _reject("BAD_LOGIT_BIAS", f"logit_bias names token {t}, outside [0, {vocab_size})")
@@ -85,8 +92,6 @@ def check_structure(p, vocab_size: int) -> None:
     if g is not None:
         if g.json_object and g.json_schema:
             raise _reject("BAD_GRAMMAR", "json_object and json_schema exclude each other; send one")
-        if len(g.json_schema) > MAX_SCHEMA_BYTES:
-            raise _reject("BAD_GRAMMAR", f"the JSON schema is {len(g.json_schema)} bytes; at most {MAX_SCHEMA_BYTES}")
 
 
 def check_grammar(grammars, spec):
@@ -152,5 +157,5 @@ def grammar_mismatch(why: str) -> PdError:
     return PdError(grpc.StatusCode.INTERNAL, "GRAMMAR_MISMATCH", f"structured output: {why}")
 
 
-__all__ = ["check_tokens", "check_sampling", "check_options", "check_structure", "check_grammar", "start_grammar",
-           "grammar_mismatch", "check_repetition_penalty", "check_stop_strings", "check_lengths"]
+__all__ = ["check_tokens", "check_sampling", "check_field_sizes", "check_options", "check_structure", "check_grammar",
+           "start_grammar", "grammar_mismatch", "check_repetition_penalty", "check_stop_strings", "check_lengths"]

@@ -28,7 +28,11 @@ RPC_SECONDS = Histogram("pdserve_rpc_seconds", "Server-side RPC latency", ["meth
 # Safety never rests on it (decode's blind bound, from the stream's own heartbeats, does); it only brings a
 # stream back sooner. The server must permit pings at least as often as clients send them, with or without
 # calls, or it answers with GOAWAY (too_many_pings). Reconnect backoff is capped so a healed link is used soon.
-GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20),
+# Between services a message carries up to a 1,048,576-token prompt's ids (5 MiB as varints) and its answers: 64 MiB.
+# The gateway's public port receives less (gateway/request_size.py): what the largest legal request needs.
+MAX_MESSAGE_BYTES = 64 << 20
+GRPC_OPTIONS = [("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.keepalive_time_ms", 500), ("grpc.keepalive_timeout_ms", 1000),
                 ("grpc.keepalive_permit_without_calls", 1), ("grpc.http2.max_pings_without_data", 0),
                 ("grpc.http2.min_ping_interval_without_data_ms", 400),
@@ -113,13 +117,16 @@ class Service:
     tls=None is plaintext with no authorisation: the gateway's public API, or an explicit --insecure."""
 
     def __init__(self, name: str, full_service_names: list[str], host: str, port: int, metrics_port: int, *,
-                 tls: TlsConfig | None, metrics_host: str = "127.0.0.1", guards: tuple = ()):
-        """guards: interceptors that refuse callers (the gateway's API key), outermost."""
+                 tls: TlsConfig | None, metrics_host: str = "127.0.0.1", guards: tuple = (),
+                 max_receive_bytes: int = MAX_MESSAGE_BYTES):
+        """guards: interceptors that refuse callers (the gateway's API key), outermost. max_receive_bytes: a
+        larger request is refused RESOURCE_EXHAUSTED by gRPC itself, before it is parsed."""
         self.name = name
         interceptors = [*guards, ErrorInterceptor()]
         if tls is not None:  # outermost: a refused caller reaches no handler and no other interceptor
             interceptors.insert(0, AuthInterceptor(name, full_service_names))
-        self.server = grpc.aio.server(interceptors=interceptors, options=GRPC_OPTIONS)
+        options = [(k, max_receive_bytes if k == "grpc.max_receive_message_length" else v) for k, v in GRPC_OPTIONS]
+        self.server = grpc.aio.server(interceptors=interceptors, options=options)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(full_service_names + [reflection.SERVICE_NAME, health.SERVICE_NAME],

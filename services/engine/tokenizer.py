@@ -15,6 +15,7 @@ class ByteTokenizer:
     # every character is at least one byte, so a text has at least as many tokens as characters
     max_chars_per_token = 1
     no_bound_reason = ""
+    longest_token = 1
 
     def __init__(self, vocab_size: int):
         if vocab_size < 256:
@@ -41,6 +42,7 @@ class HFTokenizer:
 
         self._tok = Tokenizer.from_file(path)
         self.vocab_size = self._tok.get_vocab_size()
+        self.longest_token = max(map(len, self._tok.get_vocab(with_added_tokens=True)), default=0)  # characters
         # read back from the loaded tokenizer, not the file: the bound is about what encode() runs
         self.max_chars_per_token, self.no_bound_reason = max_chars_per_token(json.loads(self._tok.to_str()),
                                                                              pre_tokenizers.ByteLevel.alphabet())

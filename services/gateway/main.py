@@ -30,6 +30,7 @@ from .exposure import add_exposure_args, check_exposure
 from .limits import DEFAULT_MAX_CONCURRENT, ConcurrencyLimit
 from .openai.app import Front, create_app
 from .openai.server import HttpServer, add_http_args, api_keys, http_limits
+from .request_size import request_limit
 from .scope import add_prefix_args, scoping_from_args
 from .servicer import Capacity, GatewayServicer
 
@@ -66,6 +67,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT,
                    help="Generate calls (gRPC and HTTP choices together) running at once; one more is refused at "
                         "once with RESOURCE_EXHAUSTED OVERLOADED (HTTP 429) and a retry delay; 0: no limit")
+    p.add_argument("--max-request-bytes", type=int, default=0,
+                   help="the public gRPC port's receive limit: a larger request is refused RESOURCE_EXHAUSTED before "
+                        "it is parsed (default 0: the largest legal request, from the checkpoint's context length "
+                        "and the field limits, logged at start-up)")
     p.add_argument("--prefill-timeout", type=float, default=60.0,
                    help="bound on one Prefill call, seconds, plus --prefill-timeout-per-token per prompt token")
     p.add_argument("--prefill-timeout-per-token", type=float, default=0.005,
@@ -136,8 +141,9 @@ class Health:
     """SERVING while at least one prefill and one decode take work, NOT_SERVING otherwise; follows the
     backends without a restart. The first time it serves, it prints the ready line."""
 
-    def __init__(self, svc: Service, servicer: GatewayServicer, backends: Backends):
+    def __init__(self, svc: Service, servicer: GatewayServicer, backends: Backends, request_limit=None):
         self.svc, self.servicer, self.backends = svc, servicer, backends
+        self.request_limit = request_limit
         self.changed = asyncio.Event()
         self.first = asyncio.Event()
         self.serving = False
@@ -152,6 +158,8 @@ class Health:
                          "prefill pool %d tokens", len(infos["prefill"]), len(infos["decode"]), cap.context_length,
                          cap.decode_pool_pages, cap.prefill_pool_tokens)
                 self.servicer.cap = cap
+                if self.request_limit is not None:
+                    self.request_limit.check_context(cap.context_length)
             self.first.set()
         self.changed.set()
 
@@ -205,6 +213,7 @@ async def serve(args) -> None:
     tokenizer = None if args.byte_tokenizer else load_tokenizer(model.path, 0)
     if tokenizer is not None:
         log_prompt_bound(tokenizer)
+    receive = request_limit(args.max_request_bytes, model.path, tokenizer)
     template = None
     if args.http_port >= 0:
         try:
@@ -223,9 +232,10 @@ async def serve(args) -> None:
     track_load("gateway", servicer.load)
     svc = Service("gateway", [gateway_pb2.DESCRIPTOR.services_by_name["Gateway"].full_name],
                   args.host, args.port, args.metrics_port, tls=None,  # public API: plaintext by design
-                  metrics_host=args.metrics_host, guards=(ApiKeyInterceptor(keys),) if keys is not None else ())
+                  metrics_host=args.metrics_host, guards=(ApiKeyInterceptor(keys),) if keys is not None else (),
+                  max_receive_bytes=receive.max_bytes)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, svc.server)
-    health = Health(svc, servicer, backends)
+    health = Health(svc, servicer, backends, receive)
     backends.on_change = health.on_change
     await svc.start()  # NOT_SERVING until discovery has found a prefill and a decode that agree
     # loops that end only when cancelled below: plain tasks, not spawned give-backs (which the drain waits for)

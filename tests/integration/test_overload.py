@@ -20,9 +20,11 @@ HUGE = "x" * 10_000_000  # the tiny tokenizer's longest token has 9 characters: 
 
 @pytest.fixture(scope="module")
 def gw(stack, model_dir):
-    """A gateway over the package stack's instances that runs one Generate call at a time and reads 32 MB bodies."""
+    """A gateway over the package stack's instances that runs one Generate call at a time and reads 32 MB bodies
+    and messages (the default receive limit would refuse the 10 MB prompt before its length is checked)."""
     proc = gateway_over(stack, model_dir, stack.procs["prefill"], stack.procs["decode"], http=True, extra=(
-        "--max-concurrent-requests", "1", "--http-max-body-bytes", str(32 << 20)))
+        "--max-concurrent-requests", "1", "--http-max-body-bytes", str(32 << 20), "--max-request-bytes",
+        str(32 << 20)))
     yield proc
     launcher.stop(proc)
 
