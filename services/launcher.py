@@ -215,7 +215,8 @@ def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0
                                           log_path=log(f"decode{i}")))
         for p in [*procs["prefill"], *procs["decode"]]:  # they depend on the broker only: loaded side by side
             wait_ready(p)
-        gw = ["gateway", *ports("gateway", 0), *tls("gateway", 0), "--model", model, *extra.get("gateway", [])]
+        gw = ["gateway", *ports("gateway", 0), *tls("gateway", 0), "--model", model,
+              *(["--context-length", str(context_length)] if context_length else []), *extra.get("gateway", [])]
         for p in procs["prefill"]:
             gw += ["--prefill", p.target]
         for p in procs["decode"]:

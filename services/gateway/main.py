@@ -67,6 +67,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrent-requests", type=int, default=DEFAULT_MAX_CONCURRENT,
                    help="Generate calls (gRPC and HTTP choices together) running at once; one more is refused at "
                         "once with RESOURCE_EXHAUSTED OVERLOADED (HTTP 429) and a retry delay; 0: no limit")
+    p.add_argument("--context-length", type=int, default=0,
+                   help="the context the prefill and decode instances serve, when they are given one past the "
+                        "checkpoint's (their --context-length): sizes the public gRPC port's receive limit (default "
+                        "0: the checkpoint's). Admission still takes the context the backends report")
     p.add_argument("--max-request-bytes", type=int, default=0,
                    help="the public gRPC port's receive limit: a larger request is refused RESOURCE_EXHAUSTED before "
                         "it is parsed (default 0: the largest legal request, from the checkpoint's context length "
@@ -213,7 +217,7 @@ async def serve(args) -> None:
     tokenizer = None if args.byte_tokenizer else load_tokenizer(model.path, 0)
     if tokenizer is not None:
         log_prompt_bound(tokenizer)
-    receive = request_limit(args.max_request_bytes, model.path, tokenizer)
+    receive = request_limit(args.max_request_bytes, model.path, tokenizer, args.context_length)
     template = None
     if args.http_port >= 0:
         try:

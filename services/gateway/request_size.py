@@ -100,20 +100,22 @@ def _chars_per_token(tokenizer) -> int:
     return tokenizer.longest_token
 
 
-def request_limit(given: int, model_path: str, tokenizer) -> RequestLimit:
-    """--max-request-bytes when given (> 0), else derived from the checkpoint's context length (config.json) and
-    the tokenizer's characters per token (None: the byte tokenizer)."""
+def request_limit(given: int, model_path: str, tokenizer, context_length: int = 0) -> RequestLimit:
+    """--max-request-bytes when given (> 0), else derived from the context the stack serves (--context-length, or
+    the checkpoint's config.json) and the tokenizer's characters per token (None: the byte tokenizer)."""
     if given < 0:
         raise SystemExit(f"gateway: --max-request-bytes must be > 0 (0: derived), got {given}")
+    if context_length < 0:
+        raise SystemExit(f"gateway: --context-length must be > 0 (0: the checkpoint's), got {context_length}")
     chars = _chars_per_token(tokenizer)
     if given:
         log.info("gateway: the public gRPC port receives requests of up to %d bytes (--max-request-bytes)", given)
         return RequestLimit(given, chars)
     try:
-        context = ModelConfig.from_dir(model_path).max_position_embeddings
+        context = context_length or ModelConfig.from_dir(model_path).max_position_embeddings
     except (OSError, ValueError) as e:
         raise SystemExit(f"gateway: cannot derive the public gRPC port's receive limit from the checkpoint's "
-                         f"context length ({e}); pass --max-request-bytes") from None
+                         f"context length ({e}); pass --context-length or --max-request-bytes") from None
     limit = RequestLimit(max_request_bytes(context, chars), chars)
     log.info("gateway: the public gRPC port receives requests of up to %d bytes (derived: a %d-token context at "
              "%d characters per token, every other field at its limit; --max-request-bytes)", limit.max_bytes,

@@ -71,8 +71,21 @@ def test_a_given_limit_is_used_and_a_negative_one_refused(model_dir, caplog):
 
 
 def test_without_config_json_the_gateway_is_told_to_give_the_limit(tmp_path, model_dir):
-    with pytest.raises(SystemExit, match="cannot derive .*config.json.*; pass --max-request-bytes"):
+    with pytest.raises(SystemExit, match="cannot derive .*config.json.*; pass --context-length or --max-request-bytes"):
         request_limit(0, str(tmp_path), HFTokenizer(f"{model_dir}/tokenizer.json"))
+
+
+def test_the_context_the_stack_serves_sizes_the_limit(model_dir):
+    """Prefill and decode given a context past the checkpoint's (their --context-length): the gateway told the same
+    takes a prompt of that length through its port (the incident's 1,048,576 tokens as ids: 5 MiB)."""
+    tok = HFTokenizer(f"{model_dir}/tokenizer.json")
+    limit = request_limit(0, model_dir, tok, context_length=1 << 20)
+    assert limit.max_bytes == max_request_bytes(1 << 20, tok.max_chars_per_token)
+    assert gateway_pb2.GenerateRequest(prompt_token_ids=[500_000] * (1 << 20), max_tokens=1).ByteSize() \
+        < limit.max_bytes
+    assert request_limit(0, model_dir, tok).max_bytes < 1 << 20  # the checkpoint's 4,096 tokens: far less
+    with pytest.raises(SystemExit, match="--context-length must be > 0"):
+        request_limit(0, model_dir, tok, context_length=-1)
 
 
 class Unbounded:
