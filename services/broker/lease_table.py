@@ -169,7 +169,7 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
         leases = list(leases)
         pool = self._pool(pool_id, epoch)
         self.check_reader(pool)
-        pages = pool.checked_pages(owner, leases)
+        pages = self._checked(pool, owner, leases)
         for (page_id, generation), page in zip(leases, pages):
             if page.sealed_generation == generation:
                 raise LeaseError("FAILED_PRECONDITION", "LEASE_ALREADY_WRITTEN",
@@ -230,6 +230,30 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
         return num_unquarantined
 
     @staticmethod
+    def _checked(pool: PoolPages, owner: bytes, leases: list[Lease], shares: bool = False) -> list[Page]:
+        """pool.checked_pages, but a check that comes after decode itself ended the request is refused as
+        OWNER_RELEASED, no lease violation: a BeginWrite whose caller left while it was on its way (it overlaps the
+        forward pass), a re-check sent while the request finished. So only if decode released the owner (or its
+        KeepAlive stopped naming it), the owner holds nothing now, and every lease named has ended: its page moved
+        on to a later generation, or is free or quarantined at this one, or (shares) cached with the owner no longer
+        among its readers. A lease that is live for anyone now is still a violation."""
+        try:
+            return pool.checked_pages(owner, leases, shares=shares)
+        except LeaseError as e:
+            if e.reason != "LEASE_NOT_CURRENT" or owner not in pool.released or owner in pool.owners:
+                raise
+
+            def ended(page: Page, generation: int) -> bool:
+                return page.generation > generation or page.generation == generation and (
+                    page.state in (PageState.FREE, PageState.QUARANTINED)
+                    or shares and page.state is PageState.CACHED and owner not in page.readers)
+            if not all(0 <= p < pool.num_pages and ended(pool.pages[p], g) for p, g in leases):
+                raise
+            raise LeaseError("FAILED_PRECONDITION", "OWNER_RELEASED",
+                             f"{owner.hex()} was released by its decode before this check; nothing may be written "
+                             f"for it or read by it ({e.message})") from None
+
+    @staticmethod
     def _written_by(pool, owner: bytes, leases: list[Lease], writer_id: str) -> bool:
         """Every lease is owner's current one, and writer_id's write of that generation is the one active on it."""
         try:
@@ -244,8 +268,8 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
         its shares too (PoolPages.checked_pages): a shared or published page that is still its to read is no
         violation, and failing it would end a healthy request as DATA_LOSS."""
         leases = list(leases)
-        for (_, generation), page in zip(leases, self._pool(pool_id, epoch).checked_pages(owner, leases,
-                                                                                          shares=recheck)):
+        for (_, generation), page in zip(leases, self._checked(self._pool(pool_id, epoch), owner, leases,
+                                                               shares=recheck)):
             if page.state is PageState.LEASED:
                 # decode has checked these bytes: no writer may begin again
                 page.sealed_generation = page.written_generation = generation
@@ -253,7 +277,9 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
     def release(self, pool_id: str, owner: bytes, epoch: int) -> tuple[int, int]:
         if epoch != self.epoch:
             return (0, 0)
-        return self._end_leases(self._pool(pool_id), owner)
+        pool = self._pool(pool_id)
+        pool.note_released(owner)
+        return self._end_leases(pool, owner)
 
     def revoke(self, pool_id: str, owner: bytes, reason: str) -> tuple[int, int]:
         """Unlike release, the holder has not let go: decode may still be mid-step, writing its own KV into

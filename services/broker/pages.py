@@ -6,11 +6,16 @@ hold it), is never written again, and is found by its chain key in the pool's Pr
 
 import enum
 import heapq
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from .prefix_cache import PrefixCache
 from .revocation_log import Revocation, RevocationLog
 
 OWNER_NBYTES = 16
+# owners a pool remembers as released by its decode: a BeginWrite or re-check that comes later is a stale call of a
+# request that ended, refused as OWNER_RELEASED (no violation; LeaseTable._checked). Beyond this many, the oldest is
+# forgotten, and a call as late as that counts as a violation again
+RELEASED_MEMORY = 16384
 Lease = tuple[int, int]  # (page, generation)
 PageState = enum.Enum("PageState", ["FREE", "LEASED", "QUARANTINED", "CACHED"])
 __all__ = ["CHAIN_NBYTES", "OWNER_NBYTES", "SCOPE_TAG_NBYTES", "Lease", "LeaseError", "Page", "PageState", "PoolPages",
@@ -64,10 +69,17 @@ class PoolPages:
     # revoked owners whose pages wait for the reader's acknowledgement: owner -> (quarantine holder, revocation seq)
     unacked: dict[bytes, tuple[str, int]] = field(default_factory=dict)
     cache: PrefixCache = field(default_factory=PrefixCache)
+    released: OrderedDict = field(default_factory=OrderedDict)  # owner -> None, oldest first (RELEASED_MEMORY)
 
     def __post_init__(self) -> None:
         self.pages = [Page() for _ in range(self.num_pages)]
         self.free = list(range(self.num_pages))  # sorted, hence already a valid heap
+
+    def note_released(self, owner: bytes) -> None:
+        self.released[owner] = None
+        self.released.move_to_end(owner)
+        if len(self.released) > RELEASED_MEMORY:
+            self.released.popitem(last=False)
 
     def free_page(self, page_id: int) -> None:
         page = self.pages[page_id]

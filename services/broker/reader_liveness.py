@@ -91,6 +91,7 @@ class ReaderLiveness:
         stale = [owner for owner in pool.owners
                  if owner not in held and now - pool.granted_at.get(owner, now) > self.reconcile_grace_s]
         for owner in stale:
+            pool.note_released(owner)  # decode's own word that it let go: a Release that was lost
             self.revoke(pool_id, owner, NOT_HELD)
         # decode lists every owner a step may still write (the step in flight too). It had processed the owner's
         # revocation when it built this list (seq <= revocations_seen), so it knew of the owner: its absence is

@@ -25,6 +25,8 @@ _CODES = {
     "ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
     "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
 }
+# refusals of a lease check that put no page at stake: the request had already ended at its decode
+NO_VIOLATION = frozenset({"OWNER_RELEASED"})
 # created up front so a dashboard shows 0, not "no data", before the first violation
 _VIOLATION_REASONS = ("EPOCH_MISMATCH", "LEASE_NOT_CURRENT", "WRITER_ACTIVE", "LEASE_ALREADY_WRITTEN",
                       "LANDING_BOUND_EXCEEDS_LOCK_DELAY")
@@ -96,7 +98,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             request.epoch, list(request.prefix_chains), request.scope_tag)
         self._grants.inc()
         self._publish(request.pool_id)
-        if FAULTS.fire("broker.lose_grant_reply") is not None:
+        if FAULTS.fire("broker.lose_grant_reply", request.owner) is not None:
             await abort(context, PdError(grpc.StatusCode.UNAVAILABLE, "FAULT_LOST_REPLY",
                                          f"fault point: the grant to {request.owner.hex()} happened, its reply is lost"))
         return broker_pb2.GrantResponse(
@@ -143,7 +145,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         await self._refuse_if_stopping(context, "BeginWrite")
         region = await self._call(context, self._table.begin_write, request.pool_id, request.owner, request.epoch,
                                   _leases(request.leases), request.writer_id, request.max_landing_ms / 1000.0,
-                                  request.writer_ttl_ms / 1000.0, is_lease_check=True)
+                                  request.writer_ttl_ms / 1000.0, checked_owner=request.owner)
         return broker_pb2.BeginWriteResponse(region=region)
 
     async def EndWrite(self, request: broker_pb2.EndWriteRequest,
@@ -167,7 +169,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
     async def Validate(self, request: broker_pb2.ValidateRequest,
                        context: grpc.aio.ServicerContext) -> broker_pb2.ValidateResponse:
         await self._call(context, self._table.validate, request.pool_id, request.owner, request.epoch,
-                         _leases(request.leases), request.recheck, is_lease_check=True)
+                         _leases(request.leases), request.recheck, checked_owner=request.owner)
         return broker_pb2.ValidateResponse()
 
     async def Release(self, request: broker_pb2.ReleaseRequest,
@@ -305,15 +307,17 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             self._evictions.labels(reason).inc(counts[f"evicted_{reason}"])
 
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args,
-                    is_lease_check: bool = False) -> T:
+                    checked_owner: bytes | None = None) -> T:
+        """checked_owner: the call is a lease check of this owner's leases, and a refusal counts as a violation."""
         try:
             return fn(*args)
         except LeaseError as e:
             # counted before the caller hears the refusal (a refused Grant too may have met a chain cached under
             # another scope): abort() sends the status, and a caller that reads the counter next must see it
             self._count_prefix_events()
-            if is_lease_check:
+            if checked_owner is not None and e.reason not in NO_VIOLATION:
                 self._violations.labels("broker", e.reason).inc()
+                FAULTS.counted("broker", e.reason, checked_owner)
                 log.warning("lease check refused: %s %s", e.reason, e.message)
             await abort(context, PdError(_CODES[e.kind], e.reason, e.message))
             raise  # abort() raises; this only keeps the return type honest

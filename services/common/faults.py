@@ -5,12 +5,19 @@ each `name[:count[:arg]]`, count 0 = every hit) or over the test-only `pdserve.v
 service reports the unsafe mode `faults` (services/common/unsafe.py). With it off, PDSERVE_FAULTS is ignored
 (logged at ERROR), nothing can be armed and no point fires: a stray variable in a production environment must
 never corrupt a transfer. Each point reproduces one known failure.
+
+With the switch on, the registry also keeps a record a chaos test reads back (Faults.TakeRecord) to tell a true
+alarm from a false one: each point that fired, with the request (owner) it fired on, and each lease violation the
+process counted, with the owner it was counted for. A DATA_LOSS or a violation with no fault of its own request
+behind it is a false alarm. With the switch off nothing is recorded.
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
+from collections import deque
+from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +52,20 @@ KNOWN = {
 
 
 SWITCH = "PDSERVE_ENABLE_FAULTS"
+# per kind of entry: a soak fires a point every 0.5-3 s; the oldest go first, and the reader is told how many
+RECORD_LIMIT = 10_000
+
+
+class Fired(NamedTuple):
+    name: str
+    owner: bytes  # b"": a point that acts on no one request (a stream, a step of a batch)
+    arg: str
+
+
+class Counted(NamedTuple):
+    service: str
+    reason: str
+    owner: bytes
 
 
 def faults_enabled() -> bool:
@@ -60,6 +81,9 @@ class FaultRegistry:
         self.enabled = enabled
         self._armed: dict[str, list] = {}
         self._lock = threading.Lock()
+        self._fired: deque[Fired] = deque(maxlen=RECORD_LIMIT)
+        self._counted: deque[Counted] = deque(maxlen=RECORD_LIMIT)
+        self._dropped = 0
 
     def arm(self, name: str, count: int = 1, arg: str = "") -> None:
         if not self.enabled:
@@ -74,8 +98,9 @@ class FaultRegistry:
         with self._lock:
             self._armed.clear()
 
-    def fire(self, name: str) -> str | None:
-        """Returns the fault's argument ('' when none) if it fires on this hit, else None."""
+    def fire(self, name: str, owner: bytes = b"") -> str | None:
+        """Returns the fault's argument ('' when none) if it fires on this hit, else None. owner: the request
+        whose pages or write it acts on, recorded when it fires."""
         if not self.enabled:  # the hot path of every transfer: no lock when the switch is off
             return None
         with self._lock:
@@ -87,8 +112,30 @@ class FaultRegistry:
                 del self._armed[name]
             elif count > 1:
                 entry[0] = count - 1
-        log.warning("fault point %s fired (arg=%r)", name, arg)
+            self._append(self._fired, Fired(name, owner, arg))
+        log.warning("fault point %s fired on %s (arg=%r)", name, owner.hex() or "no one request", arg)
         return arg
+
+    def counted(self, service: str, reason: str, owner: bytes) -> None:
+        """Records a lease violation this process counted, and for which request (nothing with the switch off)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._append(self._counted, Counted(service, reason, owner))
+
+    def take_record(self) -> tuple[list[Fired], list[Counted], int]:
+        """What fired and what was counted since the last take, and how many entries the limit dropped."""
+        with self._lock:
+            out = list(self._fired), list(self._counted), self._dropped
+            self._fired.clear()
+            self._counted.clear()
+            self._dropped = 0
+        return out
+
+    def _append(self, record: deque, entry) -> None:
+        if len(record) == record.maxlen:
+            self._dropped += 1
+        record.append(entry)
 
     def load_env(self, value: str | None) -> None:
         if value and not self.enabled:
@@ -124,5 +171,13 @@ def add_faults_service(server) -> None:
         async def Clear(self, request, context):
             FAULTS.clear()
             return faults_pb2.ClearResponse()
+
+        async def TakeRecord(self, request, context):
+            fired, counted, dropped = FAULTS.take_record()
+            return faults_pb2.FaultRecord(
+                fired=[faults_pb2.FaultRecord.Fired(name=f.name, owner=f.owner, arg=f.arg) for f in fired],
+                violations=[faults_pb2.FaultRecord.Violation(service=c.service, reason=c.reason, owner=c.owner)
+                            for c in counted],
+                dropped=dropped)
 
     faults_pb2_grpc.add_FaultsServicer_to_server(FaultsServicer(), server)

@@ -5,8 +5,19 @@ from typing import Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from .faults import FAULTS
+
 LEASE_VIOLATIONS = Counter("pdserve_lease_violations_total", "Lease/tag/checksum violations caught",
                            ["service", "reason"])
+
+
+def count_violation(service: str, reason: str, owner: bytes) -> None:
+    """Counts a lease violation caught for request `owner`; with fault points on, it is also recorded with the
+    owner, so a chaos test can tell which fault (if any) it was caught for (faults.py)."""
+    LEASE_VIOLATIONS.labels(service, reason).inc()
+    FAULTS.counted(service, reason, owner)
+
+
 ADMISSION_REJECTIONS = Counter("pdserve_admission_rejections_total", "Requests rejected at admission",
                                ["reason"])
 TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total", "KV bytes written to decode pools (data + tags)")
@@ -76,10 +87,11 @@ GROWTH_PAGES = Counter("pdserve_kv_growth_pages_total", "Pages decode leased to 
 PREEMPTIONS = Counter("pdserve_preemptions_total", "Running requests decode preempted because its KV pool ran dry")
 # decode's re-checks of running requests' leases after a gap or reconnect of its revocation stream, per request:
 # current (it goes on), not_current (the broker ended the lease: DATA_LOSS, also a lease violation), unreachable (no
-# answer: the request ends UNAVAILABLE, retryable; not a violation, nothing was found wrong)
+# answer: the request ends UNAVAILABLE, retryable; not a violation, nothing was found wrong), released (it finished
+# and decode released it while the re-check was on its way: nothing to check)
 LEASE_RECHECKS = Counter("pdserve_lease_rechecks_total", "Running requests whose leases decode re-checked with the "
                          "broker after its revocation stream reconnected or reported a gap, by outcome", ["outcome"])
-RECHECK_OUTCOMES = ("current", "not_current", "unreachable")
+RECHECK_OUTCOMES = ("current", "not_current", "unreachable", "released")
 RESUBMISSIONS = Counter("pdserve_resubmissions_total", "Requests decode handed back (preempted, or drained) that "
                         "the gateway resubmitted (prompt + the tokens streamed) to continue their stream", ["outcome"])
 PREFIX_LOOKUPS = Counter("pdserve_prefix_cache_lookup_pages_total",

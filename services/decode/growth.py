@@ -32,7 +32,7 @@ from typing import Awaitable, Callable, Iterable
 import grpc
 
 from ..common.errors import PdError
-from ..common.metrics import GROWTH_PAGES, LEASE_VIOLATIONS, PREEMPTIONS
+from ..common.metrics import GROWTH_PAGES, PREEMPTIONS, count_violation
 from ..common.tasks import spawn
 from .sequence import Sequence
 
@@ -137,7 +137,7 @@ class Growth:
                                        f"{n} growth pages refused: {result.message}"))
             elif not seq.done:
                 # refused outright: any doubt about who owns the pages ends the request, never with output
-                LEASE_VIOLATIONS.labels("decode", "GROWTH_REFUSED").inc()
+                count_violation("decode", "GROWTH_REFUSED", seq.owner)
                 self.mark(seq, PdError(grpc.StatusCode.DATA_LOSS, "GROWTH_REFUSED",
                                        f"the broker refused {n} growth pages for {seq.owner.hex()}: {result.reason}: "
                                        f"{result.message}"))

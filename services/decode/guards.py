@@ -12,7 +12,7 @@ import torch
 
 from ..common.errors import PdError
 from ..common.faults import FAULTS
-from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS
+from ..common.metrics import GUARD_SECONDS, count_violation
 from .sweep import ChecksumSweep
 from .verify import step_tag_mismatches
 
@@ -36,7 +36,7 @@ class StepGuards:
             bad = step_tag_mismatches(self.pool.tags, pages, expected, lengths)
         for i in bad:
             seq = batch[i]
-            LEASE_VIOLATIONS.labels("decode", "STEP_TAG_MISMATCH").inc()
+            count_violation("decode", "STEP_TAG_MISMATCH", seq.owner)
             log.error("request %s: a page's tag no longer matches its lease before step %d; failing it",
                       seq.owner.hex(), len(seq.generated))
             self.end(seq, PdError(grpc.StatusCode.DATA_LOSS, "STEP_TAG_MISMATCH",
@@ -53,7 +53,7 @@ class StepGuards:
             bad = self.sweep([s.prompt for s in batch])
         for m in bad:
             seq = batch[m.index]
-            LEASE_VIOLATIONS.labels("decode", "PROMPT_PAGE_CHANGED").inc()
+            count_violation("decode", "PROMPT_PAGE_CHANGED", seq.owner)
             log.error("request %s: prompt page %d (physical page %d) has CRC-32C %#010x, verified %#010x, before "
                       "step %d; failing it", seq.owner.hex(), m.page_index, m.page, m.actual, m.expected,
                       len(seq.generated))
@@ -75,6 +75,6 @@ def _fresh_fault(batch: list[Sequence]) -> str | None:
     """decode.rogue_data_write fires only on a request not yet stepped (the newest joins last), so a test
     knows the write came before that request's first step."""
     if batch and len(batch[-1].generated) == 1:
-        return FAULTS.fire("decode.rogue_data_write")
+        return FAULTS.fire("decode.rogue_data_write", batch[-1].owner)
     return None
 

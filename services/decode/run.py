@@ -21,7 +21,7 @@ from ..common.config import pages_for
 from ..common.deadline import deadline_exceeded
 from ..common.drain import draining_error
 from ..common.errors import PdError
-from ..common.metrics import LEASE_VIOLATIONS, OVERLOAD_REJECTIONS, QUEUE_SECONDS, TIMEOUTS
+from ..common.metrics import OVERLOAD_REJECTIONS, QUEUE_SECONDS, TIMEOUTS, count_violation
 from .allocations import Allocation
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class Notices:
         n = pages_for(alloc.num_prompt_tokens, self.page_size)
         named = [(x.page, x.generation) for x in notice.leases]
         if notice.epoch != alloc.epoch or named != alloc.leases[alloc.num_shared:n]:
-            LEASE_VIOLATIONS.labels("decode", "NOTICE_MISMATCH").inc()
+            count_violation("decode", "NOTICE_MISMATCH", owner)
             raise PdError(grpc.StatusCode.DATA_LOSS, "NOTICE_MISMATCH",
                           f"the write-done notice of {owner.hex()} names {len(named)} leases of epoch "
                           f"{notice.epoch:#x}; the {n - alloc.num_shared} prompt pages prefill writes are "
@@ -164,7 +164,7 @@ class Notices:
         if notice.prompt_digest != digest:
             # the leases were written with another prompt's KV (a replayed or hostile Prefill won BeginWrite):
             # tags and checksums are the writer's own and match; only the digest tells (found by the formal model)
-            LEASE_VIOLATIONS.labels("decode", "PROMPT_MISMATCH").inc()
+            count_violation("decode", "PROMPT_MISMATCH", owner)
             raise PdError(grpc.StatusCode.DATA_LOSS, "PROMPT_MISMATCH",
                           f"the write-done notice of {owner.hex()} is for prompt digest {notice.prompt_digest.hex()}; "
                           f"this request's prompt has digest {digest.hex()}")

@@ -28,7 +28,7 @@ import torch
 from ..common.errors import PdError
 from ..common.tasks import spawn
 from ..common.faults import FAULTS
-from ..common.metrics import FORWARD_SECONDS, LEASE_VIOLATIONS, SAMPLING_FAILURES, TIMEOUTS
+from ..common.metrics import FORWARD_SECONDS, SAMPLING_FAILURES, TIMEOUTS, count_violation
 from ..engine.grammar import fill
 from ..engine.runner import DecodeInputs, ModelRunner
 from ..engine.sampler import SamplingError, TokenLogprobs, advance, logprobs, sample
@@ -118,7 +118,7 @@ class Scheduler:
         """The broker ended the request's leases: a lease violation, counted once per request."""
         if (seq := self._find(owner)) is not None and not seq.done:
             if seq.err is None:
-                LEASE_VIOLATIONS.labels("decode", "REVOKED").inc()
+                count_violation("decode", "REVOKED", owner)
             self._mark(seq, err)
 
     def fail(self, owner: bytes, err: PdError) -> None:
@@ -227,7 +227,7 @@ class Scheduler:
             try:
                 for seq in batch:
                     self._stamp_own_pages(seq)
-                if (arg := FAULTS.fire("decode.corrupt_tag")) is not None:
+                if (arg := FAULTS.fire("decode.corrupt_tag", batch[0].owner)) is not None:
                     self.runner.pool.tags[batch[0].pages[int(arg or 0)], OWNER_LO] ^= 1
                 ps = self.runner.page_size
                 batch, tables = self.guards.check(batch, [s.pages[: s.position // ps + 1] for s in batch])

@@ -14,7 +14,7 @@ from ..common.config import DEFAULT_HEADROOM_PAGES, pages_for, pages_needed, pag
 from ..common.drain import draining_error
 from ..common.errors import PdError, invalid
 from ..common.faults import FAULTS
-from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS, PREFIX_LOOKUPS, PREFIX_REFUSED, TIMEOUTS
+from ..common.metrics import GUARD_SECONDS, PREFIX_LOOKUPS, PREFIX_REFUSED, TIMEOUTS, count_violation
 from ..common.prefix import CHAINS_INLINE_TOKENS
 from ..common.tasks import spawn
 from ..common.proto import broker_pb2, common_pb2, decode_pb2, decode_pb2_grpc
@@ -196,7 +196,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         page nobody holds: the quarantine keeps every late write off a page until it is granted again."""
         others = set().union(*(pages for o, pages in self.readonly.items() if o != owner))
         page = next((p for p, _ in shared if p not in others), None)
-        if page is not None and (how := FAULTS.fire("decode.corrupt_cached")) is not None:
+        if page is not None and (how := FAULTS.fire("decode.corrupt_cached", owner)) is not None:
             corrupt_in_place(self.pool, page, how)
 
     async def _unpublish_and_release(self, owner: bytes, epoch: int, leases, bad, reason: str) -> None:
@@ -415,12 +415,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                     pool_id=self.pool_id, owner=owner, epoch=alloc.epoch, leases=leases_to_pb(alloc.leases[:n])),
                     timeout=timeout_within(deadline, self.rpc_timeout_s, "before broker Validate")), "broker Validate")
         except Violation as v:
-            LEASE_VIOLATIONS.labels("decode", v.reason).inc()
+            count_violation("decode", v.reason, owner)
             log.error("request %s refused before its first step: %s %s", owner.hex(), v.reason, v.message)
             raise PdError(grpc.StatusCode.DATA_LOSS, v.reason, v.message) from None
         except PdError as e:
             if e.reason in ("LEASE_NOT_CURRENT", "WRITER_ACTIVE"):
-                LEASE_VIOLATIONS.labels("decode", e.reason).inc()
+                count_violation("decode", e.reason, owner)
                 raise PdError(grpc.StatusCode.DATA_LOSS, e.reason, e.message) from None
             if e.code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 TIMEOUTS.labels("validate").inc()
@@ -466,7 +466,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # a step may still read or write these pages: the broker would free them at once. Stop the sequence
             # instead; the scheduler releases it between steps (defence in depth: every path that takes an
             # allocation hands it out once, so this is a bug elsewhere)
-            LEASE_VIOLATIONS.labels("decode", "RELEASE_WHILE_HELD").inc()
+            count_violation("decode", "RELEASE_WHILE_HELD", owner)
             log.error("refused to release %s while the scheduler holds it; stopping it first", owner.hex())
             self.scheduler.revoke(owner, PdError(grpc.StatusCode.INTERNAL, "RELEASE_WHILE_HELD",
                                                  f"request {owner.hex()} was to be released while decoding"))
@@ -477,7 +477,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # page that still carries it would prove stale bytes got through
             self.pool.fill([p for p, _ in leases if p not in readonly], CANARY_BYTE)
         try:
-            if FAULTS.fire("decode.fail_release") is not None:
+            if FAULTS.fire("decode.fail_release", owner) is not None:
                 raise PdError(grpc.StatusCode.UNAVAILABLE, "FAULT", "fault point decode.fail_release")
             with GUARD_SECONDS.labels("release_rpc").time():
                 await self.broker.Release(broker_pb2.ReleaseRequest(pool_id=self.pool_id, owner=owner, epoch=epoch),

@@ -233,13 +233,18 @@ class BrokerWatch:
             if not isinstance(result, Exception):
                 LEASE_RECHECKS.labels("current").inc()
                 continue
-            log.warning("request %s failed its lease re-check: %s", seq.owner.hex(), result)
             if isinstance(result, PdError) and result.code == grpc.StatusCode.FAILED_PRECONDITION:
-                LEASE_RECHECKS.labels("not_current").inc()
+                # OWNER_RELEASED: it finished while its re-check was on its way, and decode gave its pages back (no
+                # alarm); were it somehow still running, it ends closed all the same
+                outcome = "released" if result.reason == "OWNER_RELEASED" else "not_current"
+                LEASE_RECHECKS.labels(outcome).inc()
+                if outcome == "not_current":
+                    log.warning("request %s failed its lease re-check: %s", seq.owner.hex(), result)
                 scheduler.revoke(seq.owner, PdError(
                     grpc.StatusCode.DATA_LOSS, "REVOKED",
                     f"re-checked after a revocation-stream outage: {result.reason}: {result.message}"))
             else:  # the check could not be made: fail closed, retryable
+                log.warning("request %s could not be re-checked: %s", seq.owner.hex(), result)
                 LEASE_RECHECKS.labels("unreachable").inc()
                 scheduler.fail(seq.owner, PdError(
                     grpc.StatusCode.UNAVAILABLE, "RECHECK_FAILED",

@@ -243,6 +243,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     yield msg
                 return
             except PdError as e:  # a backend's DRAINING refusal is UNAVAILABLE: retried, that pair excluded
+                # the client's error names the submission that failed and its pair (ErrorInfo.metadata): the id
+                # every service logs the request under, and the pair's addresses its message already names
+                e.metadata.update(request_id=request_id.hex(), prefill=prefill.target, decode=decode.target)
                 if len(client.ids) > sent or attempt or e.code != grpc.StatusCode.UNAVAILABLE \
                         or e.reason in HANDED_BACK:
                     raise

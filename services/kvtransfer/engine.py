@@ -202,16 +202,16 @@ class TransferEngine:
     def unregister(self, ptr: int) -> None:
         self._engine.unregister_memory(ptr)
 
-    def write(self, session: str, runs: list[Run], stage: str) -> int:
+    def write(self, session: str, runs: list[Run], stage: str, owner: bytes = b"") -> int:
         """Writes every run to `session` in one batch call and waits; returns bytes moved. Raises TransferError,
         or ValueError before posting anything when the runs exceed the write unit (the declared landing bound
-        would not cover them)."""
+        would not cover them). owner: the request whose KV it is, named only in a fault point's record."""
         if not runs:
             return 0
         if (nbytes := sum(r.nbytes for r in runs)) > self.max_write_bytes:
             raise ValueError(f"a batch call of {len(runs)} runs ({nbytes} bytes) exceeds the write unit of "
                              f"{self.max_write_bytes} bytes that the landing bound is computed from")
-        if stage == "data" and (arg := FAULTS.fire("transfer.fail_then_land")) is not None:
+        if stage == "data" and (arg := FAULTS.fire("transfer.fail_then_land", owner)) is not None:
             # as Mooncake does: the call reports failure while a task of its batch still runs and lands later,
             # reading the source pages as they are then
             delay_s = int(arg or 200) / 1000

@@ -13,8 +13,8 @@ from ..common.deadline import deadline_exceeded, deadline_of
 from ..common.drain import draining_error
 from ..common.errors import PdError, invalid
 from ..common.faults import FAULTS
-from ..common.metrics import (GUARD_SECONDS, LEASE_VIOLATIONS, SOURCE_PAGES_HELD, TIMEOUTS, TRANSFER_BYTES,
-                              TRANSFER_FAILURES, TRANSFER_SECONDS)
+from ..common.metrics import (GUARD_SECONDS, SOURCE_PAGES_HELD, TIMEOUTS, TRANSFER_BYTES, TRANSFER_FAILURES,
+                              TRANSFER_SECONDS, count_violation)
 from ..common.prefix import CHAINS_INLINE_TOKENS, KEY_NBYTES, page_chains
 from ..common.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
 from ..common.tasks import spawn
@@ -110,7 +110,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         named = (dest.transfer_session, dest.data_base, dest.tag_base)
         registered = (region.transfer_session, region.data_base, region.tag_base)
         if named != registered or region.layout != self.layout_pb:
-            LEASE_VIOLATIONS.labels("prefill", "DESTINATION_MISMATCH").inc()
+            count_violation("prefill", "DESTINATION_MISMATCH", request.request_id)
             raise PdError(grpc.StatusCode.PERMISSION_DENIED, "DESTINATION_MISMATCH",
                           f"the request names destination {named[0]} data {named[1]:#x} tags {named[2]:#x}; pool "
                           f"{dest.pool_id} is registered at {registered[0]} data {registered[1]:#x} tags "
@@ -215,7 +215,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         write = coverage = written = None
         try:
             target = self._target(request, region, leases)
-            if (arg := FAULTS.fire("prefill.delay_before_write")) is not None:
+            if (arg := FAULTS.fire("prefill.delay_before_write", owner)) is not None:
                 await asyncio.sleep(int(arg or 1000) / 1000)
             if deadline is not None and time.monotonic() >= deadline:
                 raise deadline_exceeded(deadline, "before prefill posted the KV write (nothing was posted)")

@@ -188,29 +188,29 @@ class PrefillWorker:
         self.pool.tags[local_pages[:n]] = make_tags(owner, target.epoch, [g for _, g in target.leases[:n]],
                                                     num_tokens, ps, checksums, first_index, list(chains))
         idx = list(range(n))
-        if FAULTS.fire("prefill.short_transfer") is not None:
+        if FAULTS.fire("prefill.short_transfer", owner) is not None:
             idx = idx[:1]
-        if (arg := FAULTS.fire("prefill.skip_page")) is not None:
+        if (arg := FAULTS.fire("prefill.skip_page", owner)) is not None:
             idx = [i for i in idx if i != int(arg or 0)]
-        if (arg := FAULTS.fire("prefill.bit_flip")) is not None:
+        if (arg := FAULTS.fire("prefill.bit_flip", owner)) is not None:
             k = min(int(arg or 0), n - 1)
             self.pool.kv[local_pages[k]].view(torch.uint8).view(-1)[123] ^= 0x10
         src = [local_pages[i] for i in idx]
         dst = [target.leases[i][0] for i in idx]
         data = coalesce(src, dst, self.pool.data_ptr, target.data_base, self.pool.page_nbytes)
-        moved = self._post(target.session, data, self.pool.page_nbytes, "data", check_alive, progress)
-        if (arg := FAULTS.fire("prefill.slow_transfer")) is not None:
+        moved = self._post(target.session, data, self.pool.page_nbytes, "data", check_alive, progress, owner)
+        if (arg := FAULTS.fire("prefill.slow_transfer", owner)) is not None:
             time.sleep(int(arg or 5000) / 1000)
-        if FAULTS.fire("prefill.crash_mid_transfer") is not None:
+        if FAULTS.fire("prefill.crash_mid_transfer", owner) is not None:
             log.error("fault prefill.crash_mid_transfer: exiting between data and tag writes")
             os._exit(137)
-        if FAULTS.fire("prefill.skip_tags") is None:
+        if FAULTS.fire("prefill.skip_tags", owner) is None:
             tags = coalesce(src, dst, self.pool.tag_ptr, target.tag_base, TAG_NBYTES)
-            moved += self._post(target.session, tags, TAG_NBYTES, "tags", check_alive, progress)
+            moved += self._post(target.session, tags, TAG_NBYTES, "tags", check_alive, progress, owner)
         return Written(num_tokens, n, checksums, moved, time.perf_counter() - start)
 
     def _post(self, session: str, runs: list[Run], stride: int, stage: str, check_alive: Callable[[str], None],
-              progress: Progress | None) -> int:
+              progress: Progress | None, owner: bytes) -> int:
         """One batch call per write unit, in order. The liveness check comes before every call, not once per
         write: a write of many calls outlasts the landing bound, but each call lands within it from its own post,
         and that post is inside the liveness lease."""
@@ -219,5 +219,5 @@ class PrefillWorker:
             check_alive(stage)
             if progress is not None:
                 progress.posted = True
-            moved += self.transfer.write(session, batch, stage=stage)
+            moved += self.transfer.write(session, batch, stage=stage, owner=owner)
         return moved

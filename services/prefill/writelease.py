@@ -12,7 +12,7 @@ import grpc
 from ..common.deadline import timeout_within
 from ..common.errors import PdError
 from ..common.faults import FAULTS
-from ..common.metrics import GUARD_SECONDS, LEASE_VIOLATIONS, TRANSFER_FAILURES
+from ..common.metrics import GUARD_SECONDS, TRANSFER_FAILURES, count_violation
 from ..common.proto import broker_pb2
 from ..common.wire import call
 
@@ -101,7 +101,7 @@ class WriteLeases:
         except PdError as e:
             TRANSFER_FAILURES.labels("begin_write").inc()
             if e.reason in ("LEASE_NOT_CURRENT", "WRITER_ACTIVE", "LEASE_ALREADY_WRITTEN"):
-                LEASE_VIOLATIONS.labels("prefill", e.reason).inc()
+                count_violation("prefill", e.reason, owner)
                 raise PdError(grpc.StatusCode.DATA_LOSS, e.reason, e.message) from None
             if e.reason == "EPOCH_MISMATCH":
                 raise PdError(grpc.StatusCode.UNAVAILABLE, e.reason, e.message) from None
@@ -113,7 +113,7 @@ class WriteLeases:
                   coverage=None, first_token: int = 0, prompt_digest: bytes = b"") -> None:
         """coverage, first_token and the prompt's digest (of a successful write) go into the broker's write-done
         notice to decode."""
-        if FAULTS.fire("prefill.lose_end_write") is not None:
+        if FAULTS.fire("prefill.lose_end_write", owner) is not None:
             return
         req = broker_pb2.EndWriteRequest(pool_id=pool_id, owner=owner, epoch=epoch, leases=leases_pb,
                                          writer_id=writer_id, success=ok, nothing_posted=nothing_posted and not ok,

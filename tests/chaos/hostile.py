@@ -36,13 +36,15 @@ def _allocate(stack, n: int, max_tokens: int):
     return allocate(stack, n, max_tokens)
 
 
-def hostile_calls(stack, rng) -> list[tuple[str, str, str]]:
-    """Returns (what, code, reason) per call; raises if any hostile call was served."""
+def hostile_calls(stack, rng, owners: set[bytes]) -> list[tuple[str, str, str]]:
+    """Returns (what, code, reason) per call; raises if any hostile call was served. owners: gets every request id
+    the calls name, so that a violation counted for one is attributed to them (a true alarm the attack raised)."""
     pool_id = stack.pool_ids()[0]
     out = []
     evil_prefill = broker_pb2_grpc.BrokerStub(stack._ch(stack.procs["broker"][0].target, "prefill/evil"))
     evil_decode = broker_pb2_grpc.BrokerStub(stack._ch(stack.procs["broker"][0].target, "decode/evil"))
     owner = bytes(rng.randrange(256) for _ in range(16))
+    owners.add(owner)
     out.append(("prefill identity Grant", *_refusal(lambda: evil_prefill.Grant(broker_pb2.GrantRequest(
         pool_id=pool_id, owner=owner, num_pages=1), timeout=10))))
     out.append(("prefill identity Revoke", *_refusal(lambda: evil_prefill.Revoke(broker_pb2.RevokeRequest(
@@ -58,6 +60,7 @@ def hostile_calls(stack, rng) -> list[tuple[str, str, str]]:
         rid, dest = _allocate(stack, len(tokens), 60)
     except grpc.RpcError as e:  # a full pool or a restarting broker: the calls above still ran
         return out + [("allocate", from_rpc_error(e).code.name, "SKIPPED")]
+    owners.add(rid)
     aimed = common_pb2.Destination()
     aimed.CopyFrom(dest)
     aimed.data_base += dest.layout.page_nbytes * rng.randrange(1, 8)
@@ -66,6 +69,7 @@ def hostile_calls(stack, rng) -> list[tuple[str, str, str]]:
     try:
         # long enough that decode still holds the lease when the replay comes (it does not wait for the reader)
         rid, dest = _allocate(stack, len(tokens), 150)
+        owners.add(rid)
         resp = prefill(stack, rid, tokens, dest, 150)
         stream = iter(decode_stream(stack, rid, tokens, resp, 150))
         next(stream)  # verified and validated by decode

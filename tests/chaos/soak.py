@@ -79,7 +79,8 @@ def main(argv=None) -> int:
             r = random.Random(job_seed)
             prompt = [r.randrange(2, 512) for _ in range(r.randrange(1, 400))]
             cancel = r.uniform(0, 0.5) if r.random() < 0.1 else None
-            kind, prompt, tokens, err = run_request(stack, "normal", prompt, r.randrange(1, 16), cancel)
+            outcome = run_request(stack, "normal", prompt, r.randrange(1, 16), cancel)
+            tokens, err = outcome.tokens, outcome.err
             try:
                 if tokens:
                     oracle.check(prompt, tokens, use_hf=False)

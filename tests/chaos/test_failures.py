@@ -9,6 +9,7 @@ import pytest
 
 from pdserve.common.errors import from_rpc_error
 from pdserve.common.proto import broker_pb2, decode_pb2
+from tests.chaos.attribution import Outcome, Record
 from tests.integration.helpers import (allocate, collect, decode_stream, drained, generate_when_served, prefill, prompt,
                                        wait_for)
 
@@ -140,6 +141,7 @@ def test_broker_restart_under_load(chaos, oracle):
 
 def test_revocation_stops_a_running_request(chaos, oracle):
     wait_for(lambda: drained(chaos), 10, "an idle pool")
+    record = Record(chaos).start()
     tokens = prompt(64, 7)
     # far more tokens than the revocation takes to arrive (the native decode step runs ~1 ms a token here), within
     # the chaos pool of 2,048 tokens
@@ -148,8 +150,15 @@ def test_revocation_stops_a_running_request(chaos, oracle):
     stream = iter(decode_stream(chaos, rid, tokens, resp, 1500))
     got = [next(stream).token_id for _ in range(3)]
     chaos.broker.Revoke(broker_pb2.RevokeRequest(pool_id=dest.pool_id, owner=rid, reason="DRAIN"), timeout=5)
+    record.revoked[rid] = "the test's Revoke"
     rest, err = collect(stream)
     assert err is not None and err.code == grpc.StatusCode.DATA_LOSS and err.reason == "REVOKED", err
     assert len(got + rest) < 1500
     oracle.check(tokens, got + rest)
     wait_for(lambda: drained(chaos), LOCK_DELAY + 3, "revoked pages to leave quarantine")
+    # the DATA_LOSS is the revocation's, and so is the one violation: decode's, for this request
+    record.finish()
+    n, unexplained = record.attribute([Outcome("revoked", tokens, got + rest, ("DATA_LOSS", err.reason, err.message),
+                                               rid)], "revocation")
+    assert not unexplained and n == 2, unexplained
+    assert [(s, r, o) for s, r, o, _ in record.violations] == [("decode", "REVOKED", rid)], record.violations

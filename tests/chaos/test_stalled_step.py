@@ -11,6 +11,7 @@ import grpc
 
 from pdserve.common.errors import from_rpc_error
 from pdserve.common.proto import broker_pb2, decode_pb2
+from tests.chaos.attribution import Outcome, Record
 from tests.chaos.conftest import CHAOS_EXTRA
 from tests.integration.helpers import (allocate, collect, decode_stream, drained, generate_when_served, prefill, prompt,
                                        wait_for)
@@ -30,6 +31,7 @@ def test_no_page_is_granted_again_while_a_stalled_step_may_write_it(chaos, oracl
     assert "error" not in generate_when_served(chaos, [7, 8, 9], 2, timeout=60)
     wait_for(lambda: drained(chaos), 20, "an idle pool")
     canaries = chaos.metric("decode", "pdserve_canary_hits_total")
+    record = Record(chaos).start()
     ready = []
     for i in range(3):  # granted first on an idle pool: the lowest page ids, the next ones any grant would take
         tokens = prompt(40, 500 + i)
@@ -53,6 +55,7 @@ def test_no_page_is_granted_again_while_a_stalled_step_may_write_it(chaos, oracl
     revoked_at = time.monotonic()
     chaos.broker.Revoke(broker_pb2.RevokeRequest(pool_id=rdest.pool_id, owner=revoked, reason="STALL_TEST"),
                         timeout=5)
+    record.revoked[revoked] = "the test's Revoke"
     grants, extra = [], []
     while revoked not in outcome and time.monotonic() - revoked_at < STALL_MS / 1000 + 10:
         # new requests keep asking for pages while the step is stalled; most give them back at once
@@ -91,3 +94,11 @@ def test_no_page_is_granted_again_while_a_stalled_step_may_write_it(chaos, oracl
         oracle.check(tokens, [*out])
     wait_for(lambda: drained(chaos), LOCK_DELAY + 10, "the revoked pages to leave quarantine")
     assert chaos.metric("decode", "pdserve_canary_hits_total") == canaries
+    # the one DATA_LOSS is the revoked request's; the stall explains nothing (it changes no page), so the other
+    # victims and the grants made during it end with no violation
+    record.finish()
+    rest, err, _ = outcome[revoked]
+    _, unexplained = record.attribute([Outcome("revoked", victims[0][2], got[revoked] + rest,
+                                               ("DATA_LOSS", err.reason, err.message), revoked)], "stalled step")
+    assert not unexplained, unexplained
+    assert {o for _, _, o, _ in record.violations} <= {revoked}, record.violations

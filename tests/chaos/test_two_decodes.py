@@ -15,6 +15,7 @@ import pytest
 
 from pdserve.common.errors import from_rpc_error
 from pdserve.common.proto import broker_pb2 as pb, broker_pb2_grpc
+from tests.chaos.attribution import Record
 from tests.chaos.conftest import CHAOS_EXTRA
 from tests.chaos.test_schedules import TYPED, run_request
 from tests.integration.helpers import allocate, collect, decode_stream, drained, generate_when_served, prefill, wait_for
@@ -127,6 +128,7 @@ def test_decode_a_identity_against_decode_b_pool_under_load(two, oracle):
         cancel = rng.uniform(0.0, 0.4) if rng.random() < 0.15 else None
         jobs.append(("cancelled" if cancel is not None else "normal", prompt, rng.randrange(1, 12), cancel))
     hostile = Hostile(two, pool_a, pool_b)
+    record = Record(two).start()
     start = time.monotonic()
     with ThreadPoolExecutor(10) as pool:
         fire = pool.submit(hostile.run, random.Random(SEED + 1))
@@ -152,7 +154,7 @@ def test_decode_a_identity_against_decode_b_pool_under_load(two, oracle):
     assert hostile.rounds_on_targets >= 10, hostile.rounds_on_targets  # rounds that named owners B held
 
     ok, to_check = 0, []
-    for kind, prompt, tokens, err in results:
+    for kind, prompt, tokens, err, *_ in results:
         if err is None:
             ok += 1
         else:
@@ -170,6 +172,11 @@ def test_decode_a_identity_against_decode_b_pool_under_load(two, oracle):
           f"hostile calls {made}", flush=True)
 
     wait_for(lambda: drained(two, pools=2), 20, "both pools idle")
+    # no fault is armed and every hostile call is refused before it touches a lease: nothing explains a DATA_LOSS
+    # or a violation here
+    record.finish()
+    _, unexplained = record.attribute(results, "two decodes")
+    assert not unexplained, unexplained
     assert [two.metric("decode", "pdserve_canary_hits_total", index=i) for i in (0, 1)] == canaries
     for name, procs in two.procs.items():
         for p in procs:

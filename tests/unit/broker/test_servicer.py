@@ -105,10 +105,11 @@ def test_write_quarantine_and_abort_ack_round_trip():
             assert (state.epoch, state.num_pages, state.num_free, state.num_leased, state.num_quarantined,
                     state.num_writing) == (epoch, 4, 2, 0, 2, 2)
             assert pages(registry, "d0") == {"free": 2, "leased": 0, "quarantined": 2}
+            # a write for a request its decode released (its caller left) is refused, and is no violation
             await refused(stub.BeginWrite(pb.BeginWriteRequest(pool_id="d0", owner=OWNER, epoch=epoch,
                                                                leases=leases, writer_id="prefill-0", max_landing_ms=1000)),
-                          FAILED_PRECONDITION, "LEASE_NOT_CURRENT")
-            assert violations(registry, "LEASE_NOT_CURRENT") == 1
+                          FAILED_PRECONDITION, "OWNER_RELEASED")
+            assert violations(registry, "LEASE_NOT_CURRENT") == 0
             ack = pb.EndWriteRequest(pool_id="d0", owner=OWNER, epoch=epoch, leases=leases, writer_id="prefill-0",
                                      success=True)
             assert (await stub.EndWrite(ack)).num_unquarantined == 2

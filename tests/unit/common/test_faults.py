@@ -119,3 +119,35 @@ def test_faults_enabled_only_for_exact_one(monkeypatch):
         assert faults_enabled() is want
     monkeypatch.delenv("PDSERVE_ENABLE_FAULTS")
     assert faults_enabled() is False
+
+
+def test_record_names_the_request_each_point_fired_on_and_each_violation_counted_for():
+    r = FaultRegistry(enabled=True)
+    r.arm("prefill.bit_flip", count=2, arg="1")
+    a, b = bytes(range(16)), bytes(range(1, 17))
+    assert r.fire("prefill.bit_flip", a) == "1"
+    assert r.fire("prefill.skip_page", a) is None  # not armed: not recorded
+    assert r.fire("prefill.bit_flip", b) == "1"
+    assert r.fire("prefill.bit_flip", b) is None  # spent: not recorded
+    r.counted("decode", "CHECKSUM_MISMATCH", b)
+    fired, counted, dropped = r.take_record()
+    assert [(f.name, f.owner, f.arg) for f in fired] == [("prefill.bit_flip", a, "1"), ("prefill.bit_flip", b, "1")]
+    assert [(c.service, c.reason, c.owner) for c in counted] == [("decode", "CHECKSUM_MISMATCH", b)]
+    assert dropped == 0
+    assert r.take_record() == ([], [], 0)  # taken: forgotten
+
+
+def test_record_keeps_the_newest_entries_and_counts_what_it_dropped(monkeypatch):
+    monkeypatch.setattr("pdserve.common.faults.RECORD_LIMIT", 3)
+    r = FaultRegistry(enabled=True)
+    for i in range(5):
+        r.counted("broker", "LEASE_NOT_CURRENT", bytes([i]) * 16)
+    _, counted, dropped = r.take_record()
+    assert [c.owner[0] for c in counted] == [2, 3, 4] and dropped == 2
+
+
+def test_nothing_is_recorded_with_the_switch_off():
+    r = FaultRegistry(enabled=False)
+    r.counted("decode", "REVOKED", bytes(16))
+    assert r.fire("prefill.bit_flip", bytes(16)) is None
+    assert r.take_record() == ([], [], 0)

@@ -36,7 +36,7 @@ class Loopback:
     def register(self, ptr, nbytes):
         pass
 
-    def write(self, session, runs, stage):
+    def write(self, session, runs, stage, owner=b""):
         for r in runs:
             ctypes.memmove(r.dst, r.src, r.nbytes)
         if stage == self.fail_stage:
