@@ -468,8 +468,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # allocation hands it out once, so this is a bug elsewhere)
             count_violation("decode", "RELEASE_WHILE_HELD", owner)
             log.error("refused to release %s while the scheduler holds it; stopping it first", owner.hex())
-            self.scheduler.revoke(owner, PdError(grpc.StatusCode.INTERNAL, "RELEASE_WHILE_HELD",
-                                                 f"request {owner.hex()} was to be released while decoding"))
+            self.scheduler.fail(owner, PdError(grpc.StatusCode.INTERNAL, "RELEASE_WHILE_HELD",
+                                               f"request {owner.hex()} was to be released while decoding"))
             return
         readonly = self.readonly.pop(owner, ())  # cached pages others may read: never filled
         if self.canary:
