@@ -131,7 +131,10 @@ class Growth:
                 self._exhausted[seq.owner] = self.clock()
             elif result.reason == "OWNER_NOT_LEASED" and not seq.done:
                 # decode did not release it, so the broker ended its leases (a revocation, whose notice may still
-                # be on its way and counts it): it ends as revoked, with no further token
+                # be on its way, or come once the request has ended): it ends as revoked, with no further token,
+                # counted once whichever tells decode first
+                if seq.first_revocation():
+                    count_violation("decode", "REVOKED", seq.owner)
                 self.mark(seq, PdError(grpc.StatusCode.DATA_LOSS, "REVOKED",
                                        f"the broker holds no leases of {seq.owner.hex()} any more (revoked): "
                                        f"{n} growth pages refused: {result.message}"))

@@ -117,7 +117,7 @@ class Scheduler:
     def revoke(self, owner: bytes, err: PdError) -> None:
         """The broker ended the request's leases: a lease violation, counted once per request."""
         if (seq := self._find(owner)) is not None and not seq.done:
-            if seq.err is None:
+            if seq.first_revocation():
                 count_violation("decode", "REVOKED", owner)
             self._mark(seq, err)
 

@@ -40,6 +40,7 @@ class Sequence:
     admitted: int = 0  # admission order: the policy preempts the youngest (largest) first
     # structured output: the grammar's state after every token generated so far (None: unconstrained)
     grammar: GrammarState | None = None
+    revoked: bool = False  # decode learnt that the broker ended its leases (counted once: first_revocation)
 
     @property
     def position(self) -> int:
@@ -65,6 +66,12 @@ class Sequence:
         words = expected_tags(self.owner, self.epoch, leases)
         words[:, -1] += first  # page_index is the position in the request, not in this batch of leases
         self.expected = torch.cat([self.expected, words])
+
+    def first_revocation(self) -> bool:
+        """True the first time decode learns the broker ended this request's leases (its notice, a re-check, a
+        refused Extend, in any order): the one time the lease violation is counted."""
+        first, self.revoked = not self.revoked, True
+        return first
 
     def is_stopped(self) -> bool:
         """Ended by its last token: end-of-sequence (unless ignore_eos), one of its stop tokens, or the one that

@@ -10,7 +10,7 @@ import pytest
 
 from pdserve.broker.lease_table import LeaseError, LeaseTable
 from pdserve.common.errors import PdError
-from pdserve.common.metrics import PREEMPTIONS
+from pdserve.common.metrics import LEASE_VIOLATIONS, PREEMPTIONS
 from pdserve.decode.growth import Growth
 from pdserve.decode.scheduler import Scheduler
 from pdserve.decode.sequence import Sequence
@@ -169,6 +169,10 @@ def test_a_dry_pool_preempts_the_youngest_and_the_older_completes(runner, oracle
     assert broker.table.pool_state("p")["num_leased"] == 0
 
 
+def revocations_counted() -> float:
+    return LEASE_VIOLATIONS.labels("decode", "REVOKED")._value.get()
+
+
 def test_a_growth_the_broker_refuses_ends_the_request_with_no_further_token(runner):
     async def main():
         broker, released = Broker(40), []
@@ -177,11 +181,16 @@ def test_a_growth_the_broker_refuses_ends_the_request_with_no_further_token(runn
         broker.table.revoke("p", seq.owner, "OPERATOR")  # its revocation notice has not reached decode yet
         s.join(seq)
         s.add(seq)
+        before = revocations_counted()
         loop = asyncio.create_task(s.run())
         try:
             toks, err = await _drain(seq)
+            await asyncio.sleep(0.05)  # the request has ended when its notice comes
+            s.revoke(seq.owner, PdError(grpc.StatusCode.DATA_LOSS, "REVOKED", "the notice"))
         finally:
             loop.cancel()
+        # one revocation, one violation: the refused Extend told decode first, the late notice counts nothing more
+        assert revocations_counted() == before + 1
         return seq, toks, err
     seq, toks, err = asyncio.run(main())
     # the broker ended its leases (its revocation notice had not come): it ends as revoked
