@@ -16,7 +16,7 @@ from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.gateway.router import Backend
 from pdserve.gateway.servicer import Capacity, GatewayServicer
 
-from .workload import make_prompts, percentile
+from .harness.workload import make_prompts, percentile
 
 CONTEXT = 4096
 VOCAB = 512

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
-from .run_common import log
+from .harness.common import log
 from .run_vllm import BIG_POOL, checkpoint, model_facts
 from .side_by_side import Pdserve, Vllm, measure
-from .workload import MAX_TOKENS, make_prompts
+from .harness.workload import MAX_TOKENS, make_prompts
 
 
 def big_pools(res: dict, results_dir: str) -> None:

@@ -17,7 +17,7 @@ from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import SamplingParams, sample, sample_one
 
 from .openloop import GAVE_UP
-from .workload import Record
+from .harness.workload import Record
 
 
 @dataclass(eq=False)

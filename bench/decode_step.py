@@ -27,7 +27,7 @@ from pdserve.engine.kv_pool import PoolLayout
 
 from .attention_memory import table as attention_memory_table
 from .decode_step_legacy import legacy_decode
-from .run_common import MODELS, RESULTS, ensure_model
+from .harness.common import MODELS, RESULTS, ensure_model
 
 BW_BYTES, BW_REPS = 1 << 30, 5
 PAGE_SIZE = 16

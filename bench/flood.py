@@ -21,7 +21,7 @@ import grpc
 from pdserve.client import build_request
 from pdserve.common.proto import gateway_pb2_grpc
 
-from .workload import percentile
+from .harness.workload import percentile
 
 
 class Http:

@@ -17,9 +17,9 @@ import time
 from dataclasses import asdict
 
 from .plan import CONTEXT
-from .run_common import RESULTS, ROOT, ensure_model, log, under_flood
-from .stack import BenchStack, cpu_seconds, machine_cpu_seconds
-from .workload import fmt_ci, make_prompts, mean_ci
+from .harness.common import RESULTS, ROOT, ensure_model, log, under_flood
+from .harness.stack import BenchStack, cpu_seconds, machine_cpu_seconds
+from .harness.workload import fmt_ci, make_prompts, mean_ci
 
 MAX_CHARS_PER_TOKEN = 9  # the tiny tokenizer's longest token
 

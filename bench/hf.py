@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from .workload import Record
+from .harness.workload import Record
 
 
 class _Clock:

@@ -21,8 +21,8 @@ import time
 from pdserve import launcher
 
 from .pdclient import delta, scrape
-from .run_common import RESULTS, ensure_model, log
-from .stack import cpu_seconds, machine_cpu_seconds
+from .harness.common import RESULTS, ensure_model, log
+from .harness.stack import cpu_seconds, machine_cpu_seconds
 
 MiB = 2**20
 # the checkout this file is in, links resolved: tests/ (the oracle) sits beside bench/

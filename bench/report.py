@@ -14,7 +14,7 @@ from .report_latency import headline_ratios, latency_table, paired_gap
 from .report_sweep import sweep_section
 from .report_targets import targets
 from .report_transfer import transfer_table
-from .workload import Summary
+from .harness.workload import Summary
 
 __all__ = ["build", "guard_fractions", "write_report"]
 

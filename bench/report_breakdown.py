@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .report_format import NAN, _div, _find, _mean_rpc, _ms, _ms2, _ok, _table
-from .workload import Summary
+from .harness.workload import Summary
 
 
 def ttft_breakdown(runs: list[Summary], keys: list[tuple]) -> list[str]:

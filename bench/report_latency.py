@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .report_format import NAN, TTFT_GAP_SLACK_S, _div, _find, _hist_quantile, _median, _ms, _pct, _table, _x
-from .workload import Summary, fmt_ci, mean_ci
+from .harness.workload import Summary, fmt_ci, mean_ci
 
 
 def latency_table(res: dict, runs: list[Summary], keys: list[tuple]) -> list[str]:

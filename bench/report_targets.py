@@ -5,7 +5,7 @@ from .report_format import (NAN, TTFT_GAP_SLACK_S, _ci_verdict, _div, _find, _hi
                             _verdict)
 from .report_decode_step import decode_step_targets
 from .report_sweep import sweep_targets
-from .workload import Summary, fmt_ci, mean_ci
+from .harness.workload import Summary, fmt_ci, mean_ci
 
 FLOOD_TARGET = 5000  # over-long rejections/s (issue 12)
 

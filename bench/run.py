@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from .run_common import _T0, RESULTS, ROOT, log
+from .harness.common import _T0, RESULTS, ROOT, log
 from .run_preset import Bench
 
 

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from .run_common import RESULTS, ROOT, log
+from .harness.common import RESULTS, ROOT, log
 
 ROW_KEYS = ("batch", "context", "step_ms", "floor_ms", "ratio")
 

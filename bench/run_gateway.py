@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from .run_common import RESULTS, ROOT, ensure_model, log, under_flood
+from .harness.common import RESULTS, ROOT, ensure_model, log, under_flood
 
 FLOOD_RATE = 5000  # over-long prompts/s beside the admitted traffic: issue 12's target rate
 
@@ -19,8 +19,8 @@ class GatewaySteps:
 
     def _flood(self, pp, stack, vocab) -> None:
         from .plan import CONTEXT
-        from .stack import cpu_seconds
-        from .workload import make_prompts
+        from .harness.stack import cpu_seconds
+        from .harness.workload import make_prompts
 
         over = CONTEXT + 1
         cmd = [sys.executable, "-u", "-m", "pdserve.bench.flood", stack.gateway, "--prompt-len", str(over)]

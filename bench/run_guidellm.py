@@ -8,7 +8,7 @@ import os
 from dataclasses import asdict
 from itertools import groupby
 
-from .run_common import RESULTS, ROOT, log
+from .harness.common import RESULTS, ROOT, log
 
 
 class GuidellmStep:
@@ -16,7 +16,7 @@ class GuidellmStep:
 
     def _guidellm(self, pp, stack, model_dir, vocab) -> None:
         from . import guidellm
-        from .workload import MAX_TOKENS, make_prompts, percentile
+        from .harness.workload import MAX_TOKENS, make_prompts, percentile
 
         try:
             version = importlib.metadata.version("guidellm")

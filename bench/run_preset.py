@@ -10,7 +10,7 @@ import platform
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
-from .run_common import ROOT, _short, ensure_model, log
+from .harness.common import ROOT, _short, ensure_model, log
 from .run_decode_step import DecodeStepStep
 from .run_gateway import GatewaySteps
 from .run_guidellm import GuidellmStep
@@ -29,7 +29,7 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
     """One bench run: every preset's measurements, then the steps after them; results collect in res."""
 
     def __init__(self, plan, profile: bool, device: str = "cpu"):
-        from .workload import MAX_TOKENS
+        from .harness.workload import MAX_TOKENS
 
         self.plan = plan
         self.profile = profile
@@ -49,8 +49,8 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
         import torch
 
         from .colocated import Colocated
-        from .stack import BenchStack
-        from .workload import make_prompts
+        from .harness.stack import BenchStack
+        from .harness.workload import make_prompts
 
         model_dir = ensure_model(pp.preset)
         self.res.setdefault("models", {})[pp.preset] = os.path.relpath(model_dir, ROOT)
@@ -110,8 +110,8 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
                 list(ex.map(lambda s: s.close(), stacks))
 
     def _matrix(self, pp, stack, colo, vocab) -> None:
-        from .stack import OtherLoad
-        from .workload import MAX_TOKENS, make_prompts, summarize
+        from .harness.stack import OtherLoad
+        from .harness.workload import MAX_TOKENS, make_prompts, summarize
 
         total = len(pp.cells)
         for i, cell in enumerate(pp.cells, 1):
@@ -137,7 +137,7 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
         Gives the KV transfer time in service (prefill's metrics over these requests only) and the TTFT gap
         to co-located as paired differences, so background load hits both sides of each pair alike.
         """
-        from .workload import make_prompts
+        from .harness.workload import make_prompts
 
         log(f"{pp.preset}: paired probe, {pp.probe_requests} requests one at a time per prompt length "
             f"(max_tokens 2): co-located, then pdserve on {len(stacks)} stack(s), interleaved")
@@ -171,8 +171,8 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
 
     def _transformers(self, pp, model_dir, vocab, lens) -> None:
         from .hf import HFBaseline
-        from .stack import OtherLoad
-        from .workload import MAX_TOKENS, make_prompts, summarize
+        from .harness.stack import OtherLoad
+        from .harness.workload import MAX_TOKENS, make_prompts, summarize
 
         try:
             hf = HFBaseline(model_dir, self.device)
@@ -195,7 +195,7 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
         gc.collect()
 
     def _checksum_ab(self, pp, stack_a, stack_b, vocab) -> None:
-        from .workload import make_prompts
+        from .harness.workload import make_prompts
 
         for k, cell in enumerate(pp.ab):
             prompts = make_prompts(cell.prompt_len, cell.num_requests, vocab)

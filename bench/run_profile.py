@@ -5,7 +5,7 @@ import os
 import time
 from dataclasses import asdict
 
-from .run_common import RESULTS, ROOT, _short, log
+from .harness.common import RESULTS, ROOT, _short, log
 
 
 class ProfileStep:
@@ -13,7 +13,7 @@ class ProfileStep:
 
     def _profile(self, pp, stack, colo, vocab) -> None:
         from . import profile
-        from .workload import MAX_TOKENS, make_prompts
+        from .harness.workload import MAX_TOKENS, make_prompts
 
         if profile.pyspy_path() is None:
             msg = "profiles skipped: py-spy is not installed (`.venv/bin/pip install py-spy`)"

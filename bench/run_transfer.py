@@ -5,7 +5,7 @@ import math
 import os
 import sys
 
-from .run_common import log
+from .harness.common import log
 
 
 class TransferSteps:

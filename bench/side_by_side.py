@@ -11,10 +11,10 @@ import urllib.request
 
 from pdserve import launcher
 
-from .httpload import run_http_load
-from .stack import _TICK
-from .vllm_peer import VllmPeer, group_rss_bytes, group_stats
-from .workload import Record, Summary, percentile, summarize
+from .harness.httpload import run_http_load
+from .harness.stack import _TICK
+from .peers.vllm_peer import VllmPeer, group_rss_bytes, group_stats
+from .harness.workload import Record, Summary, percentile, summarize
 
 
 def machine_seconds() -> tuple[float, float]:

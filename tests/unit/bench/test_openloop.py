@@ -9,7 +9,7 @@ import torch
 
 from pdserve.bench.openloop import (GAVE_UP, PREFILL_COUNTERS, PREFILL_PASSES, Slo, goodput, goodput_ratio,
                                     poisson_offsets, prefill_counts)
-from pdserve.bench.workload import Record
+from pdserve.bench.harness.workload import Record
 
 
 def test_schedule_is_poisson_at_the_rate():

@@ -4,7 +4,7 @@ import os
 import subprocess
 
 from pdserve.bench.mooncake_raw import TAG_NBYTES, RawMooncake
-from pdserve.bench.run_common import COMMITTED, RESULTS, ROOT
+from pdserve.bench.harness.common import COMMITTED, RESULTS, ROOT
 from pdserve.kvtransfer.engine import DEFAULT_MAX_WRITE_BYTES
 
 

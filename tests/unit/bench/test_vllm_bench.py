@@ -9,10 +9,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from pdserve.bench.httpload import run_http_load
+from pdserve.bench.harness.httpload import run_http_load
 from pdserve.bench.report_vllm import pair_runs, verdict
 from pdserve.bench.side_by_side import compare_ids
-from pdserve.bench.vllm_venv import write_name_shim
+from pdserve.bench.peers.vllm_venv import write_name_shim
 
 
 class _Sse(BaseHTTPRequestHandler):

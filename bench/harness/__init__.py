@@ -1,0 +1,1 @@
+"""The machinery every scenario shares: the stack launcher, workload and statistics, the clients, common paths."""

@@ -1,0 +1,1 @@
+"""The systems pdserve is measured against, each behind one small interface."""
