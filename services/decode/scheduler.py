@@ -17,6 +17,7 @@ longer names it, so no page is re-granted while a step that may write it can sti
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from typing import Awaitable, Callable
@@ -32,9 +33,7 @@ from ..engine.grammar import fill
 from ..engine.runner import DecodeInputs, ModelRunner
 from ..engine.sampler import SamplingError, TokenLogprobs, advance, logprobs, sample
 from ..engine.tags import OWNER_LO, make_tag
-from .growth import Growth
 from .guards import StepGuards
-from .requests import RequestTable
 from .sequence import Sequence, raise_if_ended
 from .sweep import ChecksumSweep
 
@@ -44,39 +43,27 @@ log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """Steps the running requests of the request table (requests.py), which owns their state: a request joins
-    (being verified or sending its first token, never stepped), then runs. A revocation, Release or broker restart
-    finds it in either state; it only marks the sequence, which ends here between steps (or, while joining, when
-    Decode next looks), so pages are never released while a step may still use them."""
+    """Owns a request from the moment Decode takes its allocation: first as joining (being verified or
+    sending its first token, never stepped), then as running. A revocation, Release or broker restart
+    finds it in either state; it only marks the sequence, which ends between steps (or, while joining,
+    when Decode next looks), so pages are never released while a step may still use them."""
 
     def __init__(self, runner: ModelRunner, release: Callable[[Sequence], Awaitable[None]], max_batch: int = 64,
-                 sweep_pages: int = 8, blind: Callable[[], PdError | None] = lambda: None, sweep_every: int = 1,
-                 requests: RequestTable | None = None, growth: Growth | None = None):
-        """requests: the table this loop steps (its own when None); growth: pages on demand (growth.py), built on
-        the same table's marks (None: every page was leased up front)."""
+                 sweep_pages: int = 8, blind: Callable[[], PdError | None] = lambda: None, sweep_every: int = 1):
         self.runner = runner
         self.blind = blind  # an error while decode cannot trust its revocation stream: then nothing steps
         self.release = release
         self.max_batch = max_batch
-        self.requests = RequestTable() if requests is None else requests
-        self.growth = growth
         self.sweep = ChecksumSweep(getattr(runner, "pool", None), sweep_pages, sweep_every)
         self.guards = StepGuards(getattr(runner, "pool", None), self.sweep, self._end)
+        self.joining: dict[bytes, Sequence] = {}
+        self.running: dict[bytes, Sequence] = {}  # in the order they are next stepped (the batch rotates)
+        self.stepping: frozenset[bytes] = frozenset()  # owners of the step in flight, until it returns
+        self.growth = None  # pages on demand (growth.py): set by the servicer, which owns the broker link
         self._admitted = 0
         self._idle = asyncio.Event()  # set while no step is in flight
         self._idle.set()
-
-    @property
-    def joining(self):
-        return self.requests.joining
-
-    @property
-    def running(self):  # in the order they are next stepped (the batch rotates)
-        return self.requests.running
-
-    @property
-    def stepping(self) -> frozenset[bytes]:
-        return self.requests.stepping
+        self._wake = asyncio.Event()
 
     def holds(self, owner: bytes) -> bool:
         """Whether a step may read or write the owner's pages now or later: its pages are not to be released."""
@@ -87,43 +74,61 @@ class Scheduler:
         await self._idle.wait()
 
     def join(self, seq: Sequence) -> None:
-        self.requests.join(seq)
+        self.joining[seq.owner] = seq
 
     def leave(self, owner: bytes) -> None:
         """A joining request that never started: its caller gives the pages back."""
-        self.requests.leave(owner)
+        self.joining.pop(owner, None)
 
     def add(self, seq: Sequence) -> None:
         """Starts stepping a sequence; raises if it was revoked, released or failed while joining (the caller
         must not await between its last look at the sequence and this call)."""
-        err = self.blind()
-        if seq.err is not None or seq.cancelled or err is not None:
-            self.requests.leave(seq.owner)  # it never runs: its caller gives the pages back
-            raise_if_ended(seq)
+        self.joining.pop(seq.owner, None)
+        raise_if_ended(seq)
+        if (err := self.blind()) is not None:
             raise err
         self.sweep.admit(seq.prompt)
         self._admitted += 1
         seq.admitted = self._admitted
-        self.requests.start(seq)
+        self.running[seq.owner] = seq
+        self._wake.set()
 
-    # marks: the request table's (a sequence marked ends here between steps)
+    def _find(self, owner: bytes) -> Sequence | None:
+        return self.running.get(owner) or self.joining.get(owner)
+
+    def _mark(self, seq: Sequence, err: PdError | None) -> None:
+        seq.cancelled = True
+        seq.err = seq.err or err
+        self._wake.set()
+
     def mark(self, seq: Sequence, err: PdError) -> None:
-        self.requests.mark(seq, err)
+        """Ends a sequence with err between steps (growth's refusals and preemptions)."""
+        if not seq.done:
+            self._mark(seq, err)
 
     def wake(self) -> None:
-        self.requests.wake()
+        self._wake.set()
 
     def cancel(self, owner: bytes) -> None:
-        self.requests.cancel(owner)
+        """Marks a request cancelled; the loop drops it (and releases its pages) between steps."""
+        if (seq := self._find(owner)) is not None:
+            self._mark(seq, None)
 
     def revoke(self, owner: bytes, err: PdError) -> None:
-        self.requests.revoke(owner, err)
+        """The broker ended the request's leases: a lease violation, counted once per request."""
+        if (seq := self._find(owner)) is not None and not seq.done:
+            if seq.first_revocation():
+                count_violation("decode", "REVOKED", owner)
+            self._mark(seq, err)
 
     def fail(self, owner: bytes, err: PdError) -> None:
-        self.requests.fail(owner, err)
+        """Ends a request with err between steps, counted as nothing more (err says what it is)."""
+        if (seq := self._find(owner)) is not None:
+            self.mark(seq, err)
 
     def fail_all(self, err: PdError) -> None:
-        self.requests.fail_all(err)
+        for seq in [*self.running.values(), *self.joining.values()]:
+            self._mark(seq, err)
 
     def _stop_if_blind(self) -> bool:
         """Fails everything that runs or joins when decode may have missed a revocation: the pages may be
@@ -143,7 +148,7 @@ class Scheduler:
         if seq.done:
             return
         seq.done = True
-        self.requests.finish(seq.owner)
+        self.running.pop(seq.owner, None)
         if self.growth is not None:
             self.growth.forget(seq.owner)
         if err is not None:
@@ -171,7 +176,9 @@ class Scheduler:
         if len(ready) <= self.max_batch:
             return ready
         batch = ready[: self.max_batch]
-        self.requests.rotate(batch)
+        for seq in batch:
+            del self.running[seq.owner]
+            self.running[seq.owner] = seq
         return batch
 
     def _step(self, batch: list[Sequence], inputs: DecodeInputs
@@ -204,15 +211,17 @@ class Scheduler:
             for seq in [s for s in self.running.values() if s.cancelled]:
                 self._end(seq, seq.err)
             if not self.running:
-                await self.requests.woken()
+                self._wake.clear()
+                await self._wake.wait()
                 continue
             if self._stop_if_blind():
                 continue
             ready = self._ready()
             if not ready:  # every running sequence waits for growth pages, or was just marked (ends next round)
                 if not any(s.cancelled for s in self.running.values()):
-                    # growth's reply wakes it; the timeout lets the preemption policy look again
-                    await self.requests.woken(0.1)
+                    self._wake.clear()  # growth's reply wakes it; the timeout lets the preemption policy look again
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), 0.1)
                 continue
             batch = self._next_batch(ready)
             try:
@@ -227,12 +236,12 @@ class Scheduler:
                     continue
                 inputs = self.runner.prepare_decode([s.generated[-1] for s in batch], [s.position for s in batch],
                                                     tables)
-                self.requests.step_began(frozenset(s.owner for s in batch))
+                self.stepping = frozenset(s.owner for s in batch)
                 self._idle.clear()
                 try:
                     tokens = await asyncio.to_thread(self._step, batch, inputs)
                 finally:
-                    self.requests.step_ended()
+                    self.stepping = frozenset()
                     self._idle.set()
             except Exception as e:  # a failed step fails its batch, never the loop
                 log.exception("decode step failed")
