@@ -24,10 +24,9 @@ import grpc
 from ..common.config import pages_for
 from ..common.deadline import deadline_exceeded
 from ..common.errors import PdError
-from ..common.metrics import (GUARD_SECONDS, OVERLOAD_REJECTIONS, PREFILL_BATCH, PREFILL_DROPPED,
+from ..common.metrics import (OVERLOAD_REJECTIONS, PREFILL_BATCH, PREFILL_DROPPED,
                               PREFILL_GONE_AT_START, PREFILL_QUEUE, PREFILL_SEQUENCES, PREFIX_WAITS, QUEUE_SECONDS)
-from ..engine.page_allocator import PageAllocator
-from .prefix_cache import PrefixCache
+from .local_pages import LocalPages
 from .worker import Forward, Prompt
 
 log = logging.getLogger(__name__)
@@ -60,17 +59,16 @@ class Queued:
 
 
 class Batcher:
-    def __init__(self, forward: ForwardFn, alloc: PageAllocator, page_size: int, max_batch_tokens: int = 2048,
-                 queue_limit: int = 256, cache: PrefixCache | None = None):
-        """cache: the local prefix cache over alloc (None: pages come from alloc alone, no prefix is reused)."""
+    def __init__(self, forward: ForwardFn, local: LocalPages, page_size: int, max_batch_tokens: int = 2048,
+                 queue_limit: int = 256):
+        """local: the pages a prompt is given when it starts (the servicer gives them back)."""
         if max_batch_tokens < 1 or queue_limit < 1:
             raise ValueError(f"max_batch_tokens ({max_batch_tokens}) and queue_limit ({queue_limit}) must be >= 1")
         self.forward = forward
-        self.alloc = alloc
+        self.local = local
         self.page_size = page_size
         self.max_batch_tokens = max_batch_tokens
         self.queue_limit = queue_limit
-        self.cache = cache
         self._queue: deque[Queued] = deque()
         # chain key -> the prompt computing that prefix page, from its start until its pages are cached or freed
         self._computing: dict[bytes, Prompt] = {}
@@ -79,6 +77,11 @@ class Batcher:
         self._tokens_per_s: float | None = None  # of recent passes (a moving average): the refusals' retry delay
         self.num_waiting = 0  # queued prompts whose first pass has not started (read by the metrics thread)
         OVERLOAD_REJECTIONS.labels("prefill", "queue_full")  # exported at 0 from start-up
+
+    @property
+    def alloc(self):
+        """The local pool's allocator (its counts); LocalPages alone changes it."""
+        return self.local.alloc
 
     def retry_after_s(self) -> float:
         """When the prompts queued now should be done, at the recent passes' token rate (1 s before any pass)."""
@@ -183,11 +186,11 @@ class Batcher:
 
     def _reusable(self, p: Prompt, num_pages: int) -> int:
         """How many leading full pages the prompt may take from the cache."""
-        if self.cache is None or not self.cache.enabled or p.prompt_logprobs is not None:
+        if not self.local.caching or p.prompt_logprobs is not None:
             return 0  # prompt log-probabilities need the logits of every prompt position: such a prompt runs whole
         # each cached page the destination lacks costs a copy: a hit that with its copies would need more pages
         # than the pool has would wait for ever, so it is cut to what fits beside the prompt's own pages
-        return max(0, min((len(p.token_ids) - 1) // self.page_size, p.cached_pages + self.alloc.num_pages - num_pages))
+        return max(0, min((len(p.token_ids) - 1) // self.page_size, p.cached_pages + self.local.num_pages - num_pages))
 
     def _waits_for_prefix(self, item: Queued) -> bool:
         """Whether the first prefix page the cache lacks is being computed by another prompt now."""
@@ -195,7 +198,7 @@ class Batcher:
         chains = p.chains[:self._reusable(p, item.num_pages)]
         if not chains or not self._computing:
             return False
-        nxt = len(self.cache.match(chains))
+        nxt = self.local.num_matched(chains)
         waits = nxt < len(chains) and self._computing.get(chains[nxt], p) is not p
         if waits and not item.waited:
             item.waited = True
@@ -203,39 +206,18 @@ class Batcher:
         return waits
 
     def _start(self, item: Queued) -> bool:
-        """Gives the prompt its local pages, or returns False when they do not fit now: the longest prefix the
-        cache holds (pinned, checked) followed by pages of its own, and one more own page for each cached page the
-        destination lacks (the write sends a copy, worker.send says why)."""
+        """Gives the prompt its local pages (LocalPages.reserve: the longest prefix the cache holds, then pages of
+        its own), or returns False when they do not fit now."""
         p = item.prompt
-        cache = self.cache
-        if cache is None:
-            if not self.alloc.can_allocate(item.num_pages):
-                return False
-            p.pages = self.alloc.allocate(item.num_pages)
-            self._started(item)
-            return True
-        chains = p.chains[:self._reusable(p, item.num_pages)]
-        matched = cache.match(chains)
-        if not cache.can_allocate(self._own_pages(p, item.num_pages, len(matched)), keep=matched):
+        res = self.local.reserve(item.num_pages, p.chains, p.cached_pages, self._reusable(p, item.num_pages))
+        if res is None:
             return False
-        with GUARD_SECONDS.labels("prefix_check").time():  # the CRC-32C re-check of the cached pages it reuses
-            hit = cache.acquire(chains) if chains else []
-        need = self._own_pages(p, item.num_pages, len(hit))
-        if not cache.can_allocate(need):  # a page of the hit had changed: the longer recompute does not fit now
-            cache.release(hit)
-            return False
-        own = cache.allocate(need)
-        p.pages, p.hit = hit + own[:item.num_pages - len(hit)], len(hit)
-        p.copies = own[item.num_pages - len(hit):]
-        item.done = item.skipped = len(hit) * self.page_size
+        p.reservation = res
+        item.done = item.skipped = res.hit * self.page_size
         self._started(item)
-        for key in p.chains[len(hit):]:  # the pages it computes and may cache: others wait for them, not redo them
+        for key in p.chains[res.hit:]:  # the pages it computes and may cache: others wait for them, not redo them
             self._computing.setdefault(key, p)
         return True
-
-    @staticmethod
-    def _own_pages(p: Prompt, num_pages: int, hit: int) -> int:
-        return num_pages - hit + max(0, hit - p.cached_pages)
 
     def _is_short_waiting(self, long: Queued) -> bool:
         """Whether a prompt that fits in half a pass waits: only then is the long one slowed down for it (among

@@ -13,7 +13,7 @@ from ..common.deadline import deadline_exceeded, deadline_of
 from ..common.drain import draining_error
 from ..common.errors import PdError, invalid
 from ..common.faults import FAULTS
-from ..common.metrics import (GUARD_SECONDS, SOURCE_PAGES_HELD, TIMEOUTS, TRANSFER_BYTES, TRANSFER_FAILURES,
+from ..common.metrics import (GUARD_SECONDS, TIMEOUTS, TRANSFER_BYTES, TRANSFER_FAILURES,
                               TRANSFER_SECONDS, count_violation)
 from ..common.prefix import CHAINS_INLINE_TOKENS, KEY_NBYTES, page_chains
 from ..common.proto import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -24,6 +24,7 @@ from ..engine.grammar import Grammars
 from ..engine.tags import TAG_NBYTES
 from ..kvtransfer.engine import TransferError
 from .batcher import Batcher, Queued
+from .local_pages import Reservation
 from .worker import PrefillWorker, Progress, Prompt, Target
 from .writelease import WriteLeases
 
@@ -43,8 +44,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         self.context_length = context_length
         self.max_prompt = max_prompt  # capped by the local pool
         self.model_name = model_name
-        self.batcher = Batcher(worker.forward, worker.alloc, worker.pool.page_size, max_batch_tokens, queue_limit,
-                               worker.cache)
+        self.local = worker.local
+        self.batcher = Batcher(worker.forward, self.local, worker.pool.page_size, max_batch_tokens, queue_limit)
         self.layout_pb = layout_to_pb(worker.pool.layout, TAG_NBYTES)
         self.draining = False  # set on SIGTERM (drain.py): GetInfo reports it, Prefill refuses
         self.in_flight: set[asyncio.Task] = set()  # queued for a forward pass or running, until EndWrite
@@ -56,7 +57,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
             model=self.model_name, context_length=self.context_length, vocab_size=cfg.vocab_size,
             pool_pages=self.worker.pool.num_pages, page_size=self.worker.pool.page_size,
             eos_token_id=cfg.eos_token_id if cfg.eos_token_id is not None else -1,
-            layout=self.layout_pb, free_pages=self.worker.alloc.num_free + self.worker.cache.num_idle,
+            layout=self.layout_pb, free_pages=self.local.num_available,
             queue_depth=len(self.in_flight),
             draining=self.draining)
 
@@ -256,7 +257,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                 # a successful EndWrite carries what decode needs to start: the broker's notice hands it over
                 await self._finish(prompt, progress, end, ok, coverage, fwd.first_token,
                                    prompt_digest(request.token_ids) if ok else b"",
-                                   written.cacheable if ok else None)
+                                   written.page_crcs if ok else None)
 
     async def _late_finish(self, write: asyncio.Future, prompt: Prompt, progress: Progress, end: tuple) -> None:
         """A write that outlived its timeout has returned: count how it ended, then acknowledge it."""
@@ -267,46 +268,31 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
         await self._finish(prompt, progress, end, False)
 
     async def _finish(self, prompt: Prompt, progress: Progress, end: tuple, ok: bool, coverage=None,
-                      first_token: int = 0, digest: bytes = b"", cacheable=None) -> None:
-        """Frees the source pages (a successful write's full prompt pages enter the prefix cache) and acknowledges
-        the write. A failed write that posted anything may still be reading the source pages and landing bytes:
-        the broker holds the destination for lock_delay from its ack, and the source pages stay out of reuse (and
-        out of the cache) for the landing bound from now (the call has returned)."""
-        if ok or not progress.posted:
-            await self._free_local(prompt, cacheable)
+                      first_token: int = 0, digest: bytes = b"", page_crcs: dict[int, int] | None = None) -> None:
+        """Gives back the source pages (a successful write's full prompt pages enter the prefix cache) and
+        acknowledges the write. A failed write that posted anything may still be reading the source pages and
+        landing bytes: the broker holds the destination for lock_delay from its ack, and the source pages stay out
+        of reuse (and out of the cache) for the landing bound from now (the call has returned)."""
+        res = prompt.reservation
+        if ok or not progress.posted or res is None:
+            await self._free_local(prompt, page_crcs)
         else:
-            self._unpin(prompt)  # cached pages are context only: a write sends copies of them (worker.send)
+            self.local.hold_after_failed_write(res, self.leases.max_landing_s)
             self.batcher.computed(prompt)  # none of its pages will be cached: a prompt waiting for them computes them
-            spawn(self._free_local_after(prompt.own_pages, self.leases.max_landing_s))
+            spawn(self._release_when_safe(res))
         await self.leases.end(*end, ok, nothing_posted=not progress.posted, coverage=coverage,
                               first_token=first_token, prompt_digest=digest)
 
-    async def _free_local_after(self, local: list[int], delay_s: float) -> None:
-        SOURCE_PAGES_HELD.inc(len(local))
-        log.warning("holding %d source pages for %.3fs: a failed write may still read them", len(local), delay_s)
-        try:
-            await asyncio.sleep(delay_s)
-        finally:
-            SOURCE_PAGES_HELD.dec(len(local))
-            if local:
-                self.worker.alloc.deallocate(local)
-            self.batcher.wake()
+    async def _release_when_safe(self, res: Reservation) -> None:
+        while (left := res.safe_at - time.monotonic()) > 0:
+            await asyncio.sleep(left)
+        self.local.release_held(res)
+        self.batcher.wake()
 
-    def _unpin(self, prompt: Prompt) -> None:
-        self.worker.cache.release(prompt.pages[:prompt.hit])
-        prompt.pages, prompt.hit = prompt.pages[prompt.hit:], 0
-
-    async def _free_local(self, prompt: Prompt, cacheable=None) -> None:
-        """Gives back the prompt's local pages: its cache hit unpinned, the pages in cacheable (chain keys, pages,
-        checksums of a successful write's full prompt pages) to the cache, the rest freed."""
-        self._unpin(prompt)
-        own = prompt.own_pages
-        if cacheable is not None:
-            taken = set(cacheable[1])
-            own = [p for p in own if p not in taken]
-            self.worker.cache.insert(*cacheable)
-        if own:
-            self.worker.alloc.deallocate(own)
-        prompt.pages, prompt.copies = [], []
+    async def _free_local(self, prompt: Prompt, page_crcs: dict[int, int] | None = None) -> None:
+        """Gives back the prompt's local pages, if its first pass took any: its cache hit unpinned, its own full
+        pages cached when page_crcs (a successful write's CRC-32C by page index) is given, the rest freed."""
+        if prompt.reservation is not None:
+            self.local.finish(prompt.reservation, page_crcs)
         # a prompt may be waiting for these, for the cache's pages it no longer pins, or for its prefix
         self.batcher.computed(prompt)

@@ -19,12 +19,11 @@ from ..common.config import pages_for
 from ..common.faults import FAULTS
 from ..common.metrics import FORWARD_SECONDS, GUARD_SECONDS
 from ..engine.grammar import GrammarState, fill
-from ..engine.page_allocator import PageAllocator
 from ..engine.runner import Chunk, ModelRunner
 from ..engine.sampler import SamplingParams, TokenLogprobs, accept, logprobs, sample_one
 from ..engine.tags import TAG_NBYTES, make_tags
 from ..kvtransfer.engine import DEFAULT_MAX_WRITE_BYTES, Run, TransferEngine, coalesce, split_calls
-from .prefix_cache import PrefixCache
+from .local_pages import LocalPages, Reservation
 
 log = logging.getLogger(__name__)
 
@@ -51,20 +50,31 @@ class Prompt:
     token_ids: list[int]
     sampling: SamplingParams
     prompt_logprobs: int | None = None  # None: none asked for
-    # local pages in prompt order, taken when its first pass is planned: the first `hit` are the prefix cache's
-    # (pinned, read-only), the rest this prompt's own
-    pages: list[int] = field(default_factory=list)
     prompt_lps: list[TokenLogprobs] = field(default_factory=list)  # filled chunk by chunk
     chains: list[bytes] = field(default_factory=list)  # chain key of each full page under its scope; [] without
     cached_pages: int = 0  # the destination's: prompt pages already there, never sent
-    hit: int = 0
-    copies: list[int] = field(default_factory=list)  # own pages taking the bytes of cached pages cached_pages..hit-1
     grammar: GrammarState | None = None  # structured output: the first token is drawn under it, and fed to it
+    # its local pages (local_pages.LocalPages), from when its first pass is planned
+    reservation: Reservation | None = None
+
+    @property
+    def pages(self) -> list[int]:
+        """Local pages in prompt order: the first `hit` are the prefix cache's (pinned, read-only), the rest its own."""
+        return self.reservation.pages if self.reservation is not None else []
+
+    @property
+    def hit(self) -> int:
+        return self.reservation.hit if self.reservation is not None else 0
+
+    @property
+    def copies(self) -> list[int]:
+        """Own pages taking the bytes of cached pages cached_pages..hit-1."""
+        return self.reservation.copies if self.reservation is not None else []
 
     @property
     def own_pages(self) -> list[int]:
         """The local pages this prompt alone holds (freed or cached when it is done); the rest are pinned."""
-        return self.pages[self.hit:] + self.copies
+        return self.reservation.own if self.reservation is not None else []
 
 
 @dataclass(slots=True)
@@ -81,8 +91,9 @@ class Written:
     checksums: list[int]
     nbytes: int
     seconds: float
-    # what may enter the prefix cache now that the write succeeded: (chain keys, local pages, their CRC-32C)
-    cacheable: tuple[list[bytes], list[int], list[int]] | None = None
+    # the CRC-32C of the prompt's pages by index as this write computed them ({} with checksums off): what a page
+    # entering the prefix cache is recorded with
+    page_crcs: dict[int, int] = field(default_factory=dict)
 
 
 class PrefillWorker:
@@ -99,10 +110,20 @@ class PrefillWorker:
                              f"{max_write_bytes} bytes")
         self.max_write_bytes = max_write_bytes
         self.transfer = transfer
-        self.alloc = PageAllocator(self.pool.num_pages)
-        self.cache = PrefixCache(self.alloc, self.pool.checksums, prefix_cache_pages if prefix_cache else 0)
+        # the worker only reads a prompt's reservation: the servicer and the queue take and give back its pages
+        self.local = LocalPages(self.pool.num_pages, self.pool.checksums, prefix_cache_pages if prefix_cache else 0)
         transfer.register(self.pool.data_ptr, self.pool.data_nbytes)
         transfer.register(self.pool.tag_ptr, self.pool.tag_nbytes)
+
+    @property
+    def alloc(self):
+        """The local pool's allocator (its counts); LocalPages alone changes it."""
+        return self.local.alloc
+
+    @property
+    def cache(self):
+        """The local prefix cache (its counts and lookups); LocalPages alone changes it."""
+        return self.local.cache
 
     def forward(self, chunks: list[tuple[Prompt, int, int]]) -> list[Forward | Exception | None]:
         """One packed pass over tokens [start, start + n) of each prompt. For each: its Forward once its last chunk
@@ -143,32 +164,22 @@ class PrefillWorker:
         moment (a copy also keeps every cached page out of every write, so none ever waits out a failed write's
         landing bound)."""
         ps = self.pool.page_size
-        n, c, h = len(prompt.token_ids), prompt.cached_pages, prompt.hit
-        if len(prompt.copies) != max(0, h - c):
-            raise ValueError(f"{len(prompt.copies)} private pages for cached prompt pages {c}..{h - 1}")
-        if prompt.copies:
-            self.pool.kv[prompt.copies] = self.pool.kv[prompt.pages[c:h]]
+        res = prompt.reservation  # read only: LocalPages gave it and alone ends it
+        if res is None:
+            raise ValueError("the prompt holds no local pages: its forward pass never ran")
+        n, c, h = len(prompt.token_ids), prompt.cached_pages, res.hit
+        if len(res.copies) != max(0, h - c):
+            raise ValueError(f"{len(res.copies)} private pages for cached prompt pages {c}..{h - 1}")
+        if res.copies:
+            self.pool.kv[res.copies] = self.pool.kv[res.pages[c:h]]
             if self.pool.kv.is_cuda:  # the transport reads the bytes behind torch's back: the copy must be done
                 torch.cuda.current_stream(self.pool.kv.device).synchronize()
-        sources = prompt.copies + prompt.pages[max(c, h):]
+        sources = res.copies + res.pages[max(c, h):]
         written = self.write(owner, sources, n - c * ps, target, check_alive, progress, first_index=c,
                              chains=prompt.chains[c:n // ps])
-        written.cacheable = self._cacheable(prompt, written.checksums)
+        if self.checksums:
+            written.page_crcs = dict(zip(range(c, c + len(written.checksums)), written.checksums))
         return written
-
-    def _cacheable(self, prompt: Prompt, checksums: list[int]):
-        """The prompt's full pages it computed itself, with their chain keys and CRC-32C (the write's where it
-        computed them: from before any fault could flip a byte of the page)."""
-        ps = self.pool.page_size
-        n, c, h = len(prompt.token_ids), prompt.cached_pages, prompt.hit
-        full = n // ps
-        if not self.cache.enabled or not prompt.chains or full <= h:
-            return None
-        crcs = {i: checksums[i - c] for i in range(max(h, c), full)} if self.checksums else {}
-        missing = [i for i in range(h, full) if i not in crcs]
-        if missing:
-            crcs.update(zip(missing, self.pool.checksums([prompt.pages[i] for i in missing])))
-        return prompt.chains[h:full], prompt.pages[h:full], [crcs[i] for i in range(h, full)]
 
     def write(self, owner: bytes, local_pages: list[int], num_tokens: int, target: Target,
               check_alive: Callable[[str], None] = lambda stage: None, progress: Progress | None = None,

@@ -9,9 +9,9 @@ import pytest
 from prometheus_client import REGISTRY
 
 from pdserve.common.errors import PdError
-from pdserve.engine.page_allocator import PageAllocator
 from pdserve.engine.sampler import SamplingParams
 from pdserve.prefill.batcher import Batcher
+from pdserve.prefill.local_pages import LocalPages
 from pdserve.prefill.worker import Forward, Prompt
 
 PS = 4
@@ -41,6 +41,11 @@ def prompt(name: int, n: int) -> Prompt:
     return Prompt([name] + [0] * (n - 1), SamplingParams())
 
 
+def pool(num_pages: int) -> LocalPages:
+    """Local pages with no prefix cache."""
+    return LocalPages(num_pages, lambda pages: [0] * len(pages), max_cached_pages=0)
+
+
 def metric(name: str, **labels) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
@@ -50,14 +55,15 @@ async def served(batcher: Batcher, p: Prompt, deadline: float | None = None) -> 
     try:
         return (await batcher.result(batcher.submit(p, deadline))).first_token
     finally:
-        batcher.alloc.deallocate(p.pages)
+        if p.reservation is not None:
+            batcher.local.finish(p.reservation)
         batcher.wake()
 
 
 def test_prompts_are_packed_in_order_and_the_last_one_chunked_to_the_budget():
     async def main():
         fwd = FakeForward()
-        b = Batcher(fwd, PageAllocator(64), PS, max_batch_tokens=64)
+        b = Batcher(fwd, pool(64), PS, max_batch_tokens=64)
         firsts = await asyncio.gather(*(served(b, prompt(i, n)) for i, n in enumerate([10, 20, 5, 30], 1)))
         assert firsts == [10, 20, 5, 30]
         assert fwd.passes == [[(1, 0, 10), (2, 0, 20), (3, 0, 5), (4, 0, 29)], [(4, 29, 1)]]
@@ -69,7 +75,7 @@ def test_prompts_are_packed_in_order_and_the_last_one_chunked_to_the_budget():
 def test_a_long_prompt_takes_half_a_pass_while_short_ones_wait():
     async def main():
         fwd = FakeForward()
-        b = Batcher(fwd, PageAllocator(64), PS, max_batch_tokens=16)
+        b = Batcher(fwd, pool(64), PS, max_batch_tokens=16)
         before = metric("pdserve_prefill_sequences_total")
         await asyncio.gather(served(b, prompt(1, 40)), served(b, prompt(2, 4)), served(b, prompt(3, 4)))
         assert fwd.passes == [[(1, 0, 8), (2, 0, 4), (3, 0, 4)], [(1, 8, 16)], [(1, 24, 16)]]
@@ -84,7 +90,7 @@ def test_a_long_prompt_takes_half_a_pass_while_short_ones_wait():
 def test_the_head_waits_for_local_pages_and_nothing_overtakes_it():
     async def main():
         fwd = FakeForward()
-        b = Batcher(fwd, PageAllocator(4), PS, max_batch_tokens=64)
+        b = Batcher(fwd, pool(4), PS, max_batch_tokens=64)
         # 3 pages, then 2 (waits for the first to give its pages back), then 1 (would fit, must not overtake)
         await asyncio.gather(served(b, prompt(1, 12)), served(b, prompt(2, 8)), served(b, prompt(3, 4)))
         assert fwd.passes == [[(1, 0, 12)], [(2, 0, 8), (3, 0, 4)]]
@@ -95,7 +101,7 @@ def test_the_head_waits_for_local_pages_and_nothing_overtakes_it():
 def test_work_whose_deadline_passes_or_whose_caller_left_is_dropped_before_its_pass():
     async def main():
         fwd = FakeForward(gate_first=True)
-        b = Batcher(fwd, PageAllocator(64), PS, max_batch_tokens=64)
+        b = Batcher(fwd, pool(64), PS, max_batch_tokens=64)
         drops = {r: metric("pdserve_prefill_dropped_total", reason=r) for r in ("deadline", "cancelled")}
         seqs, gone = metric("pdserve_prefill_sequences_total"), metric("pdserve_prefill_forward_for_gone_total")
         running = asyncio.ensure_future(served(b, prompt(1, 8)))
@@ -132,7 +138,7 @@ def test_work_whose_deadline_passes_or_whose_caller_left_is_dropped_before_its_p
 def test_a_full_queue_refuses_with_the_numbers():
     async def main():
         fwd = FakeForward(gate_first=True)
-        b = Batcher(fwd, PageAllocator(64), PS, queue_limit=2)
+        b = Batcher(fwd, pool(64), PS, queue_limit=2)
         refusals = metric("pdserve_overload_rejections_total", service="prefill", reason="queue_full")
         queued = [asyncio.ensure_future(served(b, prompt(i, 4))) for i in (1, 2)]
         await asyncio.to_thread(fwd.started.wait, 10)
@@ -159,7 +165,7 @@ def test_a_failed_pass_fails_its_prompts_and_the_queue_goes_on():
             if len(calls) == 1:
                 raise RuntimeError("out of memory")
             return [RuntimeError("sampling") if p.token_ids[0] == 3 else Forward(1, None, []) for p, _, _ in chunks]
-        b = Batcher(forward, PageAllocator(64), PS, max_batch_tokens=8)
+        b = Batcher(forward, pool(64), PS, max_batch_tokens=8)
         first = await asyncio.gather(served(b, prompt(1, 4)), served(b, prompt(2, 4)), return_exceptions=True)
         assert [str(e) for e in first] == ["out of memory"] * 2
         second = await asyncio.gather(served(b, prompt(3, 4)), served(b, prompt(4, 4)), return_exceptions=True)
@@ -181,7 +187,7 @@ def test_queued_prompts_are_counted_waiting_and_their_queue_time_observed_as_the
 
     async def main():
         fwd = FakeForward(gate_first=True)
-        b = Batcher(fwd, PageAllocator(3), PS, max_batch_tokens=64)  # room for one of these prompts at a time
+        b = Batcher(fwd, pool(3), PS, max_batch_tokens=64)  # room for one of these prompts at a time
         before = started()
         tasks = [asyncio.create_task(served(b, prompt(i, 12))) for i in (1, 2, 3)]
         try:

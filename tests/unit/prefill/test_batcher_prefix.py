@@ -6,10 +6,9 @@ import asyncio
 import time
 
 from pdserve.common.metrics import PREFIX_WAITS
-from pdserve.engine.page_allocator import PageAllocator
 from pdserve.engine.sampler import SamplingParams
 from pdserve.prefill.batcher import Batcher
-from pdserve.prefill.prefix_cache import PrefixCache
+from pdserve.prefill.local_pages import LocalPages
 from pdserve.prefill.worker import Forward, Prompt
 
 PS = 4
@@ -30,12 +29,12 @@ class Passes:
 
 def setup(num_pages: int, cached: int):
     """A queue whose cache holds the first `cached` pages of chain keys() (page checksums all 0)."""
-    alloc = PageAllocator(num_pages)
-    cache = PrefixCache(alloc, lambda pages: [0] * len(pages))
+    local = LocalPages(num_pages, lambda pages: [0] * len(pages))
+    alloc, cache = local.alloc, local.cache
     pages = cache.allocate(cached) if cached else []
     cache.insert(keys(cached), pages, [0] * cached)
     fwd = Passes()
-    return alloc, cache, fwd, Batcher(fwd, alloc, PS, max_batch_tokens=64, cache=cache), pages
+    return alloc, cache, fwd, Batcher(fwd, local, PS, max_batch_tokens=64), pages
 
 
 async def run(b: Batcher, name: int, n: int, cached_pages: int = 0, deadline_s: float = 5.0, chains=None) -> Prompt:
@@ -82,7 +81,7 @@ def test_a_hit_whose_copies_cannot_fit_the_pool_is_cut_to_what_fits():
         # would need 7 pages of a pool of 4, and wait until its deadline
         p = await run(b, 1, 16, cached_pages=0, deadline_s=2.0)
         assert fwd.passes == [[(1, 0, 16)]] and p.hit == 0 and cache.num_cached == 0  # the 3 were evicted
-        alloc.deallocate(p.own_pages)
+        b.local.finish(p.reservation)  # its write failed: nothing of it is cached
         cached = cache.allocate(3)
         cache.insert(keys(3), cached, [0] * 3)
         q = await run(b, 2, 16, cached_pages=2, deadline_s=2.0)  # 2 at the destination: a hit of 2 fits
@@ -107,8 +106,7 @@ def test_prompts_over_one_new_prefix_compute_it_once():
         assert not items[1].started and not items[2].started  # waiting: nothing computed twice meanwhile
         # what the servicer does once the first prompt's write succeeded: its full pages enter the cache
         p0 = prompts[0]
-        cache.insert(shared, p0.pages[:4], [0] * 4)
-        alloc.deallocate(p0.pages[4:])
+        b.local.finish(p0.reservation, {})
         b.computed(p0)
         await asyncio.gather(b.result(items[1]), b.result(items[2]))
         assert fwd.passes[1:] == [[(2, 16, 2), (3, 16, 2)]]

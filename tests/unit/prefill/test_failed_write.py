@@ -12,9 +12,8 @@ import pytest
 
 from pdserve.common.errors import PdError
 from pdserve.common.proto import broker_pb2, common_pb2, prefill_pb2
-from pdserve.engine.page_allocator import PageAllocator
 from pdserve.kvtransfer.engine import TransferError
-from pdserve.prefill.prefix_cache import PrefixCache
+from pdserve.prefill.local_pages import LocalPages
 from pdserve.prefill.servicer import PrefillServicer
 from pdserve.prefill.worker import Forward
 
@@ -28,8 +27,8 @@ class FakeWorker:
         self.runner = SimpleNamespace(config=SimpleNamespace(vocab_size=100, eos_token_id=None))
         self.pool = SimpleNamespace(num_pages=8, page_size=PAGE, layout=SimpleNamespace(
             num_layers=1, num_kv_heads=1, head_dim=1, page_size=PAGE, dtype="float32", page_nbytes=16))
-        self.alloc = PageAllocator(8)
-        self.cache = PrefixCache(self.alloc, lambda pages: [0] * len(pages), max_pages=0)
+        self.local = LocalPages(8, lambda pages: [0] * len(pages), max_cached_pages=0)
+        self.alloc = self.local.alloc
         self.source = [0] * 8
         self.dest: dict[int, int] = {}
         self.fail_next = False
@@ -55,7 +54,7 @@ class FakeWorker:
             raise TransferError("data", "fake transport: batch reported failed, a task still runs")
         land()
         return SimpleNamespace(num_tokens=len(local) * PAGE, num_pages=len(local), checksums=[0] * len(local),
-                               nbytes=16 * len(local), seconds=0.001, cacheable=None)
+                               nbytes=16 * len(local), seconds=0.001, page_crcs={})
 
 
 class FakeLeases:

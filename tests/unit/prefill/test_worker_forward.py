@@ -6,6 +6,7 @@ import pytest
 
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import SamplingParams
+from pdserve.prefill.local_pages import Reservation
 from pdserve.prefill.worker import PrefillWorker, Prompt
 
 
@@ -17,7 +18,7 @@ def worker(model_dir):
 
 def _prompt(n: int, salt: int, pages: list[int], **sampling) -> Prompt:
     ids = [(salt * 31 + 7 * i * i) % 509 + 2 for i in range(n)]
-    return Prompt(ids, SamplingParams(**sampling), prompt_logprobs=3, pages=pages)
+    return Prompt(ids, SamplingParams(**sampling), prompt_logprobs=3, reservation=Reservation(pages))
 
 
 @pytest.mark.parametrize("sampling", [dict(logprobs=2), dict(temperature=0.8, top_p=0.9, seed=5, logprobs=1)])
