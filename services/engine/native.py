@@ -2,7 +2,7 @@
 each call, so a step in the model's thread no longer waits for the event loop between ops).
 
 - paged decode attention (paged_attention.c), alone or with the layer's rope and K/V write (the attention block);
-- a whole small decode step (decode_step.c, NativeDecoder): float32 Llama-family models, up to 8 sequences.
+- a whole decode step (decode_step.c, NativeDecoder): float32 Llama-family models, any number of sequences.
 
 A build is named after the hash of its sources and flags, so a stale library is never loaded. It is looked for
 (and built, when missing) first beside this file (`_native/`, where `make setup`, `pip install` and the images
@@ -54,21 +54,25 @@ def _load() -> ctypes.CDLL | None:
         if path is None:
             _why_not = "could not build " + name + ": " + "; ".join(errors)
             return None
-        lib = ctypes.CDLL(path)  # CDLL, not PyDLL: the GIL is released for each call
-        fn = lib.pd_paged_decode_attention
-        fn.restype = ctypes.c_int
-        i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        fn.argtypes = [vp, vp, vp, i32, i64, i64, i64, i64, i64, i32, i32, i32, i32, vp, i64, vp, i32,
-                       ctypes.c_float]
-        block = lib.pd_decode_attention_block
-        block.restype = ctypes.c_int
-        block.argtypes = [vp, i64, vp, vp, vp, vp, vp, i32, i64, i64, i64, i64, i64, i32, i32, i32, i32, vp, i64,
-                          vp, i32, ctypes.c_float]
-        step = lib.pd_decode_step
-        step.restype = ctypes.c_int
-        step.argtypes = [ctypes.POINTER(_Model), vp, vp, vp, vp, i64, vp, i32, vp]
-        _lib = lib
+        _lib = declare(ctypes.CDLL(path))  # CDLL, not PyDLL: the GIL is released for each call
         return _lib
+
+
+def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Sets the kernels' argument and result types on a loaded build (also one loaded by hand, e.g. to compare
+    two builds in one process); returns it."""
+    fn = lib.pd_paged_decode_attention
+    fn.restype = ctypes.c_int
+    i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+    fn.argtypes = [vp, vp, vp, i32, i64, i64, i64, i64, i64, i32, i32, i32, i32, vp, i64, vp, i32, ctypes.c_float]
+    block = lib.pd_decode_attention_block
+    block.restype = ctypes.c_int
+    block.argtypes = [vp, i64, vp, vp, vp, vp, vp, i32, i64, i64, i64, i64, i64, i32, i32, i32, i32, vp, i64, vp,
+                      i32, ctypes.c_float]
+    step = lib.pd_decode_step
+    step.restype = ctypes.c_int
+    step.argtypes = [ctypes.POINTER(_Model), vp, vp, vp, vp, i64, vp, i32, vp]
+    return lib
 
 
 def status() -> str:
@@ -163,8 +167,6 @@ class NativeDecoder:
     without per-head q/k norms or sparse experts, its pool on the CPU in float32 or bfloat16. Holds the weights'
     addresses: build it after the weights are final (loaded and fused) and the pool bound."""
 
-    MAX_BATCH = 8  # past this many sequences MKL's GEMM beats one pass over the weights per 8 rows
-
     @staticmethod
     def why_not(model, pool: torch.Tensor) -> str | None:
         """None when the native step takes this model and pool, else why not."""
@@ -188,12 +190,13 @@ class NativeDecoder:
             return "weights that are not contiguous"
         return None
 
-    def __init__(self, model, pool: torch.Tensor, lib=None):
+    def __init__(self, model, pool: torch.Tensor, lib: ctypes.CDLL | None = None):
+        """lib: a build other than the one _load() picks (declare()d), e.g. to compare two in one process."""
         why = self.why_not(model, pool)
         if why is not None:
             raise ValueError(f"the native decode step does not take this model: {why}")
         cfg = model.config
-        self.lib = _load()
+        self.lib = lib or _load()
         layers = []
         keep = []
         for i, layer in enumerate(model.model.layers):

@@ -102,7 +102,7 @@ class ModelRunner:
         self.native_decode = native.supports(self.pool.kv[:, 0], self.config.num_attention_heads)
         self.native_block = self.native_decode and native.supports_block(
             self.pool.kv[:, 0], self.config.num_attention_heads, next(self.model.parameters()).dtype)
-        # a whole small step in one native call, where it takes the model
+        # a whole step in one native call, where it takes the model
         self.native_step = None
         if self.device.type == "cpu" and native.NativeDecoder.why_not(self.model, self.pool.kv) is None:
             self.native_step = native.NativeDecoder(self.model, self.pool.kv)
@@ -127,8 +127,7 @@ class ModelRunner:
     def decode_attention(self) -> str:
         """Which decode path runs, and why not the CPU kernels where it does not."""
         if self.native_step is not None:
-            return (f"decode: one native call per step up to {self.native_step.MAX_BATCH} sequences, native "
-                    f"attention {'block' if self.native_block else 'kernel'} beyond")
+            return "decode: one native call per step"
         if self.native_decode or self.device.type != "cpu":
             return f"paged decode attention: {'native CPU kernel' if self.native_decode else 'torch path'}"
         if native._load() is None:
@@ -201,12 +200,14 @@ class ModelRunner:
         if short:
             b, n, p = short[0]
             raise ValueError(f"sequence {b}: {n} pages of {ps} tokens cannot hold position {p}")
-        table = torch.zeros((B, max(len(t) for t in page_tables)), dtype=torch.int64)
-        for b, t in enumerate(page_tables):
-            table[b, :len(t)] = torch.tensor(t, dtype=torch.int64)
+        width = max(len(t) for t in page_tables)
+        # one tensor from one flat list (page 0 pads a short table, never read past its length): a tensor per
+        # sequence would cost more than the step's own table checks at large batches
+        table = torch.tensor([t + [0] * (width - len(t)) if len(t) < width else t for t in page_tables],
+                             dtype=torch.int64)
         pos = self._tensor(positions)
         rope = None
-        if self.native_step is not None and B <= self.native_step.MAX_BATCH:
+        if self.native_step is not None:
             cos, sin = self.model.model.rotary_emb(pos)
             rope = (cos[:, 0].contiguous(), sin[:, 0].contiguous())
         return DecodeInputs(self._tensor(token_ids), pos, table.to(self.device), rope)
@@ -215,7 +216,7 @@ class ModelRunner:
     def run_decode(self, inputs: DecodeInputs) -> torch.Tensor:
         """The step prepare_decode planned: logits [B, V]."""
         ids, pos, table, rope = inputs
-        if rope is not None:  # a small step on the CPU: one native call
+        if rope is not None:  # a step on the CPU: one native call
             return self.native_step.step(ids, rope[0], rope[1], table, pos + 1)
         ps = self.page_size
         if self.native_decode:

@@ -5,7 +5,7 @@
  * Float32 weights and activations, the model.py arithmetic op for op: RMSNorm, the fused q/k/v projection,
  * pd_decode_attention_block (rope, the K/V write into the sequence's own slot, paged attention), the output
  * projection and residual, RMSNorm, the fused gate/up projection, SiLU(gate) * up, the down projection and residual;
- * then the final RMSNorm and the LM head. Every matrix product is small_gemm's: each weight row read once for all
+ * then the final RMSNorm and the LM head. Every matrix product is gemm's: each weight row read once for all
  * rows of the step, each output one dot product in a fixed order, so a sequence's logits do not depend on which
  * others share its step.
  */
@@ -20,8 +20,6 @@
 #define PD_CLONES
 #endif
 
-#define MAX_ROWS 8 /* rows of one small_gemm pass; a larger step is done in passes of this many */
-
 int pd_decode_attention_block(const float *qkv, int64_t qkv_stride, const float *cos, const float *sin,
                               float *q_rot, float *out, void *cache, int dtype, int64_t num_pages,
                               int64_t page_stride, int64_t kv_stride, int64_t token_stride, int64_t head_stride,
@@ -35,62 +33,65 @@ static inline float hsum(v8f v) { /* the lanes in one fixed order */
     return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
 }
 
-/* y[m, n] = x[m, :] . w[n, :] (+ b[n]) for M (a compile-time constant) rows, two weight rows at a time */
-#define PD_GEMM(NAME, M)                                                                                        \
+/* y[m, n] = x[m, :] . w[n, :] (+ b[n]) for a tile of MR rows of x by NR weight rows (compile-time constants): MR * NR
+ * accumulators of 8 lanes each, MR + NR loads for MR * NR multiply-adds. Every output is the same arithmetic whatever
+ * the tile: one accumulator over k in steps of 8, its lanes summed in hsum's order, then the tail of k in order. */
+#define PD_TILE(NAME, MR, NR)                                                                                   \
 PD_CLONES static void NAME(const float *x, int64_t K, const float *w, const float *b, float *y, int64_t N) {    \
     const int64_t K8 = K & ~(int64_t)7;                                                                         \
-    int64_t n = 0;                                                                                              \
-    for (; n + 2 <= N; n += 2) {                                                                                \
-        const float *w0 = w + n * K, *w1 = w0 + K;                                                              \
-        v8f a0[M], a1[M];                                                                                       \
-        for (int m = 0; m < M; m++) { a0[m] = (v8f){0}; a1[m] = (v8f){0}; }                                     \
-        for (int64_t k = 0; k < K8; k += 8) {                                                                   \
-            const v8f u0 = *(const v8f *)(w0 + k), u1 = *(const v8f *)(w1 + k);                                \
-            for (int m = 0; m < M; m++) {                                                                       \
-                const v8f xv = *(const v8f *)(x + m * K + k);                                                   \
-                a0[m] += xv * u0;                                                                               \
-                a1[m] += xv * u1;                                                                               \
-            }                                                                                                   \
-        }                                                                                                       \
-        for (int m = 0; m < M; m++) {                                                                           \
-            float s0 = hsum(a0[m]), s1 = hsum(a1[m]);                                                           \
-            for (int64_t k = K8; k < K; k++) {                                                                  \
-                s0 += x[m * K + k] * w0[k];                                                                     \
-                s1 += x[m * K + k] * w1[k];                                                                     \
-            }                                                                                                   \
-            y[m * N + n] = b ? s0 + b[n] : s0;                                                                  \
-            y[m * N + n + 1] = b ? s1 + b[n + 1] : s1;                                                          \
+    v8f acc[MR][NR];                                                                                            \
+    for (int m = 0; m < MR; m++)                                                                                \
+        for (int j = 0; j < NR; j++) acc[m][j] = (v8f){0};                                                      \
+    for (int64_t k = 0; k < K8; k += 8) {                                                                       \
+        v8f u[NR];                                                                                              \
+        for (int j = 0; j < NR; j++) u[j] = *(const v8f *)(w + j * K + k);                                      \
+        for (int m = 0; m < MR; m++) {                                                                          \
+            const v8f xv = *(const v8f *)(x + m * K + k);                                                       \
+            for (int j = 0; j < NR; j++) acc[m][j] += xv * u[j];                                                \
         }                                                                                                       \
     }                                                                                                           \
-    for (; n < N; n++) {                                                                                        \
-        const float *w0 = w + n * K;                                                                            \
-        for (int m = 0; m < M; m++) {                                                                           \
-            v8f a = (v8f){0};                                                                                   \
-            for (int64_t k = 0; k < K8; k += 8) a += *(const v8f *)(x + m * K + k) * *(const v8f *)(w0 + k);   \
-            float s = hsum(a);                                                                                  \
-            for (int64_t k = K8; k < K; k++) s += x[m * K + k] * w0[k];                                         \
-            y[m * N + n] = b ? s + b[n] : s;                                                                    \
+    for (int m = 0; m < MR; m++)                                                                                \
+        for (int j = 0; j < NR; j++) {                                                                          \
+            float s = hsum(acc[m][j]);                                                                          \
+            for (int64_t k = K8; k < K; k++) s += x[m * K + k] * w[j * K + k];                                  \
+            y[m * N + j] = b ? s + b[j] : s;                                                                    \
         }                                                                                                       \
-    }                                                                                                           \
 }
-PD_GEMM(gemm_m1, 1)
-PD_GEMM(gemm_m2, 2)
-PD_GEMM(gemm_m3, 3)
-PD_GEMM(gemm_m4, 4)
-PD_GEMM(gemm_m5, 5)
-PD_GEMM(gemm_m6, 6)
-PD_GEMM(gemm_m7, 7)
-PD_GEMM(gemm_m8, 8)
+/* 16 vector registers (AVX2): 4 x 3 accumulators, 3 weight vectors and one of x */
+#define TILE_M 4
+#define TILE_N 3
+PD_TILE(tile_1x1, 1, 1)
+PD_TILE(tile_1x2, 1, 2)
+PD_TILE(tile_1x3, 1, 3)
+PD_TILE(tile_2x1, 2, 1)
+PD_TILE(tile_2x2, 2, 2)
+PD_TILE(tile_2x3, 2, 3)
+PD_TILE(tile_3x1, 3, 1)
+PD_TILE(tile_3x2, 3, 2)
+PD_TILE(tile_3x3, 3, 3)
+PD_TILE(tile_4x1, 4, 1)
+PD_TILE(tile_4x2, 4, 2)
+PD_TILE(tile_4x3, 4, 3)
 
-typedef void (*gemm_fn)(const float *, int64_t, const float *, const float *, float *, int64_t);
-static const gemm_fn GEMM[MAX_ROWS + 1] = {0, gemm_m1, gemm_m2, gemm_m3, gemm_m4, gemm_m5, gemm_m6, gemm_m7,
-                                           gemm_m8};
+typedef void (*tile_fn)(const float *, int64_t, const float *, const float *, float *, int64_t);
+static const tile_fn TILE[TILE_M + 1][TILE_N + 1] = {
+    {0, 0, 0, 0},
+    {0, tile_1x1, tile_1x2, tile_1x3},
+    {0, tile_2x1, tile_2x2, tile_2x3},
+    {0, tile_3x1, tile_3x2, tile_3x3},
+    {0, tile_4x1, tile_4x2, tile_4x3},
+};
 
-/* y [M, N] = x [M, K] w^T (+ b), contiguous rows; M of any size, in passes of at most MAX_ROWS rows */
+/* y [M, N] = x [M, K] w^T (+ b), contiguous rows, M of any size. Weight rows are taken TILE_N at a time (a few KiB,
+ * they stay in L1) and run against every row of x before the next: each weight row is read from memory once per
+ * call, however many sequences share the step. */
 static void gemm(const float *x, int M, int64_t K, const float *w, const float *b, float *y, int64_t N) {
-    for (int m = 0; m < M; m += MAX_ROWS) {
-        const int rows = M - m < MAX_ROWS ? M - m : MAX_ROWS;
-        GEMM[rows](x + m * K, K, w, b, y + m * N, N);
+    for (int64_t n = 0; n < N; n += TILE_N) {
+        const int nr = N - n < TILE_N ? (int)(N - n) : TILE_N;
+        for (int m = 0; m < M; m += TILE_M) {
+            const int mr = M - m < TILE_M ? M - m : TILE_M;
+            TILE[mr][nr](x + (int64_t)m * K, K, w + n * K, b ? b + n : NULL, y + (int64_t)m * N + n, N);
+        }
     }
 }
 
