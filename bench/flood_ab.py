@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from .plan import CONTEXT
+from .scenarios.plan import CONTEXT
 from .harness.common import RESULTS, ROOT, ensure_model, log, under_flood
 from .harness.stack import BenchStack, cpu_seconds, machine_cpu_seconds
 from .harness.workload import fmt_ci, make_prompts, mean_ci
@@ -31,7 +31,7 @@ def kinds(stack: BenchStack) -> dict[str, list[str]]:
 
 
 def flood_cmd(stack: BenchStack, args: list[str]) -> list[str]:
-    return [sys.executable, "-u", "-m", "pdserve.bench.flood", stack.gateway, *args]
+    return [sys.executable, "-u", "-m", "pdserve.bench.scenarios.flood", stack.gateway, *args]
 
 
 def capacity(stack: BenchStack, args: list[str], seconds: float) -> dict:

@@ -16,7 +16,7 @@ import sys
 import time
 
 from .harness.common import _T0, RESULTS, ROOT, log
-from .run_preset import Bench
+from .scenarios.preset import Bench
 
 
 def parse(argv=None):
@@ -33,7 +33,7 @@ def parse(argv=None):
 
 def _write_plots(res: dict) -> None:
     try:
-        from .plots import write_plots
+        from .report.plots import write_plots
     except ImportError as e:
         print(f"\nplots skipped: matplotlib is not installed ({e}); `.venv/bin/pip install matplotlib` "
               f"or `pip install -e '.[bench]'` adds them. The tables above are complete.", flush=True)
@@ -43,8 +43,8 @@ def _write_plots(res: dict) -> None:
 
 
 def report_only(mode: str) -> int:
-    from . import profile
-    from .report import write_report
+    from .harness import profile
+    from .report.write import write_report
 
     path = os.path.join(RESULTS, f"bench-{mode}.json")
     if not os.path.exists(path):
@@ -80,8 +80,8 @@ def main(args=None) -> int:
     os.chdir(ROOT)
     from pdserve.engine.runner import set_threads
 
-    from . import plan as plans
-    from .report import write_report
+    from .scenarios import plan as plans
+    from .report.write import write_report
 
     plan = plans.quick() if getattr(args, "quick", False) else plans.full()
     # the same intra-op threads as each pdserve engine process (half the cores): engine against engine

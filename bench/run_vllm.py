@@ -129,7 +129,7 @@ def misses(res: dict, row: Row) -> list[tuple[float, int, int, str]]:
 
 def profile_cell(stack, row: Row, prompt_len: int, c: int, vocab: int, mode: str, res: dict) -> None:
     """py-spy on pdserve's services while the cell runs again."""
-    from . import profile
+    from .harness import profile
     from .side_by_side import measure
     from .harness.workload import make_prompts
 
@@ -158,7 +158,7 @@ def profile_cell(stack, row: Row, prompt_len: int, c: int, vocab: int, mode: str
 def summarize_profile(path: str) -> dict:
     """profile.summarize, with frames of pdserve imported through a symlink to services/ (a checkout's shim)
     named as services/ frames, so they are charged to their line rather than to their file's name."""
-    from . import profile
+    from .harness import profile
 
     with open(path) as f:
         text = f.read()
@@ -240,7 +240,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("GLOG_minloglevel", "2")
     os.makedirs(RESULTS, exist_ok=True)
     from .peers import vllm_venv
-    from .big_pools import big_pools
+    from .scenarios.big_pools import big_pools
     from .side_by_side import compare_ids
 
     vllm_venv.ensure()

@@ -114,7 +114,7 @@ class LongOracle:
     """Teacher forcing at lengths where a [T, T] score matrix does not fit: transformers' LlamaForCausalLM in
     float32 with SDPA attention, which on a causal pass without padding builds no mask and no score matrix (its
     peak memory grows linearly with the length: ~600 MiB above the loaded model at 32,768 tokens, measured by
-    bench/long_prompt.py, where eager attention's scores alone are 32 GiB a layer).
+    bench/scenarios/long_prompt.py, where eager attention's scores alone are 32 GiB a layer).
     The prompt runs once into a KV cache (`prompt_state`, which a test may start while the stack serves), the
     response through that cache; only the rows checked are projected onto the vocabulary. Independent of the
     serving path: no pdserve code runs here."""

@@ -43,7 +43,7 @@ def ensure_model(preset: str) -> str:
 
 
 def under_flood(flood_cmd: list[str], measure):
-    """measure()'s result while `python -m pdserve.bench.flood ... --stop-on-stdin` (flood_cmd) runs, and the flood's
+    """measure()'s result while `python -m pdserve.bench.scenarios.flood ... --stop-on-stdin` (flood_cmd) runs, and the flood's
     own stats (its JSON line once told to stop)."""
     proc = subprocess.Popen(flood_cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=ROOT)

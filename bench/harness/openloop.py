@@ -11,7 +11,7 @@ import math
 import random
 from dataclasses import dataclass
 
-from .harness.workload import Record
+from .workload import Record
 
 SLO_FACTOR = 10.0       # the TTFT SLO: this many times co-located's unloaded TTFT p50 at the same prompt length
 DEADLINE_FACTOR = 2.0   # clients give up this many SLOs after their send with no first token

@@ -13,7 +13,7 @@ from pdserve.common.errors import from_rpc_error
 from pdserve.common.proto import gateway_pb2_grpc
 
 from .openloop import GAVE_UP
-from .harness.workload import Record
+from .workload import Record
 
 _LINE = re.compile(r"^(\w+)(?:\{(.*)\})? (\S+)$")
 

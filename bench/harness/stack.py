@@ -13,7 +13,7 @@ import time
 
 from pdserve import launcher
 
-from ..pdclient import delta, run_load, scrape
+from .pdclient import delta, run_load, scrape
 from .workload import MAX_TOKENS, Record, Summary, summarize
 
 GUARD_KINDS = ("grant_rpc", "begin_write_rpc", "begin_write_wait", "end_write_rpc", "validate_rpc", "release_rpc", "checksum",

@@ -16,8 +16,8 @@ from pdserve.engine.page_allocator import PageAllocator
 from pdserve.engine.runner import ModelRunner
 from pdserve.engine.sampler import SamplingParams, sample, sample_one
 
-from .openloop import GAVE_UP
-from .harness.workload import Record
+from ..harness.openloop import GAVE_UP
+from ..harness.workload import Record
 
 
 @dataclass(eq=False)

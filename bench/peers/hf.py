@@ -5,7 +5,7 @@ import time
 
 import torch
 
-from .harness.workload import Record
+from ..harness.workload import Record
 
 
 class _Clock:

@@ -4,7 +4,7 @@ pdserve's prefill writes one coalesced run of page bytes and then one run of tag
 registered pool, cut into batch calls of at most its write unit (`--max-write-bytes`, the bytes the landing bound
 is computed from); this does exactly that with the same wrapper, the same default write unit and nothing else (no
 forward pass, no checksum, no RPC). The destination is a peer process
-(`python -m pdserve.bench.mooncake_raw peer NBYTES`), as decode is for prefill.
+(`python -m pdserve.bench.peers.mooncake_raw peer NBYTES`), as decode is for prefill.
 """
 from __future__ import annotations
 
@@ -25,9 +25,9 @@ class RawMooncake:
     def __init__(self, max_nbytes: int):
         env = {**os.environ, "GLOG_minloglevel": "3"}
         self.max_nbytes = max_nbytes
-        self.peer = subprocess.Popen([sys.executable, "-u", "-m", "pdserve.bench.mooncake_raw", "peer", str(max_nbytes)],
+        self.peer = subprocess.Popen([sys.executable, "-u", "-m", "pdserve.bench.peers.mooncake_raw", "peer", str(max_nbytes)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     text=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+                                     text=True, env=env, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
         line = self.peer.stdout.readline()
         if not line:
             raise RuntimeError(f"mooncake peer exited with {self.peer.wait()}")
@@ -90,4 +90,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "peer":
         _peer(int(sys.argv[2]))
     else:
-        sys.exit("usage: python -m pdserve.bench.mooncake_raw peer NBYTES")
+        sys.exit("usage: python -m pdserve.bench.peers.mooncake_raw peer NBYTES")

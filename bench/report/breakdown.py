@@ -1,8 +1,8 @@
 """Report sections on where the time goes: TTFT taken apart, broker RPCs, CPU per request, py-spy profiles."""
 from __future__ import annotations
 
-from .report_format import NAN, _div, _find, _mean_rpc, _ms, _ms2, _ok, _table
-from .harness.workload import Summary
+from .format import NAN, _div, _find, _mean_rpc, _ms, _ms2, _ok, _table
+from ..harness.workload import Summary
 
 
 def ttft_breakdown(runs: list[Summary], keys: list[tuple]) -> list[str]:

@@ -1,7 +1,7 @@
 """Report section and target row for the decode step against its memory-bandwidth floor."""
 from __future__ import annotations
 
-from .report_format import _verdict
+from .format import _verdict
 
 TARGET_BATCH, TARGET_CONTEXT, TARGET_RATIO = 16, 1024, 2.0  # issue 12: within 2× of the floor at b16, c1024
 
@@ -11,7 +11,7 @@ def decode_step_section(res: dict) -> list[str]:
     if "rows" not in ds:
         return []
     return ["## Decode step against its memory-bandwidth floor", "",
-            f"`python -m pdserve.bench.decode_step`'s own table (its rows also in `{ds['file']}`):", "",
+            f"`python -m pdserve.bench.scenarios.decode_step`'s own table (its rows also in `{ds['file']}`):", "",
             ds["table"], ""]
 
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import math
 
-from .harness.stack import STEP_KINDS, TTFT_KINDS
-from .harness.workload import Summary
+from ..harness.stack import STEP_KINDS, TTFT_KINDS
+from ..harness.workload import Summary
 
 NAN = math.nan
 TTFT_GAP_SLACK_S = 0.003  # issue 12: TTFT p50 − co-located ≤ the measured transfer + this, at concurrency 1

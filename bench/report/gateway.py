@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from .report_format import NAN, _div, _ms, _table
-from .harness.workload import fmt_ci, mean_ci
+from .format import NAN, _div, _ms, _table
+from ..harness.workload import fmt_ci, mean_ci
 
 
 def admission_and_flood(res: dict) -> tuple[list[str], tuple[float, float]]:

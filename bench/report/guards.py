@@ -1,9 +1,9 @@
 """Report sections on what the guards cost: guard time per request and step, and the checksums on/off A/B."""
 from __future__ import annotations
 
-from .report_format import NAN, _ms, _ms2, _ok, _pct, _table, guard_fractions
-from .harness.stack import GUARD_KINDS, STEP_KINDS
-from .harness.workload import Summary, fmt_ci, mean_ci
+from .format import NAN, _ms, _ms2, _ok, _pct, _table, guard_fractions
+from ..harness.stack import GUARD_KINDS, STEP_KINDS
+from ..harness.workload import Summary, fmt_ci, mean_ci
 
 
 def guard_overhead(runs: list[Summary], ab: list[Summary]) -> tuple[list[str], tuple]:

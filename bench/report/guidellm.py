@@ -1,7 +1,7 @@
 """Report section: guidellm's figures over HTTP beside pdserve's own client's over gRPC, for the same load."""
 from __future__ import annotations
 
-from .report_format import _div, _ms, _table, _x
+from .format import _div, _ms, _table, _x
 
 
 def guidellm_section(res: dict) -> list[str]:

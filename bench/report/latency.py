@@ -1,8 +1,8 @@
 """Report sections on latency against co-located: the main table, headline ratios and the paired TTFT gap."""
 from __future__ import annotations
 
-from .report_format import NAN, TTFT_GAP_SLACK_S, _div, _find, _hist_quantile, _median, _ms, _pct, _table, _x
-from .harness.workload import Summary, fmt_ci, mean_ci
+from .format import NAN, TTFT_GAP_SLACK_S, _div, _find, _hist_quantile, _median, _ms, _pct, _table, _x
+from ..harness.workload import Summary, fmt_ci, mean_ci
 
 
 def latency_table(res: dict, runs: list[Summary], keys: list[tuple]) -> list[str]:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import math
 
-from .openloop import DEADLINE_FACTOR, SLO_FACTOR, goodput_ratio
-from .report_format import _ms, _pct, _table, _verdict
+from ..harness.openloop import DEADLINE_FACTOR, SLO_FACTOR, goodput_ratio
+from .format import _ms, _pct, _table, _verdict
 
 
 def _n(x) -> str:

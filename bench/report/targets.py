@@ -1,11 +1,11 @@
 """Report section on the targets: each goal with what was measured and a verdict (met, missed, inconclusive)."""
 from __future__ import annotations
 
-from .report_format import (NAN, TTFT_GAP_SLACK_S, _ci_verdict, _div, _find, _hist_quantile, _median, _ms, _table,
+from .format import (NAN, TTFT_GAP_SLACK_S, _ci_verdict, _div, _find, _hist_quantile, _median, _ms, _table,
                             _verdict)
-from .report_decode_step import decode_step_targets
-from .report_sweep import sweep_targets
-from .harness.workload import Summary, fmt_ci, mean_ci
+from .decode_step import decode_step_targets
+from .sweep import sweep_targets
+from ..harness.workload import Summary, fmt_ci, mean_ci
 
 FLOOD_TARGET = 5000  # over-long rejections/s (issue 12)
 

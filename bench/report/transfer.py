@@ -1,7 +1,7 @@
 """Report section on the KV transfer: pdserve's in-service write step against raw Mooncake moving the same bytes."""
 from __future__ import annotations
 
-from .report_format import NAN, _ms2, _pct, _table
+from .format import NAN, _ms2, _pct, _table
 
 
 def transfer_table(res: dict) -> list[str]:

@@ -4,17 +4,17 @@ from __future__ import annotations
 import json
 import os
 
-from .report_breakdown import cpu_per_request, profiles, ttft_breakdown
-from .report_decode_step import decode_step_section
-from .report_format import guard_fractions
-from .report_gateway import admission_and_flood
-from .report_guards import checksum_ab, guard_overhead
-from .report_guidellm import guidellm_section
-from .report_latency import headline_ratios, latency_table, paired_gap
-from .report_sweep import sweep_section
-from .report_targets import targets
-from .report_transfer import transfer_table
-from .harness.workload import Summary
+from .breakdown import cpu_per_request, profiles, ttft_breakdown
+from .decode_step import decode_step_section
+from .format import guard_fractions
+from .gateway import admission_and_flood
+from .guards import checksum_ab, guard_overhead
+from .guidellm import guidellm_section
+from .latency import headline_ratios, latency_table, paired_gap
+from .sweep import sweep_section
+from .targets import targets
+from .transfer import transfer_table
+from ..harness.workload import Summary
 
 __all__ = ["build", "guard_fractions", "write_report"]
 

@@ -1,4 +1,4 @@
-"""The gateway's admission decision, timed on its own: `python -m pdserve.bench.admission MODEL_DIR ITERS`.
+"""The gateway's admission decision, timed on its own: `python -m pdserve.bench.scenarios.admission MODEL_DIR ITERS`.
 
 A separate process that imports only what the gateway imports, so the benchmark's own heap (torch,
 transformers, a loaded model) does not put its garbage-collection pauses into the percentiles.
@@ -16,7 +16,7 @@ from pdserve.engine.tokenizer import load_tokenizer
 from pdserve.gateway.router import Backend
 from pdserve.gateway.servicer import Capacity, GatewayServicer
 
-from .harness.workload import make_prompts, percentile
+from ..harness.workload import make_prompts, percentile
 
 CONTEXT = 4096
 VOCAB = 512

@@ -1,5 +1,5 @@
 """Bytes one decode step's attention allocates, pages on contiguous ids against the same batch on ids scattered
-over the whole pool: `python -m pdserve.bench.attention_memory`.
+over the whole pool: `python -m pdserve.bench.scenarios.attention_memory`.
 
 Counted op by op (alloc_bytes.py): preparing the step (once, for every layer) plus one layer's attention (each
 layer allocates as much again, freed before the next). The pool and the queries are meta tensors, so an
@@ -17,7 +17,7 @@ import torch
 
 from pdserve.engine.paged_attention import PagedDecode, paged_decode_attention, prepare_paged_decode
 
-from .alloc_bytes import AllocatedBytes
+from ..alloc_bytes import AllocatedBytes
 
 PAGE_SIZE = 16
 # name: (heads, kv_heads, head_dim, KV dtype)
@@ -66,7 +66,7 @@ def table(pools: list[int], batch: int = 64, pages_per_seq: int = 3, shapes: tup
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m pdserve.bench.attention_memory")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m pdserve.bench.scenarios.attention_memory")
     ap.add_argument("--pools", default="65536,100000", help="pool sizes in pages of 16 tokens")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--pages-per-seq", type=int, default=3)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 
-from .harness.common import log
-from .run_vllm import BIG_POOL, checkpoint, model_facts
-from .side_by_side import Pdserve, Vllm, measure
-from .harness.workload import MAX_TOKENS, make_prompts
+from ..harness.common import log
+from ..versus.systems import BIG_POOL, Pdserve, Vllm, checkpoint, measure, model_facts
+from ..harness.workload import MAX_TOKENS, make_prompts
 
 
 def big_pools(res: dict, results_dir: str) -> None:

@@ -1,5 +1,5 @@
 """One decode step against its memory-bandwidth floor, before (the padded per-layer gather) and after (pages
-read in place), side by side in one process: `python -m pdserve.bench.decode_step`.
+read in place), side by side in one process: `python -m pdserve.bench.scenarios.decode_step`.
 
 floor = (bytes of weights read per step + bytes of KV read per step) / read bandwidth, the bandwidth measured
 in the same run as the best of BW_REPS `torch.sum` passes over a BW_BYTES float32 tensor, with the thread
@@ -26,8 +26,8 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.kv_pool import PoolLayout
 
 from .attention_memory import table as attention_memory_table
-from .decode_step_legacy import legacy_decode
-from .harness.common import MODELS, RESULTS, ensure_model
+from ..decode_step_legacy import legacy_decode
+from ..harness.common import MODELS, RESULTS, ensure_model
 
 BW_BYTES, BW_REPS = 1 << 30, 5
 PAGE_SIZE = 16
@@ -143,7 +143,7 @@ def profile_step(preset: str, batch: int, ctx: int, device: torch.device, top: i
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m pdserve.bench.decode_step")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m pdserve.bench.scenarios.decode_step")
     ap.add_argument("--presets", default="tiny,small" if os.path.isdir(os.path.join(MODELS, "pdserve-small"))
                     else "tiny", help="checkpoints (small is written to bench/.models on first use)")
     ap.add_argument("--batches", default="1,4,16,64")
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layout", default="contiguous", choices=["contiguous", "scattered"],
                     help="each sequence's pages: lowest ids first, or scattered over a pool twice the size")
     ap.add_argument("--attention-memory-pools", default="65536", help="pool sizes in pages (of 16 tokens) of the "
-                    "attention memory table (bench/attention_memory.py); '' for none")
+                    "attention memory table (bench/scenarios/attention_memory.py); '' for none")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU host (bench/gpu.sh)")
     ap.add_argument("--out", default="", help=f"also write the report to this file (e.g. {RESULTS}/decode-step.md)")
     ap.add_argument("--json", default="", help="also write the measured rows here: {preset, batch, context, step_ms "

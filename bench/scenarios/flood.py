@@ -1,5 +1,5 @@
 """A flood of over-long prompts against the gateway, in its own process so it does not share the
-benchmark client's event loop: `python -m pdserve.bench.flood TARGET --prompt-len N [--rate R] --seconds S`.
+benchmark client's event loop: `python -m pdserve.bench.scenarios.flood TARGET --prompt-len N [--rate R] --seconds S`.
 
 The prompt is N token ids over gRPC, or with --text-chars C a text of C characters (refused from its length alone,
 engine/token_bound.py), over gRPC or, with --http PORT, as POST /v1/completions over keep-alive HTTP/1.1 connections
@@ -21,7 +21,7 @@ import grpc
 from pdserve.client import build_request
 from pdserve.common.proto import gateway_pb2_grpc
 
-from .harness.workload import percentile
+from ..harness.workload import percentile
 
 
 class Http:
@@ -135,7 +135,7 @@ async def flood(target: str, prompt_len: int, rate: float, seconds: float, concu
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m pdserve.bench.flood")
+    p = argparse.ArgumentParser(prog="python -m pdserve.bench.scenarios.flood")
     p.add_argument("target")
     p.add_argument("--prompt-len", type=int, default=0, help="send this many token ids (or --text-chars)")
     p.add_argument("--rate", type=float, default=0.0, help="requests/s; 0 = closed loop, as fast as possible")

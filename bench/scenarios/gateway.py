@@ -9,7 +9,7 @@ import sys
 import time
 from dataclasses import asdict
 
-from .harness.common import RESULTS, ROOT, ensure_model, log, under_flood
+from ..harness.common import RESULTS, ROOT, ensure_model, log, under_flood
 
 FLOOD_RATE = 5000  # over-long prompts/s beside the admitted traffic: issue 12's target rate
 
@@ -19,17 +19,17 @@ class GatewaySteps:
 
     def _flood(self, pp, stack, vocab) -> None:
         from .plan import CONTEXT
-        from .harness.stack import cpu_seconds
-        from .harness.workload import make_prompts
+        from ..harness.stack import cpu_seconds
+        from ..harness.workload import make_prompts
 
         over = CONTEXT + 1
-        cmd = [sys.executable, "-u", "-m", "pdserve.bench.flood", stack.gateway, "--prompt-len", str(over)]
+        cmd = [sys.executable, "-u", "-m", "pdserve.bench.scenarios.flood", stack.gateway, "--prompt-len", str(over)]
         gw_pid = stack.pids()["gateway"]
         log(f"{pp.preset}: over-long flood ({over}-token prompts): capacity, 16 closed-loop clients, "
             f"{self.plan.flood_seconds:.1f} s")
         spy = None
         if self.profile:
-            from . import profile
+            from ..harness import profile
 
             pdir = os.path.join(RESULTS, "profiles")
             os.makedirs(pdir, exist_ok=True)
@@ -47,7 +47,7 @@ class GatewaySteps:
         cap["gateway_cpu_s"] = gw_cpu
         cap["gateway_cpu_per_rejection"] = gw_cpu / max(cap["rejected"], 1)
         if spy is not None:
-            from . import profile
+            from ..harness import profile
 
             profile.stop(spy)
             summary = profile.summarize(spy_path)
@@ -76,7 +76,7 @@ class GatewaySteps:
                            "rate": FLOOD_RATE}
 
     def admission(self) -> None:
-        out = subprocess.run([sys.executable, "-m", "pdserve.bench.admission", ensure_model("tiny"),
+        out = subprocess.run([sys.executable, "-m", "pdserve.bench.scenarios.admission", ensure_model("tiny"),
                               str(self.plan.admission_iters)], capture_output=True, text=True, cwd=ROOT, timeout=300)
         if out.returncode != 0:
             raise RuntimeError(out.stderr[-2000:])

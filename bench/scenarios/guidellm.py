@@ -8,15 +8,15 @@ import os
 from dataclasses import asdict
 from itertools import groupby
 
-from .harness.common import RESULTS, ROOT, log
+from ..harness.common import RESULTS, ROOT, log
 
 
 class GuidellmStep:
     """The guidellm comparison; mixed into Bench (uses its plan and res)."""
 
     def _guidellm(self, pp, stack, model_dir, vocab) -> None:
-        from . import guidellm
-        from .harness.workload import MAX_TOKENS, make_prompts, percentile
+        from ..peers import guidellm
+        from ..harness.workload import MAX_TOKENS, make_prompts, percentile
 
         try:
             version = importlib.metadata.version("guidellm")

@@ -1,5 +1,5 @@
 """One long prompt through the whole stack, checked by the long-context oracle (issue 19): `python -m
-pdserve.bench.long_prompt [--prompt 32768]`, from the repository root (the oracle lives in tests/oracle.py).
+pdserve.bench.scenarios.long_prompt [--prompt 32768]`, from the repository root (the oracle lives in tests/oracle.py).
 
 The long preset (max_position_embeddings 1,048,576, bf16) served with --dtype float32, pools as large as the
 context, prefill in passes of --pass-tokens: prints TTFT (chunked prefill + transfer + decode's checks), ITL, the
@@ -20,13 +20,13 @@ import time
 
 from pdserve import launcher
 
-from .pdclient import delta, scrape
-from .harness.common import RESULTS, ensure_model, log
-from .harness.stack import cpu_seconds, machine_cpu_seconds
+from ..harness.pdclient import delta, scrape
+from ..harness.common import RESULTS, ensure_model, log
+from ..harness.stack import cpu_seconds, machine_cpu_seconds
 
 MiB = 2**20
 # the checkout this file is in, links resolved: tests/ (the oracle) sits beside bench/
-CHECKOUT = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+CHECKOUT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 
 def _high_water() -> int:
@@ -64,7 +64,7 @@ def _oracle(model_dir: str, prompt: list[int], response: list[int], logprobs: li
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"prompt": prompt, "response": response, "logprobs": logprobs}, f)
     try:
-        run = subprocess.run([sys.executable, "-m", "pdserve.bench.long_prompt", "--oracle-child", model_dir, f.name],
+        run = subprocess.run([sys.executable, "-m", "pdserve.bench.scenarios.long_prompt", "--oracle-child", model_dir, f.name],
                              capture_output=True, text=True, cwd=CHECKOUT)
     finally:
         os.unlink(f.name)
@@ -161,7 +161,7 @@ def report(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m pdserve.bench.long_prompt")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m pdserve.bench.scenarios.long_prompt")
     ap.add_argument("--prompt", type=int, default=32768, help="prompt tokens")
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated, each checked by the oracle")
     ap.add_argument("--pass-tokens", type=int, default=2048, help="prefill's --prefill-max-batch-tokens")
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(f"{args.out}.md", "w") as f:
-            f.write(f"# One long prompt through the stack (python -m pdserve.bench.long_prompt)\n\n{text}\n")
+            f.write(f"# One long prompt through the stack (python -m pdserve.bench.scenarios.long_prompt)\n\n{text}\n")
         with open(f"{args.out}.json", "w") as f:
             json.dump(r, f, indent=1)
     return 0 if r["oracle"]["result"] == "pass" else 1

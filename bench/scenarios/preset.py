@@ -10,13 +10,13 @@ import platform
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
-from .harness.common import ROOT, _short, ensure_model, log
+from ..harness.common import ROOT, _short, ensure_model, log
 from .run_decode_step import DecodeStepStep
-from .run_gateway import GatewaySteps
-from .run_guidellm import GuidellmStep
-from .run_profile import ProfileStep
-from .run_sweep import SweepStep
-from .run_transfer import TransferSteps
+from .gateway import GatewaySteps
+from .guidellm import GuidellmStep
+from .profile import ProfileStep
+from .sweep import SweepStep
+from .transfer import TransferSteps
 
 
 def _device_name(device: str) -> str:
@@ -29,7 +29,7 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
     """One bench run: every preset's measurements, then the steps after them; results collect in res."""
 
     def __init__(self, plan, profile: bool, device: str = "cpu"):
-        from .harness.workload import MAX_TOKENS
+        from ..harness.workload import MAX_TOKENS
 
         self.plan = plan
         self.profile = profile
@@ -48,9 +48,9 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
     def run_preset(self, pp) -> None:
         import torch
 
-        from .colocated import Colocated
-        from .harness.stack import BenchStack
-        from .harness.workload import make_prompts
+        from ..peers.colocated import Colocated
+        from ..harness.stack import BenchStack
+        from ..harness.workload import make_prompts
 
         model_dir = ensure_model(pp.preset)
         self.res.setdefault("models", {})[pp.preset] = os.path.relpath(model_dir, ROOT)
@@ -110,8 +110,8 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
                 list(ex.map(lambda s: s.close(), stacks))
 
     def _matrix(self, pp, stack, colo, vocab) -> None:
-        from .harness.stack import OtherLoad
-        from .harness.workload import MAX_TOKENS, make_prompts, summarize
+        from ..harness.stack import OtherLoad
+        from ..harness.workload import MAX_TOKENS, make_prompts, summarize
 
         total = len(pp.cells)
         for i, cell in enumerate(pp.cells, 1):
@@ -137,7 +137,7 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
         Gives the KV transfer time in service (prefill's metrics over these requests only) and the TTFT gap
         to co-located as paired differences, so background load hits both sides of each pair alike.
         """
-        from .harness.workload import make_prompts
+        from ..harness.workload import make_prompts
 
         log(f"{pp.preset}: paired probe, {pp.probe_requests} requests one at a time per prompt length "
             f"(max_tokens 2): co-located, then pdserve on {len(stacks)} stack(s), interleaved")
@@ -170,9 +170,9 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
         return sum(a == b for _, a, b in pairs) / len(pairs) if pairs else math.nan
 
     def _transformers(self, pp, model_dir, vocab, lens) -> None:
-        from .hf import HFBaseline
-        from .harness.stack import OtherLoad
-        from .harness.workload import MAX_TOKENS, make_prompts, summarize
+        from ..peers.hf import HFBaseline
+        from ..harness.stack import OtherLoad
+        from ..harness.workload import MAX_TOKENS, make_prompts, summarize
 
         try:
             hf = HFBaseline(model_dir, self.device)
@@ -195,7 +195,7 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
         gc.collect()
 
     def _checksum_ab(self, pp, stack_a, stack_b, vocab) -> None:
-        from .harness.workload import make_prompts
+        from ..harness.workload import make_prompts
 
         for k, cell in enumerate(pp.ab):
             prompts = make_prompts(cell.prompt_len, cell.num_requests, vocab)

@@ -5,15 +5,15 @@ import os
 import time
 from dataclasses import asdict
 
-from .harness.common import RESULTS, ROOT, _short, log
+from ..harness.common import RESULTS, ROOT, _short, log
 
 
 class ProfileStep:
     """The py-spy profiles; mixed into Bench (uses its plan, res and matrix results)."""
 
     def _profile(self, pp, stack, colo, vocab) -> None:
-        from . import profile
-        from .harness.workload import MAX_TOKENS, make_prompts
+        from ..harness import profile
+        from ..harness.workload import MAX_TOKENS, make_prompts
 
         if profile.pyspy_path() is None:
             msg = "profiles skipped: py-spy is not installed (`.venv/bin/pip install py-spy`)"

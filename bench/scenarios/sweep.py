@@ -8,16 +8,16 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from .harness.common import log
+from ..harness.common import log
 
 
 class SweepStep:
     """Mixed into Bench (uses its res)."""
 
     def _sweep(self, pp, stack, colo, vocab) -> None:
-        from .openloop import SLO_FACTOR, Slo
-        from .harness.stack import OtherLoad
-        from .harness.workload import MAX_TOKENS, make_prompts, summarize
+        from ..harness.openloop import SLO_FACTOR, Slo
+        from ..harness.stack import OtherLoad
+        from ..harness.workload import MAX_TOKENS, make_prompts, summarize
 
         for sw in pp.sweep:
             n = sw.prompt_len
@@ -49,10 +49,10 @@ class SweepStep:
                                                        m * sat[system].req_s, slo))
 
     def _level(self, pp, sw, stack, colo, vocab, system, multiple, rate, slo) -> dict:
-        from .openloop import GAVE_UP, goodput, poisson_offsets, prefill_counts
-        from .pdclient import run_open, scrape
-        from .harness.stack import OtherLoad
-        from .harness.workload import MAX_TOKENS, make_prompts, percentile, summarize
+        from ..harness.openloop import GAVE_UP, goodput, poisson_offsets, prefill_counts
+        from ..harness.pdclient import run_open, scrape
+        from ..harness.stack import OtherLoad
+        from ..harness.workload import MAX_TOKENS, make_prompts, percentile, summarize
 
         offsets = poisson_offsets(rate, sw.seconds, sw.min_requests, sw.max_requests)
         prompts = make_prompts(sw.prompt_len, len(offsets), vocab, seed=3)

@@ -5,7 +5,7 @@ import math
 import os
 import sys
 
-from .harness.common import log
+from ..harness.common import log
 
 
 class TransferSteps:
@@ -25,7 +25,7 @@ class TransferSteps:
             self._transfer(groups)
 
     def _transfer(self, groups) -> None:
-        from .mooncake_raw import TAG_NBYTES, RawMooncake
+        from ..peers.mooncake_raw import TAG_NBYTES, RawMooncake
         from .writepath import measure as write_path
 
         raw = RawMooncake(64 << 20)

@@ -18,7 +18,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.kv_pool import KVPool, PoolLayout
 from pdserve.prefill.worker import PrefillWorker, Target
 
-from .mooncake_raw import RawMooncake
+from ..peers.mooncake_raw import RawMooncake
 
 # (file suffix, function) -> label; cumulative time of each inside PrefillWorker.write
 _PARTS = {("kv_pool.py", "zero_tail"): "zero tail", ("kv_pool.py", "checksums"): "CRC-32C",

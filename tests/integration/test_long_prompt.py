@@ -10,7 +10,7 @@ tests/unit/engine/bf16_oracle.py) would be blind: at this length one page read f
 0.013 under the reference's best, page 0 token 3 (0.029 under), page 1023 changed no token but moved a served
 logprob by 0.10; the clean run is within 1.4e-5 of the reference. Pools are as large as the context (17,408
 tokens, 68 MiB each in float32): no override is involved. The 32,768-token case, and the reference's peak memory,
-are in bench/long_prompt.py."""
+are in bench/scenarios/long_prompt.py."""
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest

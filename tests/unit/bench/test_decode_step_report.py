@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from pdserve.bench.report_decode_step import decode_step_targets
-from pdserve.bench.run_decode_step import read_rows
+from pdserve.bench.report.decode_step import decode_step_targets
+from pdserve.bench.scenarios.run_decode_step import read_rows
 
 
 def _row(batch, context, step_ms, floor_ms):
@@ -31,5 +31,5 @@ def test_decode_step_target_verdicts():
     assert verdict({"rows": [_row(16, 1024, 8.4, 4.0), _row(1, 1024, 1.0, 1.0)]})[1] == "**missed**"
     measured, v = verdict({"rows": [_row(16, 512, 1.0, 1.0)]})
     assert "no batch 16 × context 1024 row" in measured and v == "not measured"
-    assert verdict({"absent": "bench/decode_step.py is not in this tree"})[1] == "not measured"
+    assert verdict({"absent": "bench/scenarios/decode_step.py is not in this tree"})[1] == "not measured"
     assert verdict({})[1] == "not measured"

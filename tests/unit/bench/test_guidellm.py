@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from pdserve.bench.guidellm import GuidellmError, parse, scenario
+from pdserve.bench.peers.guidellm import GuidellmError, parse, scenario
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 

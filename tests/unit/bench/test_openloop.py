@@ -7,7 +7,7 @@ import types
 import pytest
 import torch
 
-from pdserve.bench.openloop import (GAVE_UP, PREFILL_COUNTERS, PREFILL_PASSES, Slo, goodput, goodput_ratio,
+from pdserve.bench.harness.openloop import (GAVE_UP, PREFILL_COUNTERS, PREFILL_PASSES, Slo, goodput, goodput_ratio,
                                     poisson_offsets, prefill_counts)
 from pdserve.bench.harness.workload import Record
 
@@ -148,7 +148,7 @@ def expected_tokens(prompt: list[int], n: int) -> list[int]:
 
 @pytest.fixture
 def fake(monkeypatch):
-    from pdserve.bench import colocated
+    from pdserve.bench.peers import colocated
 
     clock = FakeClock()
     monkeypatch.setattr(colocated, "time", types.SimpleNamespace(perf_counter=clock.perf_counter, sleep=clock.sleep,

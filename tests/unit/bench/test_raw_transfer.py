@@ -3,7 +3,7 @@ engine to a real peer process; and a bench run writes where git does not look.""
 import os
 import subprocess
 
-from pdserve.bench.mooncake_raw import TAG_NBYTES, RawMooncake
+from pdserve.bench.peers.mooncake_raw import TAG_NBYTES, RawMooncake
 from pdserve.bench.harness.common import COMMITTED, RESULTS, ROOT
 from pdserve.kvtransfer.engine import DEFAULT_MAX_WRITE_BYTES
 

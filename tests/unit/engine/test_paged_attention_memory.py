@@ -1,7 +1,7 @@
 """Decode attention's per-step memory follows the pages the batch reads, not the pool's size or where the pages
 lie: a 1,048,576-token pool (65,536 pages of 16 tokens, a tiny KV shape so the pool itself stays small), 64
 sequences of 3 pages each, on contiguous ids and on ids scattered over the whole pool. The bytes counted are
-every tensor that preparing the step and one layer's attention allocate (bench/attention_memory.py prints them,
+every tensor that preparing the step and one layer's attention allocate (bench/scenarios/attention_memory.py prints them,
 and those of an 8B-like shape)."""
 import random
 
