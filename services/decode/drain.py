@@ -15,6 +15,7 @@ import grpc
 
 from ..common.drain import POLL_S, draining_error, settle, wait_idle
 from ..common.errors import PdError
+from .requests import State
 from .sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ HAND_BACK_S = 5.0
 
 
 def _busy(servicer) -> int:
-    return servicer.queue_depth() + len(servicer.pending_grants)
+    return servicer.queue_depth() + servicer.requests.count(State.GRANTING)
 
 
 def drained(seq: Sequence, timeout_s: float) -> PdError:
@@ -44,13 +45,13 @@ async def drain(servicer, timeout_s: float) -> None:
     servicer.queue.pages_may_be_free()  # requests waiting for pages are refused (retryable elsewhere), not kept
     left = await wait_idle("decode", lambda: _busy(servicer), timeout_s)
     if left:
-        s = servicer.scheduler
+        s = servicer.requests
         log.warning("decode drain timeout %.1fs: handing back %d running and %d joining requests, releasing %d "
                     "allocations that never got their Decode call", timeout_s, len(s.running), len(s.joining),
                     len(servicer.allocations))
         # popped in one step: a Run waiting for its notice ends with this (retryable) error, not REVOKED
         err = draining_error("decode", f"its {timeout_s:g}s drain timeout ended this request before its first token")
-        for owner, alloc in servicer.allocations.end_all(err):
+        for owner, alloc in s.end_allocations(err):
             await servicer.release(owner, alloc.epoch, alloc.leases)
         await _hand_back(servicer, timeout_s)
     await settle()
@@ -60,7 +61,7 @@ async def _hand_back(servicer, timeout_s: float) -> None:
     """Marks every running stream DRAINED (the scheduler ends it between steps and releases its pages), again
     each poll as joining ones start running, until decode is idle. A sequence still joining after HAND_BACK_S
     ends DRAINING: fail closed, the count of tokens it sent is not known here."""
-    s = servicer.scheduler
+    s = servicer.requests
     deadline = time.monotonic() + HAND_BACK_S
     while _busy(servicer) and time.monotonic() < deadline:
         for seq in list(s.running.values()):

@@ -17,7 +17,6 @@ longer names it, so no page is re-granted while a step that may write it can sti
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from typing import Awaitable, Callable
@@ -28,12 +27,14 @@ import torch
 from ..common.errors import PdError
 from ..common.tasks import spawn
 from ..common.faults import FAULTS
-from ..common.metrics import FORWARD_SECONDS, SAMPLING_FAILURES, TIMEOUTS, count_violation
+from ..common.metrics import FORWARD_SECONDS, SAMPLING_FAILURES, TIMEOUTS
 from ..engine.grammar import fill
 from ..engine.runner import DecodeInputs, ModelRunner
 from ..engine.sampler import SamplingError, TokenLogprobs, advance, logprobs, sample
 from ..engine.tags import OWNER_LO, make_tag
+from .growth import Growth
 from .guards import StepGuards
+from .requests import RequestTable
 from .sequence import Sequence, raise_if_ended
 from .sweep import ChecksumSweep
 
@@ -43,27 +44,39 @@ log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """Owns a request from the moment Decode takes its allocation: first as joining (being verified or
-    sending its first token, never stepped), then as running. A revocation, Release or broker restart
-    finds it in either state; it only marks the sequence, which ends between steps (or, while joining,
-    when Decode next looks), so pages are never released while a step may still use them."""
+    """Steps the running requests of the request table (requests.py), which owns their state: a request joins
+    (being verified or sending its first token, never stepped), then runs. A revocation, Release or broker restart
+    finds it in either state; it only marks the sequence, which ends here between steps (or, while joining, when
+    Decode next looks), so pages are never released while a step may still use them."""
 
     def __init__(self, runner: ModelRunner, release: Callable[[Sequence], Awaitable[None]], max_batch: int = 64,
-                 sweep_pages: int = 8, blind: Callable[[], PdError | None] = lambda: None, sweep_every: int = 1):
+                 sweep_pages: int = 8, blind: Callable[[], PdError | None] = lambda: None, sweep_every: int = 1,
+                 requests: RequestTable | None = None, growth: Growth | None = None):
+        """requests: the table this loop steps (its own when None); growth: pages on demand (growth.py), built on
+        the same table's marks (None: every page was leased up front)."""
         self.runner = runner
         self.blind = blind  # an error while decode cannot trust its revocation stream: then nothing steps
         self.release = release
         self.max_batch = max_batch
+        self.requests = RequestTable() if requests is None else requests
+        self.growth = growth
         self.sweep = ChecksumSweep(getattr(runner, "pool", None), sweep_pages, sweep_every)
         self.guards = StepGuards(getattr(runner, "pool", None), self.sweep, self._end)
-        self.joining: dict[bytes, Sequence] = {}
-        self.running: dict[bytes, Sequence] = {}  # in the order they are next stepped (the batch rotates)
-        self.stepping: frozenset[bytes] = frozenset()  # owners of the step in flight, until it returns
-        self.growth = None  # pages on demand (growth.py): set by the servicer, which owns the broker link
         self._admitted = 0
         self._idle = asyncio.Event()  # set while no step is in flight
         self._idle.set()
-        self._wake = asyncio.Event()
+
+    @property
+    def joining(self):
+        return self.requests.joining
+
+    @property
+    def running(self):  # in the order they are next stepped (the batch rotates)
+        return self.requests.running
+
+    @property
+    def stepping(self) -> frozenset[bytes]:
+        return self.requests.stepping
 
     def holds(self, owner: bytes) -> bool:
         """Whether a step may read or write the owner's pages now or later: its pages are not to be released."""
@@ -74,61 +87,45 @@ class Scheduler:
         await self._idle.wait()
 
     def join(self, seq: Sequence) -> None:
-        self.joining[seq.owner] = seq
+        self.requests.join(seq)
 
     def leave(self, owner: bytes) -> None:
         """A joining request that never started: its caller gives the pages back."""
-        self.joining.pop(owner, None)
+        self.requests.leave(owner)
 
     def add(self, seq: Sequence) -> None:
         """Starts stepping a sequence; raises if it was revoked, released or failed while joining (the caller
         must not await between its last look at the sequence and this call)."""
-        self.joining.pop(seq.owner, None)
-        raise_if_ended(seq)
-        if (err := self.blind()) is not None:
+        if self.requests.state(seq.owner) is None:  # added without joining first: it joins and starts at once
+            self.requests.join(seq)
+        err = self.blind()
+        if seq.err is not None or seq.cancelled or err is not None:
+            self.requests.leave(seq.owner)  # it never runs: its caller gives the pages back
+            raise_if_ended(seq)
             raise err
         self.sweep.admit(seq.prompt)
         self._admitted += 1
         seq.admitted = self._admitted
-        self.running[seq.owner] = seq
-        self._wake.set()
+        self.requests.start(seq)
 
-    def _find(self, owner: bytes) -> Sequence | None:
-        return self.running.get(owner) or self.joining.get(owner)
-
-    def _mark(self, seq: Sequence, err: PdError | None) -> None:
-        seq.cancelled = True
-        seq.err = seq.err or err
-        self._wake.set()
-
+    # marks: the request table's (a sequence marked ends here between steps)
     def mark(self, seq: Sequence, err: PdError) -> None:
-        """Ends a sequence with err between steps (growth's refusals and preemptions)."""
-        if not seq.done:
-            self._mark(seq, err)
+        self.requests.mark(seq, err)
 
     def wake(self) -> None:
-        self._wake.set()
+        self.requests.wake()
 
     def cancel(self, owner: bytes) -> None:
-        """Marks a request cancelled; the loop drops it (and releases its pages) between steps."""
-        if (seq := self._find(owner)) is not None:
-            self._mark(seq, None)
+        self.requests.cancel(owner)
 
     def revoke(self, owner: bytes, err: PdError) -> None:
-        """The broker ended the request's leases: a lease violation, counted once per request."""
-        if (seq := self._find(owner)) is not None and not seq.done:
-            if seq.first_revocation():
-                count_violation("decode", "REVOKED", owner)
-            self._mark(seq, err)
+        self.requests.revoke(owner, err)
 
     def fail(self, owner: bytes, err: PdError) -> None:
-        """Ends a request with err between steps, counted as nothing more (err says what it is)."""
-        if (seq := self._find(owner)) is not None:
-            self.mark(seq, err)
+        self.requests.fail(owner, err)
 
     def fail_all(self, err: PdError) -> None:
-        for seq in [*self.running.values(), *self.joining.values()]:
-            self._mark(seq, err)
+        self.requests.fail_all(err)
 
     def _stop_if_blind(self) -> bool:
         """Fails everything that runs or joins when decode may have missed a revocation: the pages may be
@@ -148,7 +145,7 @@ class Scheduler:
         if seq.done:
             return
         seq.done = True
-        self.running.pop(seq.owner, None)
+        self.requests.finish(seq.owner)
         if self.growth is not None:
             self.growth.forget(seq.owner)
         if err is not None:
@@ -176,9 +173,7 @@ class Scheduler:
         if len(ready) <= self.max_batch:
             return ready
         batch = ready[: self.max_batch]
-        for seq in batch:
-            del self.running[seq.owner]
-            self.running[seq.owner] = seq
+        self.requests.rotate(batch)
         return batch
 
     def _step(self, batch: list[Sequence], inputs: DecodeInputs
@@ -211,17 +206,15 @@ class Scheduler:
             for seq in [s for s in self.running.values() if s.cancelled]:
                 self._end(seq, seq.err)
             if not self.running:
-                self._wake.clear()
-                await self._wake.wait()
+                await self.requests.woken()
                 continue
             if self._stop_if_blind():
                 continue
             ready = self._ready()
             if not ready:  # every running sequence waits for growth pages, or was just marked (ends next round)
                 if not any(s.cancelled for s in self.running.values()):
-                    self._wake.clear()  # growth's reply wakes it; the timeout lets the preemption policy look again
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self._wake.wait(), 0.1)
+                    # growth's reply wakes it; the timeout lets the preemption policy look again
+                    await self.requests.woken(0.1)
                 continue
             batch = self._next_batch(ready)
             try:
@@ -236,12 +229,12 @@ class Scheduler:
                     continue
                 inputs = self.runner.prepare_decode([s.generated[-1] for s in batch], [s.position for s in batch],
                                                     tables)
-                self.stepping = frozenset(s.owner for s in batch)
+                self.requests.step_began(frozenset(s.owner for s in batch))
                 self._idle.clear()
                 try:
                     tokens = await asyncio.to_thread(self._step, batch, inputs)
                 finally:
-                    self.stepping = frozenset()
+                    self.requests.step_ended()
                     self._idle.set()
             except Exception as e:  # a failed step fails its batch, never the loop
                 log.exception("decode step failed")

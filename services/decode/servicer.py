@@ -24,8 +24,9 @@ from ..engine.runner import ModelRunner
 from ..engine.tags import TAG_NBYTES, expected_tags
 from ..engine.sampler import SamplingParams
 from .admit import admit_decode
-from .allocations import Allocation, Allocations
+from .allocations import Allocation
 from .growth import Growth
+from .requests import RequestTable, State
 from .reuse import PrefixPlan, corrupt_in_place, first_bad_shared, plan_prefix, shared_words
 from .run import GrantQueue, Notices
 from .scheduler import Scheduler, Sequence, raise_if_ended
@@ -39,9 +40,10 @@ FINISH = {True: common_pb2.FINISH_REASON_STOP, False: common_pb2.FINISH_REASON_L
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServicer):
-    """Composes decode's parts, each the one owner of its state: the allocations (granted, not yet decoded),
-    the link to the broker (pool incarnation, liveness, revocations), the queue for pages, the write-done
-    notices, and the scheduler (joining and running sequences)."""
+    """The gRPC translation of decode: parses requests, calls its parts and maps their errors to status codes.
+    Each part is the one owner of its state: the request table (every request's state, from its Grant to its
+    release), the link to the broker (pool incarnation, liveness, revocations), the queue for pages, the write-done
+    notices, and the step loop (which steps the table's running requests)."""
 
     def __init__(self, runner: ModelRunner, broker, pool_id: str, transfer_session: str, context_length: int,
                  model_name: str, max_batch: int = 64, rpc_timeout_s: float = 10.0, allocation_timeout_s: float = 120.0,
@@ -60,15 +62,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.allocation_timeout_s = allocation_timeout_s
         # prefill's write of a prompt takes longer the longer the prompt: its allocation waits this much more per token
         self.allocation_timeout_per_token_s = allocation_timeout_per_token_s
-        self.allocations = Allocations()
-        self.pending_grants: set[bytes] = set()  # owners whose Grant is in flight
+        self.requests = RequestTable()
         self.link = BrokerWatch(broker, self, pool_id, self.pool.num_pages, max_blind_s, rpc_timeout_s)
-        self.scheduler = Scheduler(runner, self._release_seq, max_batch, sweep_pages if check_checksums else 0,
-                                   blind=self.link.blind_error, sweep_every=sweep_every)
         self.headroom_pages = headroom_pages
-        self.growth = self.scheduler.growth = Growth(
-            self._extend, self.pool.page_size, headroom_pages, growth_pages, preempt_after_s,
-            wake=self.scheduler.wake, mark=self.scheduler.mark, on_broker_moved=self.link.epoch_changed.set)
+        self.growth = Growth(self._extend, self.pool.page_size, headroom_pages, growth_pages, preempt_after_s,
+                             wake=self.requests.wake, mark=self.requests.mark,
+                             on_broker_moved=self.link.epoch_changed.set)
+        self.scheduler = Scheduler(runner, self._release_seq, max_batch, sweep_pages if check_checksums else 0,
+                                   blind=self.link.blind_error, sweep_every=sweep_every, requests=self.requests,
+                                   growth=self.growth)
         self.queue = GrantQueue(queue_limit, queue_timeout_s, lambda: self.draining)
         self.notices = Notices(self.pool.page_size, self.link.blind_error)
         self.layout_pb = layout_to_pb(self.pool.layout, TAG_NBYTES)
@@ -77,8 +79,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # prefix reuse (reuse.py): off, decode still checks the chain words prefill writes, but shares and
         # publishes nothing
         self.prefix_cache = prefix_cache
-        self.readonly: dict[bytes, set[int]] = {}  # owner -> its pages that are cached (shared): never canary-filled
-        self.publishing: dict[bytes, asyncio.Task] = {}  # owner -> its Publish in flight, awaited by its Release
 
     @property
     def pool_id(self) -> str:  # the current incarnation: a move to another broker changes it
@@ -91,12 +91,27 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     def blind_error(self) -> PdError | None:
         return self.link.blind_error()
 
+    @property
+    def allocations(self):  # the ALLOCATED owners (read-only)
+        return self.requests.allocations
+
+    @property
+    def pending_grants(self) -> set[bytes]:  # owners whose Grant is in flight
+        return set(self.requests.owners(State.GRANTING))
+
+    @property
+    def readonly(self) -> dict[bytes, frozenset[int]]:  # owner -> its cached pages: never canary-filled
+        return self.requests.readonly_pages()
+
+    @property
+    def publishing(self) -> dict[bytes, asyncio.Future]:  # owner -> its Publish, awaited by its release
+        return self.requests.publishes()
+
     # -- what the broker link needs of decode (watch.Holder) --
     def held_owners(self) -> set[bytes]:
         """Every owner whose pages decode may still use or write, the step in flight included: the broker revokes
         the others after its grace, and frees a revoked owner's pages only once it is no longer listed here."""
-        s = self.scheduler
-        return {*self.pending_grants, *self.allocations, *s.joining, *s.running, *s.stepping}
+        return self.requests.held_owners()
 
     def region(self) -> broker_pb2.PoolRegion:
         return broker_pb2.PoolRegion(transfer_session=self.session, data_base=self.pool.data_ptr,
@@ -159,13 +174,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                                            plan)
             k = resp.num_shared
             if k > len(lookup) or len(resp.shared_checksums) != k:
+                self.requests.grant_refused(owner)
                 spawn(self.release(owner, resp.epoch, leases))
                 raise PdError(grpc.StatusCode.INTERNAL, "BAD_GRANT", f"the broker shared {k} cached pages with "
                                                                      f"{len(resp.shared_checksums)} checksums; "
                                                                      f"{len(lookup)} were looked up")
             bad = None
             if k:
-                self.readonly[owner] = {p for p, _ in leases[:k]}
+                self.requests.share(owner, (p for p, _ in leases[:k]))
                 if FAULTS.enabled:
                     self._corrupt_unread(owner, leases[:k])
                 with GUARD_SECONDS.labels("prefix_check").time():
@@ -182,10 +198,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                    num_shared=k, shared_checksums=list(resp.shared_checksums), plan=plan)
                 if k:
                     alloc.shared_words = shared_words(self.pool, leases[:k])
-                return self.allocations.add(owner, alloc)
+                return self.requests.granted(owner, alloc)
             i, reason, message = bad
             PREFIX_REFUSED.labels(reason).inc()
             log.warning("request %s: %s", owner.hex(), message)
+            self.requests.grant_refused(owner)
             await asyncio.shield(self._unpublish_and_release(owner, resp.epoch, leases, leases[i:i + 1], reason))
             lookup = lookup[:i]
         raise AssertionError("unreachable: the last attempt shares nothing")
@@ -194,7 +211,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         """Fault point decode.corrupt_cached, on the first of these shared pages that no other request here reads
         (it stays armed while every one is read). What it models (a stray write, a foreign tag) can land only on a
         page nobody holds: the quarantine keeps every late write off a page until it is granted again."""
-        others = set().union(*(pages for o, pages in self.readonly.items() if o != owner))
+        others = self.requests.readonly_of_others(owner)
         page = next((p for p, _ in shared if p not in others), None)
         if page is not None and (how := FAULTS.fire("decode.corrupt_cached", owner)) is not None:
             corrupt_in_place(self.pool, page, how)
@@ -217,16 +234,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # running requests come first (growth.py): a new one waits in the queue until they have their pages
             raise PdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "RUNNING_FIRST",
                           f"{len(self.growth.starving)} running requests wait for growth pages of pool {self.pool_id}")
-        if owner in self.pending_grants or owner in self.allocations or self.scheduler.holds(owner):
+        if self.requests.holds(owner):
             raise PdError(grpc.StatusCode.ALREADY_EXISTS, "OWNER_HAS_LEASE", f"request {owner.hex()} is already "
                                                                              f"allocated on pool {self.pool_id}")
+        timeout = timeout_within(deadline, self.rpc_timeout_s, "before broker Grant")
         # held from before the Grant is sent: a KeepAlive racing the reply must not have it revoked
-        self.pending_grants.add(owner)
+        self.requests.begin_grant(owner)
         pool_id = self.pool_id  # a move while the Grant is in flight must not relabel its leases
         rpc = asyncio.ensure_future(call(self.broker.Grant(broker_pb2.GrantRequest(
             pool_id=pool_id, owner=owner, num_pages=need, epoch=self.epoch, prefix_chains=lookup,
-            scope_tag=plan.tag if plan is not None and lookup else b""),
-            timeout=timeout_within(deadline, self.rpc_timeout_s, "before broker Grant")), "broker Grant"))
+            scope_tag=plan.tag if plan is not None and lookup else b""), timeout=timeout), "broker Grant"))
         try:
             with GUARD_SECONDS.labels("grant_rpc").time():
                 resp = await asyncio.shield(rpc)
@@ -235,14 +252,14 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             rpc.add_done_callback(lambda t: self._abandoned_grant(owner, t))
             raise
         except PdError as e:
-            self.pending_grants.discard(owner)
+            self.requests.grant_failed(owner)
             if e.reason not in ("EPOCH_MISMATCH", "UNKNOWN_POOL", "POOL_FENCED"):
                 raise
             self.link.epoch_changed.set()  # re-register now rather than at the next liveness tick
             raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED", e.message) from None
-        self.pending_grants.discard(owner)  # no await until it is an allocation (or released)
-        leases = leases_from_pb(resp.leases)
+        leases = leases_from_pb(resp.leases)  # GRANTING until it is an allocation (or refused)
         if len(leases) != need:  # the broker grants all or nothing: anything else is a broker fault
+            self.requests.grant_refused(owner)
             spawn(self.release(owner, resp.epoch, leases))
             raise PdError(grpc.StatusCode.INTERNAL, "BAD_GRANT", f"asked the broker for {need} pages, granted "
                                                                  f"{len(leases)}")
@@ -272,16 +289,18 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return self.allocation_timeout_s + num_prompt_tokens * self.allocation_timeout_per_token_s
 
     def _abandoned_grant(self, owner: bytes, rpc: asyncio.Future) -> None:
-        self.pending_grants.discard(owner)
-        if not rpc.cancelled() and rpc.exception() is None:
-            resp = rpc.result()
-            leases = leases_from_pb(resp.leases)
-            if resp.num_shared:
-                self.readonly[owner] = {p for p, _ in leases[:resp.num_shared]}
-            spawn(self.release(owner, resp.epoch, leases))
+        if rpc.cancelled() or rpc.exception() is not None:
+            self.requests.grant_failed(owner)
+            return
+        self.requests.grant_refused(owner)
+        resp = rpc.result()
+        leases = leases_from_pb(resp.leases)
+        if resp.num_shared:
+            self.requests.share(owner, (p for p, _ in leases[:resp.num_shared]))
+        spawn(self.release(owner, resp.epoch, leases))
 
     async def Release(self, request, context) -> decode_pb2.DecodeReleaseResponse:
-        alloc = self.allocations.end(request.request_id, PdError(
+        alloc = self.requests.end_allocation(request.request_id, PdError(
             grpc.StatusCode.CANCELLED, "RELEASED", f"request {request.request_id.hex()} was released by its caller"))
         if alloc is not None:
             # shielded: the allocation is already popped, so a cancelled caller must not stop the release
@@ -292,7 +311,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
 
     async def Decode(self, request, context):
         owner = request.request_id
-        alloc = self.allocations.take(owner)
+        alloc = self.requests.take(owner)
         if alloc is None:
             raise PdError(grpc.StatusCode.FAILED_PRECONDITION, "UNKNOWN_REQUEST",
                           f"request {owner.hex()} has no allocation on pool {self.pool_id} (released, revoked "
@@ -321,12 +340,12 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             yield decode_pb2.RunEvent(destination=self.destination(alloc))
             notice = await self.notices.wait(owner, alloc, fut, deadline, request.prompt_digest,
                                              self._allocation_timeout(request.num_prompt_tokens))
-            if self.allocations.take(owner, alloc) is None:  # ended between the notice and now
+            if self.requests.take(owner, alloc) is None:  # ended between the notice and now
                 raise alloc.ended or PdError(grpc.StatusCode.INTERNAL, "ALLOCATION_GONE",
                                              f"the allocation of {owner.hex()} ended for no recorded reason")
         except BaseException:
             # never reached decoding: if the allocation is still ours to end, give the pages back
-            if self.allocations.take(owner, alloc) is not None:
+            if self.requests.drop_allocation(owner, alloc) is not None:
                 await asyncio.shield(self.release(owner, alloc.epoch, alloc.leases))
             raise
         finally:
@@ -356,7 +375,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if self.check_checksums:  # verification proved the pages' bytes carry these checksums
                 seq.prompt = PromptRecord.of(alloc.leases, alloc.num_prompt_tokens, self.pool.page_size, checksums)
             if alloc.plan is not None and self.prefix_cache:
-                self.publishing[owner] = spawn(self._publish(owner, alloc, checksums))
+                self.requests.publish_started(owner, spawn(self._publish(owner, alloc, checksums)))
             seq.max_pages = pages_needed(alloc.num_prompt_tokens, seq.sampling.max_tokens, self.pool.page_size)
             # structured output: the grammar must accept the tokens generated before (a resubmission's) and prefill's
             # first token before that token is sent; a refusal ends the request, never its output
@@ -453,16 +472,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             log.warning("Publish of %d pages of %s failed (they stay its own): %s", len(items), owner.hex(), e)
             return
         published = {p for (p, _), ok in zip(items, resp.published) if ok}
-        if published and owner in self.publishing:  # the owner's release pops it only after this: never re-added
-            self.readonly.setdefault(owner, set()).update(published)
+        if published:  # the owner's release forgets it only after this: never re-added
+            self.requests.published(owner, published)
 
     async def release(self, owner: bytes, epoch: int, leases: list[tuple[int, int]]) -> None:
-        if (publish := self.publishing.get(owner)) is not None:
+        if (publish := self.requests.publishing(owner)) is not None:
             # to its end (its call's own deadline bounds it): which pages are cached decides the canary, and a
             # Publish answered after this release must leave nothing behind for the owner
             await asyncio.wait([publish])
-            self.publishing.pop(owner, None)
-        if self.scheduler.holds(owner):
+        if self.requests.holds(owner):
             # a step may still read or write these pages: the broker would free them at once. Stop the sequence
             # instead; the scheduler releases it between steps (defence in depth: every path that takes an
             # allocation hands it out once, so this is a bug elsewhere)
@@ -471,7 +489,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.scheduler.fail(owner, PdError(grpc.StatusCode.INTERNAL, "RELEASE_WHILE_HELD",
                                                f"request {owner.hex()} was to be released while decoding"))
             return
-        readonly = self.readonly.pop(owner, ())  # cached pages others may read: never filled
+        readonly = self.requests.forget(owner)  # cached pages others may read: never filled
         if self.canary:
             # before the broker can re-grant them: a page nobody rewrites keeps the marker, and a verified
             # page that still carries it would prove stale bytes got through

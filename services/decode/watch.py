@@ -33,7 +33,7 @@ from ..common.metrics import LEASE_RECHECKS, TIMEOUTS
 from ..common.proto import broker_pb2
 from ..common.tasks import spawn
 from ..common.wire import call, leases_to_pb
-from .allocations import Allocations
+from .requests import RequestTable
 from .run import GrantQueue, Notices
 from .scheduler import Scheduler
 
@@ -51,8 +51,8 @@ def blind_bound_error(max_blind_s: float, lock_delay_ms: int) -> str | None:
 
 class Holder(Protocol):
     """What the link needs of the rest of decode."""
-    scheduler: Scheduler
-    allocations: Allocations
+    requests: RequestTable  # every request's state: allocations to end, sequences to mark
+    scheduler: Scheduler  # the step loop: a move waits for its step in flight
     notices: Notices  # the Runs waiting for their write-done notice
     queue: GrantQueue  # the Runs waiting for pages: woken whenever the stream speaks
 
@@ -150,16 +150,16 @@ class BrokerWatch:
             self.fenced_until = max(self.fenced_until, self.contact_at + self.fence_s)
         old_pool = self.pool_id
         self.pool_id = f"{old_pool.rsplit('-', 1)[0]}-{secrets.token_hex(4)}"
-        scheduler = self.holder.scheduler
+        requests = self.holder.requests
         log.error("%s: failing %d running requests; new pool incarnation %s, grantable in %.2fs", why,
-                  len(scheduler.running), self.pool_id, max(0.0, self.fenced_until - time.monotonic()))
+                  len(requests.running), self.pool_id, max(0.0, self.fenced_until - time.monotonic()))
         err = PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED", why)
-        scheduler.fail_all(err)
-        for owner, alloc in self.holder.allocations.end_all(err):
+        requests.fail_all(err)
+        for owner, alloc in requests.end_allocations(err):
             spawn(self.holder.release(owner, alloc.epoch, alloc.leases))
         self.watch_cursor, self.heard_at = (0, 0), None
         # a step still running may write pages of the old incarnation: the new one starts after it
-        await scheduler.step_ended()
+        await self.holder.scheduler.step_ended()
         try:
             epoch = await self.register(held)
             log.info("pool %s registered: %d pages, epoch %#x", self.pool_id, self.num_pages, epoch)
@@ -196,10 +196,10 @@ class BrokerWatch:
 
     def _on_revocation(self, msg) -> None:
         err = PdError(grpc.StatusCode.DATA_LOSS, "REVOKED", f"the broker revoked this request's leases: {msg.reason}")
-        if self.holder.allocations.end(msg.owner, err) is not None:
+        if self.holder.requests.end_allocation(msg.owner, err) is not None:
             # the broker ended these leases itself: nothing to release
             log.warning("allocation %s revoked before its Decode: %s", msg.owner.hex(), msg.reason)
-        self.holder.scheduler.revoke(msg.owner, err)
+        self.holder.requests.revoke(msg.owner, err)
         self.watch_cursor = (msg.epoch, msg.seq)
 
     async def _on_heartbeat(self, msg, is_new_stream: bool) -> None:
@@ -223,9 +223,9 @@ class BrokerWatch:
         it, the pages it shares or published as CACHED with it among the readers (ValidateRequest.recheck). A lease
         the broker ended fails its request closed (DATA_LOSS, a lease violation); a check that cannot be made ends
         it UNAVAILABLE (retryable), counted as what it is: nothing was found wrong."""
-        scheduler = self.holder.scheduler
+        requests = self.holder.requests
         # one already ending (a revocation the replay brought, a cancellation) is not asked about again
-        seqs = [s for s in (*scheduler.running.values(), *scheduler.joining.values()) if not s.cancelled]
+        seqs = [s for s in requests.sequences() if not s.cancelled]
         results = await asyncio.gather(*(call(self.broker.Validate(broker_pb2.ValidateRequest(
             pool_id=self.pool_id, owner=s.owner, epoch=s.epoch, leases=leases_to_pb(s.leases), recheck=True),
             timeout=self.rpc_timeout_s), "broker Validate") for s in seqs), return_exceptions=True)
@@ -240,13 +240,13 @@ class BrokerWatch:
                 LEASE_RECHECKS.labels(outcome).inc()
                 if outcome == "not_current":
                     log.warning("request %s failed its lease re-check: %s", seq.owner.hex(), result)
-                scheduler.revoke(seq.owner, PdError(
+                requests.revoke(seq.owner, PdError(
                     grpc.StatusCode.DATA_LOSS, "REVOKED",
                     f"re-checked after a revocation-stream outage: {result.reason}: {result.message}"))
             else:  # the check could not be made: fail closed, retryable
                 log.warning("request %s could not be re-checked: %s", seq.owner.hex(), result)
                 LEASE_RECHECKS.labels("unreachable").inc()
-                scheduler.fail(seq.owner, PdError(
+                requests.fail(seq.owner, PdError(
                     grpc.StatusCode.UNAVAILABLE, "RECHECK_FAILED",
                     f"the broker did not answer decode's lease re-check after a revocation-stream outage "
                     f"(timeout {self.rpc_timeout_s:g}s): {result}"))
@@ -257,7 +257,7 @@ class BrokerWatch:
         while True:
             await asyncio.sleep(interval_s)
             # popped in one step before any await: one that Decode or Run takes meanwhile is not among them
-            for owner, alloc in self.holder.allocations.expire():
+            for owner, alloc in self.holder.requests.expire():
                 TIMEOUTS.labels("allocation").inc()
                 log.warning("allocation %s expired without a Decode call; releasing", owner.hex())
                 await asyncio.shield(self.holder.release(owner, alloc.epoch, alloc.leases))

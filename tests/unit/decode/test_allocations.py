@@ -55,8 +55,9 @@ class Holder:
     """What BrokerWatch reaches of decode; release() waits on a gate, as an RPC would."""
 
     def __init__(self, broker=None):
-        self.allocations = Allocations()
         self.scheduler = Scheduler(runner=None, release=self._release_seq)
+        self.requests = self.scheduler.requests
+        self.allocations = self.requests.allocations
         self.released: list[bytes] = []
         self.gate = asyncio.Event()
         self.queue = GrantQueue()

@@ -8,7 +8,6 @@ import grpc
 
 from pdserve.common.errors import PdError
 from pdserve.decode import drain as drain_mod
-from pdserve.decode.allocations import Allocations
 from pdserve.decode.scheduler import Scheduler, Sequence
 from pdserve.engine.sampler import SamplingParams
 from pdserve.engine.tags import expected_tags
@@ -29,8 +28,8 @@ class _Decode:
         async def release(seq):
             self.released.append(seq.owner)
         self.scheduler = Scheduler(runner=SimpleNamespace(page_size=16), release=release)
-        self.allocations = Allocations()
-        self.pending_grants: set[bytes] = set()
+        self.requests = self.scheduler.requests
+        self.allocations = self.requests.allocations
         self.queue = SimpleNamespace(pages_may_be_free=lambda: None)
         self.draining = False
 

@@ -12,6 +12,7 @@ from pdserve.broker.lease_table import LeaseError, LeaseTable
 from pdserve.common.errors import PdError
 from pdserve.common.metrics import LEASE_VIOLATIONS, PREEMPTIONS
 from pdserve.decode.growth import Growth
+from pdserve.decode.requests import RequestTable
 from pdserve.decode.scheduler import Scheduler
 from pdserve.decode.sequence import Sequence
 from pdserve.decode.sweep import PromptRecord
@@ -72,10 +73,10 @@ def _scheduler(runner, broker: Broker, released: list, growth_pages: int = 2, pr
     async def release(seq):
         released.append(seq.owner)
         broker.table.release("p", seq.owner, EPOCH)
-    s = Scheduler(runner, release, sweep_pages=0)
-    s.growth = Growth(broker.extend, PS, headroom_pages=1, growth_pages=growth_pages,
-                      preempt_after_s=preempt_after_s, wake=s.wake, mark=s.mark)
-    return s
+    requests = RequestTable()
+    growth = Growth(broker.extend, PS, headroom_pages=1, growth_pages=growth_pages,
+                    preempt_after_s=preempt_after_s, wake=requests.wake, mark=requests.mark)
+    return Scheduler(runner, release, sweep_pages=0, requests=requests, growth=growth)
 
 
 async def _drain(seq: Sequence) -> tuple[list[int], PdError | None]:

@@ -42,7 +42,11 @@ def test_a_publish_answered_after_the_release_began_leaves_nothing_behind(model_
         plan = PrefixPlan(scope=b"s", tag=b"t" * 8, chains=[b"a" * 16, b"b" * 16], lookup=[b"a" * 16, b"b" * 16])
         alloc = Allocation(EPOCH, leases, 40, 8, time.monotonic() + 60, POOL, plan=plan)
         runner.pool.fill([2, 3, 4], 7)
-        servicer.publishing[owner] = asyncio.ensure_future(servicer._publish(owner, alloc, [11, 12, 13]))
+        table = servicer.requests  # taken by Decode, its Publish started, then it ends and is released
+        table.begin_grant(owner)
+        table.take(owner, table.granted(owner, alloc))
+        table.publish_started(owner, asyncio.ensure_future(servicer._publish(owner, alloc, [11, 12, 13])))
+        table.leave(owner)
         await asyncio.sleep(0)
         await servicer.release(owner, EPOCH, leases)
         await asyncio.sleep(3 * RPC_TIMEOUT)  # past any late answer

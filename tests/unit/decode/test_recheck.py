@@ -53,6 +53,11 @@ def running(holder: Holder, owner: bytes, epoch: int, leases: list[tuple[int, in
     return seq
 
 
+def ended_and_released(holder: Holder, owner: bytes) -> None:
+    holder.requests.finish(owner)
+    holder.requests.forget(owner)
+
+
 def count(name: str, labels: dict[str, str]) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
@@ -93,7 +98,7 @@ def test_publisher_and_sharer_pass_the_recheck_and_a_share_that_ended_fails_it()
             # the shared pages change hands: A ends, decode acknowledges B's revocation, lock_delay passes, and the
             # unread pages are evicted for D's grant, which takes them at a new generation. A decode that still
             # read them as B (one that missed all of it) fails its re-check
-            holder.scheduler.running.pop(A)
+            ended_and_released(holder, A)
             table.release(POOL, A, table.epoch)
             table.reader_keep_alive(POOL, [C], table.last_seq(POOL))
             clock.now += LOCK_DELAY + 0.1
@@ -102,7 +107,7 @@ def test_publisher_and_sharer_pass_the_recheck_and_a_share_that_ended_fails_it()
             shared_pages = {p for p, _ in leases[B][:2]}
             assert shared_pages <= {p for p, _ in d}
             assert all(table.page_info(POOL, p).state is PageState.LEASED for p in shared_pages)
-            holder.scheduler.running.pop(B)
+            ended_and_released(holder, B)
             stale = running(holder, B, table.epoch, leases[B])
             await watch.recheck_leases()
             assert (stale.err.code, stale.err.reason) == (grpc.StatusCode.DATA_LOSS, "REVOKED"), stale.err

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.common.errors import PdError
 from pdserve.common.proto import broker_pb2
-from pdserve.decode.allocations import Allocation, Allocations
+from pdserve.decode.allocations import Allocation
 from pdserve.decode.scheduler import Scheduler, Sequence
 from pdserve.decode.watch import BrokerWatch
 from pdserve.engine.sampler import SamplingParams
@@ -37,8 +37,9 @@ class Stepping(Scheduler):
 
 class Holder:
     def __init__(self):
-        self.allocations = Allocations()
         self.scheduler = Stepping(self._release_seq)
+        self.requests = self.scheduler.requests
+        self.allocations = self.requests.allocations
         self.released: list[bytes] = []
         self.lost: list[str] = []
 
