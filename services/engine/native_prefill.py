@@ -1,0 +1,99 @@
+"""Chunked prefill attention on the CPU kernel (csrc/prefill_attention.c): a chunk that continues a prompt attends
+to the prefix where it lies in the paged pool, with a causal offset, without copying the prefix or building a mask.
+
+The kernel is part of the engine's one native library (native.py loads it). `supports` says whether it takes a
+layer; where it does not (a pool on a GPU, no library, a head_dim that is not a multiple of 8) the model keeps the
+torch path, which gathers the prefix and masks, and `why_not` gives the reason for its start-up line and its log.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import torch
+
+from . import native
+
+log = logging.getLogger(__name__)
+
+DTYPE_CODES = native.DTYPE_CODES
+ERRORS = {1: "a prefix page id outside the pool", 2: "fewer prefix pages than the prefix needs, or an empty chunk",
+          3: "a shape the kernel does not take (heads, head_dim or group)", 5: "out of memory"}
+MAX_HEAD_DIM = 256  # as csrc/prefill_attention.c
+MAX_GROUP = 64      # query heads per KV head: its block of query rows (BR)
+
+_fn = None
+_warned: set[str] = set()
+
+
+def _kernel():
+    global _fn
+    if _fn is None:
+        lib = native._load()
+        if lib is None:
+            return None
+        fn = lib.pd_prefill_attention
+        fn.restype = ctypes.c_int
+        i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        fn.argtypes = [vp, vp, vp, vp, i64, vp, i32, i64, i64, i64, i64, i64, i32, i32, i32, i32, vp, i64, i64,
+                       i32, i32, ctypes.c_float]
+        _fn = fn
+    return _fn
+
+
+def why_not(cache: torch.Tensor, num_heads: int) -> str | None:
+    """None when the kernel takes this layer's pool view [num_pages, 2, ps, kvh, D], else why not."""
+    if cache.device.type != "cpu":
+        return f"the pool is on {cache.device.type}"
+    if cache.dtype not in DTYPE_CODES:
+        return f"a pool of {cache.dtype}"
+    if cache.stride(-1) != 1:
+        return "a pool whose head_dim is not contiguous"
+    _, _, _, kvh, d = cache.shape
+    if d % 8 or d > MAX_HEAD_DIM:
+        return f"head_dim {d} (the kernel takes multiples of 8 up to {MAX_HEAD_DIM})"
+    if num_heads % kvh or num_heads // kvh > MAX_GROUP:
+        return f"{num_heads} query heads over {kvh} KV heads"
+    if _kernel() is None:
+        return f"no native library ({native.status()})"
+    return None
+
+
+def supports(cache: torch.Tensor, num_heads: int) -> bool:
+    reason = why_not(cache, num_heads)
+    if reason is not None and reason not in _warned:
+        _warned.add(reason)  # once per reason: the path is slower, never different in what it computes
+        log.warning("chunked prefill attention: torch path (gathers the prefix, explicit mask): %s", reason)
+    return reason is None
+
+
+def status(cache: torch.Tensor, num_heads: int) -> str:
+    """One line for the start-up log: which chunked prefill attention runs, and why."""
+    reason = why_not(cache, num_heads)
+    if reason is None:
+        return "chunked prefill attention: native CPU kernel, the prefix read in place"
+    return f"chunked prefill attention: torch path, the prefix gathered and masked ({reason})"
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                      prefix_pages: torch.Tensor, prefix_len: int) -> torch.Tensor:
+    """q: [L, H, D]; k, v: [L, kvh, D], the chunk's own keys (after RoPE) and values; cache: a layer's pool view
+    [num_pages, 2, ps, kvh, D] whose pages prefix_pages ([>= ceil(prefix_len / ps)] int64, in order) hold positions
+    0 .. prefix_len - 1. Query i sits at position prefix_len + i and sees keys 0 .. prefix_len + i. Returns
+    [L, H, D] in q's dtype; the arithmetic is float32."""
+    L, H, D = q.shape
+    qf, kf, vf = (t.float().contiguous() for t in (q, k, v))
+    pages = prefix_pages.contiguous()
+    if pages.dtype != torch.int64 or pages.device.type != "cpu":
+        raise ValueError(f"prefix pages must be int64 on the CPU, got {pages.dtype} on {pages.device}")
+    out = torch.empty(L, H, D)
+    kvh = cache.shape[3]
+    rc = _kernel()(qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), out.data_ptr(), L, cache.data_ptr(),
+                   DTYPE_CODES[cache.dtype], cache.shape[0], cache.stride(0), cache.stride(1), cache.stride(2),
+                   cache.stride(3), cache.shape[2], kvh, H, D, pages.data_ptr(), pages.numel(), prefix_len, 0, kvh,
+                   D ** -0.5)
+    if rc != 0:
+        raise ValueError(f"prefill attention refused a chunk of {L} tokens after {prefix_len} on "
+                         f"{pages.numel()} pages of {cache.shape[2]} (pool of {cache.shape[0]} pages): "
+                         f"{ERRORS.get(rc, f'error {rc}')}")
+    return out.to(q.dtype)
