@@ -18,8 +18,8 @@ import subprocess
 import sys
 import time
 
-COPY_BYTES, COPY_REPS = 512 << 20, 5
-MM_N, MM_REPS = 2048, 5
+COPY_BYTES, COPY_REPS = 256 << 20, 5
+MM_N, MM_REPS = 1536, 5
 
 _PROBE = """
 import json, time, torch

@@ -121,8 +121,8 @@ def render(res: dict, rows: list[dict]) -> str:
              f"system's and the client's) over {res['protocol']['load_limit_cores']} core after one re-run.", "",
              "Systems: " + "; ".join(f"{s}: start-up {', '.join(f'{x:.0f}' for x in i['startup_s'])} s"
                                      + (f", computes on {i['compute']}" if "compute" in i else "")
-                                     + (f" ({', '.join(n for n in i['notes'] if '=' in n and ' ' not in n)})"
-                                        if s.startswith("vLLM") and len(i["notes"]) else "")
+                                     + (f" ({', '.join(env)})" if (env := [n for n in i["notes"] if "=" in n
+                                                                             and " " not in n]) else "")
                                      for s, i in res["systems"].items()) + ".", "",
              f"Floors (measured once, before any system started, {fl['busy_cores_during_probe']:.2f} cores busy over "
              f"the probe): copy bandwidth {fl['copy_bytes_per_s_1t'] / 1e9:.1f} GB/s on 1 thread, "
