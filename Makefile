@@ -65,7 +65,7 @@ test: .deps-apt
 	$(MAKE) --no-print-directory setup || exit $$?; \
 	$(PY) -m compileall -q -j0 services tests >/dev/null || exit $$?; \
 	setsid -w $(PY) -m pytest -q -p no:cacheprovider --basetemp="$$tmp/a" --durations=10 \
-	  tests/unit tests/deploy tests/chaos $(SIDE_TESTS) >"$$tmp/a.log" 2>&1 & apid=$$!; \
+	  tests/unit bench/tests tests/deploy tests/chaos $(SIDE_TESTS) >"$$tmp/a.log" 2>&1 & apid=$$!; \
 	$(PY) -m pytest -q -p no:cacheprovider --basetemp="$$tmp/b" --durations=10 \
 	  $(addprefix --ignore=,$(SIDE_TESTS)) tests/integration; brc=$$?; \
 	echo "waiting for the unit, deploy and chaos tests (started beside the integration tests) ..."; \

@@ -1,7 +1,7 @@
 """Bytes one decode step's attention allocates, pages on contiguous ids against the same batch on ids scattered
 over the whole pool: `python -m pdserve.bench.scenarios.attention_memory`.
 
-Counted op by op (alloc_bytes.py): preparing the step (once, for every layer) plus one layer's attention (each
+Counted op by op (services/engine/alloc_bytes.py): preparing the step (once, for every layer) plus one layer's attention (each
 layer allocates as much again, freed before the next). The pool and the queries are meta tensors, so an
 8B-like shape at a 1,048,576-token pool costs no memory here; the page tables are real, as the step's layout is
 computed from them. Scattered ids are drawn without replacement from the whole pool (seeded), as a pool looks
@@ -17,7 +17,7 @@ import torch
 
 from pdserve.engine.paged_attention import PagedDecode, paged_decode_attention, prepare_paged_decode
 
-from ..alloc_bytes import AllocatedBytes
+from pdserve.engine.alloc_bytes import AllocatedBytes
 
 PAGE_SIZE = 16
 # name: (heads, kv_heads, head_dim, KV dtype)

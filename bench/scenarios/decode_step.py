@@ -1,5 +1,4 @@
-"""One decode step against its memory-bandwidth floor, before (the padded per-layer gather) and after (pages
-read in place), side by side in one process: `python -m pdserve.bench.scenarios.decode_step`.
+"""One decode step against its memory-bandwidth floor: `python -m pdserve.bench.scenarios.decode_step`.
 
 floor = (bytes of weights read per step + bytes of KV read per step) / read bandwidth, the bandwidth measured
 in the same run as the best of BW_REPS `torch.sum` passes over a BW_BYTES float32 tensor, with the thread
@@ -7,15 +6,13 @@ count the step runs with. The weights are every parameter but the embedding tabl
 rows); the KV is what the B sequences attend: (position + 1) tokens each. The pool is filled with random
 values, not a prefill (the step's cost does not depend on them), and each sequence's pages are granted
 lowest id first, as the broker grants them (--layout scattered: drawn at random from a pool twice the size,
-as a pool looks after a load peak). Times are the best of --reps steps, before and after interleaved:
-on a shared machine other work only adds, so the best is the closest to the code's own cost; the run prints
-the load average.
+as a pool looks after a load peak). Times are the best of --reps steps: on a shared machine other work only
+adds, so the best is the closest to the code's own cost; the run prints the load average.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import contextlib
 import os
 import random
 import time
@@ -26,7 +23,6 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.kv_pool import PoolLayout
 
 from .attention_memory import table as attention_memory_table
-from ..decode_step_legacy import legacy_decode
 from ..harness.common import MODELS, RESULTS, ensure_model
 
 BW_BYTES, BW_REPS = 1 << 30, 5
@@ -59,18 +55,16 @@ def weight_bytes(model: torch.nn.Module, batch: int) -> int:
     return sum(read.values()) + rows * emb.shape[1] * emb.element_size()
 
 
-def _best_pair_ms(step, reps: int, device: torch.device) -> tuple[float, float]:
-    """Best step time before and after, interleaved (before, after, before, ...) so load hits both alike."""
-    best = [float("inf"), float("inf")]
-    for i in range(reps + 1):  # the first pair warms up the allocator and first-touches the pages
-        for k in (0, 1):
-            with legacy_decode() if k == 0 else contextlib.nullcontext():
-                _sync(device)
-                t0 = time.perf_counter()
-                step()
-                _sync(device)
-                best[k] = min(best[k], time.perf_counter() - t0) if i else best[k]
-    return best[0] * 1e3, best[1] * 1e3
+def _best_ms(step, reps: int, device: torch.device) -> float:
+    """Best step time of reps (other work on a shared machine only adds to a step)."""
+    best = float("inf")
+    for i in range(reps + 1):  # the first step warms up the allocator and first-touches the pages
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        best = min(best, time.perf_counter() - t0) if i else best
+    return best * 1e3
 
 
 def _runner(path: str, num_pages: int, device: torch.device):
@@ -107,9 +101,9 @@ def measure(preset: str, batches: list[int], contexts: list[int], reps: int, bw:
             args = ([5] * batch, [ctx - 1] * batch, tables)
             kv = batch * ctx * page_nbytes // PAGE_SIZE
             w = weight_bytes(runner.model, batch)
-            before, after = _best_pair_ms(lambda: runner.decode(*args), reps, device)
+            step_ms = _best_ms(lambda: runner.decode(*args), reps, device)
             rows.append(dict(preset=preset, batch=batch, context=ctx, weight_mb=w / 1e6, kv_mb=kv / 1e6,
-                             floor_ms=(w + kv) / bw * 1e3, before_ms=before, after_ms=after))
+                             floor_ms=(w + kv) / bw * 1e3, step_ms=step_ms))
             print(_row(rows[-1]), flush=True)
             runner = None  # its pool goes before the next cell's is allocated
     return rows
@@ -117,14 +111,12 @@ def measure(preset: str, batches: list[int], contexts: list[int], reps: int, bw:
 
 def _row(r: dict) -> str:
     if "skipped" in r:
-        return f"| {r['preset']} | {r['batch']} | {r['context']} | skipped: {r['skipped']} | | | | | | |"
+        return f"| {r['preset']} | {r['batch']} | {r['context']} | skipped: {r['skipped']} | | | |"
     return (f"| {r['preset']} | {r['batch']} | {r['context']} | {r['weight_mb']:.1f} | {r['kv_mb']:.1f} | "
-            f"{r['floor_ms']:.2f} | {r['before_ms']:.2f} | {r['after_ms']:.2f} | "
-            f"{r['before_ms'] / r['floor_ms']:.1f}× | {r['after_ms'] / r['floor_ms']:.1f}× |")
+            f"{r['floor_ms']:.2f} | {r['step_ms']:.2f} | {r['step_ms'] / r['floor_ms']:.1f}× |")
 
 
-HEADER = ("| preset | batch | context | weights MB | KV MB | floor ms | before ms | after ms | before / floor "
-          "| after / floor |\n|---|---|---|---|---|---|---|---|---|---|")
+HEADER = "| preset | batch | context | weights MB | KV MB | floor ms | step ms | step / floor |\n|---|---|---|---|---|---|---|---|"
 
 
 def profile_step(preset: str, batch: int, ctx: int, device: torch.device, top: int = 15) -> str:
@@ -159,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU host (bench/gpu.sh)")
     ap.add_argument("--out", default="", help=f"also write the report to this file (e.g. {RESULTS}/decode-step.md)")
     ap.add_argument("--json", default="", help="also write the measured rows here: {preset, batch, context, step_ms "
-                                               "(the current step), before_ms, floor_ms, ratio}")
+                                               "(the current step), floor_ms, ratio}")
     args = ap.parse_args(argv)
     from pdserve.engine.runner import set_threads
 
@@ -192,8 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
     if args.json:
-        rows = [dict(preset=r["preset"], batch=r["batch"], context=r["context"], step_ms=r["after_ms"],
-                     before_ms=r["before_ms"], floor_ms=r["floor_ms"], ratio=r["after_ms"] / r["floor_ms"])
+        rows = [dict(preset=r["preset"], batch=r["batch"], context=r["context"], step_ms=r["step_ms"],
+                     floor_ms=r["floor_ms"], ratio=r["step_ms"] / r["floor_ms"])
                 for r in measured if "skipped" not in r]
         with open(args.json, "w") as f:
             json.dump({"bandwidth_gbps": bw / 1e9, "rows": rows}, f, indent=1)

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from pdserve.bench.alloc_bytes import AllocatedBytes
+from pdserve.engine.alloc_bytes import AllocatedBytes
 from pdserve.engine.paged_attention import paged_decode_attention, prepare_paged_decode
 
 NUM_PAGES, PS, KVH, H, D, B = 65_536, 16, 2, 4, 8, 64
