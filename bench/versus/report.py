@@ -175,7 +175,8 @@ def render(res: dict, rows: list[dict]) -> str:
         sign = "≥" if t["figure"] == "out_tok_s" else "≤"
         lines.append(f"| {t['figure']} | {t['cell']} | {sign} {t['bound']:.1f}× | {_n(t['ratio'], 1, 2)}× "
                      f"| {t['verdict']}{' (loaded)' if t['loaded'] else ''} |")
-    lines += ["", f"Run time {res.get('elapsed_s', math.nan) / 60:.1f} min."]
+    lines += ["", f"Run time {res.get('elapsed_s', math.nan) / 60:.1f} min."
+              + (" PARTIAL: the run stopped before its last round ended." if res.get("partial") else "")]
     for s, i in res["systems"].items():
         if s.startswith("vLLM") and i["notes"]:
             lines += ["", f"{s}'s own start-up lines:", "", "```", *i["notes"][:10], "```"]

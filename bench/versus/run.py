@@ -196,6 +196,8 @@ def main(argv=None) -> int:
                 log(f"FAILED {res['errors'][-1][:400]}")
             finally:
                 system.close()
+                with open(json_path, "w") as f:  # what is measured so far survives an interrupted run
+                    json.dump({**res, "partial": True}, f, indent=1, default=str)
         if r == 0:
             for cell in cells:
                 if cell.concurrency >= 4:
@@ -207,7 +209,7 @@ def main(argv=None) -> int:
                         res["errors"].append(f"{cell.key}: no open loop: {e}")
     res["tokens"] = token_checks(ids, list(start))
     res["elapsed_s"] = time.perf_counter() - t0
-    with open(json_path, "w") as f:
+    with open(json_path, "w") as f:  # the complete run: no "partial" key
         json.dump(res, f, indent=1, default=str)
     write_all(res, RESULTS)
     log(f"wrote {os.path.relpath(json_path, ROOT)} (+ .md, -summary.json) in {res['elapsed_s']:.0f} s")
