@@ -100,13 +100,11 @@ bench: setup
 bench-quick: setup
 	$(VENV)/bin/pdserve bench --quick
 
-# A run writes bench/out/ (git-ignored), so it leaves the checkout clean; keeping a run's tables is a choice: this
-# copies its Markdown and JSON over bench/results/, for a `git add bench/results` and a commit that says what ran
+# A run writes bench/out/ (git-ignored), so it leaves the checkout clean; keeping a run is a choice: this copies each
+# table (.md) to bench/results/ with a NAME.summary.json beside it (the table's figures, the commit measured and the
+# machine; never the raw per-request JSON), for a `git add bench/results` and a commit that says what ran
 bench-commit:
-	@shopt -s nullglob; files=(bench/out/*.md bench/out/*.json); \
-	if [ $${#files[@]} -eq 0 ]; then \
-	  echo "make bench-commit: no results in bench/out/: run make bench-quick or make bench first" >&2; exit 1; fi; \
-	cp -v "$${files[@]}" bench/results/ && git status --short bench/results
+	$(PY) -m pdserve.bench.report.commit
 
 # the same table on a CUDA machine, into bench/out/cuda/ (its own venv, .venv-cuda): BENCH_ARGS=--quick for the
 # short one
