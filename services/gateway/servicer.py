@@ -360,8 +360,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         gap = timeout_within(deadline, bound, when)
         by_deadline = gap < bound  # the request's deadline, not the gap bound, is what ends the wait
         try:
-            r = await asyncio.wait_for(stream.read(), gap)
-        except asyncio.TimeoutError:
+            # a timeout scope, not wait_for: no task made per token
+            async with asyncio.timeout(gap):
+                r = await stream.read()
+        except TimeoutError:
             TIMEOUTS.labels("decode").inc()
             if by_deadline:
                 raise deadline_exceeded(deadline, when) from None

@@ -18,6 +18,8 @@ class StopStrings:
         complete. Text sent before never overlaps a stop string: its tail that could was held back."""
         if self.stopped:
             raise RuntimeError("text pushed after a stop string ended the output")
+        if not self.stops:  # nothing to hold back or find (most requests)
+            return text
         buf = self.pending + text
         # (end, start) of each stop string's first occurrence: the output stops where a stop string first
         # completes, whatever the token boundaries, and at its earliest start when several complete there

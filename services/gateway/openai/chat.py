@@ -143,14 +143,13 @@ async def handle(front, request: Request) -> Response:
                 choice = {"index": i, "delta": delta,
                           "logprobs": logprobs_of(tok, o) if body.logprobs and k == 0 else None,
                           "finish_reason": finish if k == len(deltas) - 1 else None}
-                yield {**head, "object": "chat.completion.chunk", "choices": [choice],
-                       **usage_fields(body, lambda: usage(len(ids), sum(counts)))}
+                yield {"choices": [choice], **usage_fields(body, lambda: usage(len(ids), sum(counts)))}
 
         def tail():
             if with_usage:
-                yield {**head, "object": "chat.completion.chunk", "choices": [],
-                       "usage": usage(len(ids), sum(counts))}
-        return event_stream(*await open_stream(front.servicer, reqs, request, rid), chunks, tail, rid)
+                yield {"choices": [], "usage": usage(len(ids), sum(counts))}
+        return event_stream(*await open_stream(front.servicer, reqs, request, rid), chunks, tail, rid,
+                            {**head, "object": "chat.completion.chunk"})
     outs = await collect(front.servicer, reqs, request, rid)
     choices = []
     for i, o in enumerate(outs):

@@ -110,12 +110,12 @@ async def handle(front, request: Request) -> Response:
         def chunks(i, r):
             o = Output()
             o.add(r)
-            yield {**head, "choices": [state.choice(i, o)], **usage_fields(body, state.usage)}
+            yield {"choices": [state.choice(i, o)], **usage_fields(body, state.usage)}
 
         def tail():
             if with_usage:
-                yield {**head, "choices": [], "usage": state.usage()}
-        return event_stream(gen, first, chunks, tail, rid)
+                yield {"choices": [], "usage": state.usage()}
+        return event_stream(gen, first, chunks, tail, rid, head)
     outs = await collect(front.servicer, reqs, request, rid)
     admitted(rid, prompts, body)
     return {**head, "choices": [state.choice(i, o) for i, o in enumerate(outs)], "usage": state.usage()}

@@ -7,7 +7,6 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from fastapi import Request
 
@@ -132,38 +131,74 @@ def client_deadline(request: Request) -> float | None:
     return time.monotonic() + seconds
 
 
-async def merged(servicer, reqs: list[gateway_pb2.GenerateRequest], rid: str, deadline: float | None = None,
-                 tenant: str | None = None) -> AsyncIterator[tuple[int, gateway_pb2.GenerateResponse]]:
-    """(choice index, message) from all calls as they arrive; the first error ends them all. Close it
-    (contextlib.aclosing) so that the calls are cancelled with it. deadline (time.monotonic()) bounds every
-    internal call of every choice; tenant: the caller's (tenant_of)."""
-    queue: asyncio.Queue = asyncio.Queue()
+class Merged:
+    """(choice index, message) from all calls as they arrive; the first error ends them all. Close it (aclose, or
+    contextlib.aclosing) so that the calls are cancelled with it. deadline (time.monotonic()) bounds every internal
+    call of every choice; tenant: the caller's (tenant_of). ready() hands over, without waiting, what has already
+    arrived, so a reader that fell behind writes it in one go."""
 
-    async def pump(i: int, req) -> None:
+    def __init__(self, servicer, reqs: list[gateway_pb2.GenerateRequest], rid: str, deadline: float | None = None,
+                 tenant: str | None = None):
+        self._servicer, self._reqs, self._rid, self._deadline, self._tenant = servicer, reqs, rid, deadline, tenant
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Future] | None = None  # the calls start at the first read
+        self._left = len(reqs)  # calls that have not ended
+        self._error: Exception | None = None  # arrived behind messages ready() handed over: raised next
+
+    async def _pump(self, i: int, req) -> None:
         try:
-            async for r in servicer.generate(req, deadline, tenant):
+            async for r in self._servicer.generate(req, self._deadline, self._tenant):
                 if r.request_id:
-                    log.info("http request %s choice %d: internal request %s", rid, i, r.request_id.hex())
-                queue.put_nowait((i, r))
-            queue.put_nowait((i, None))
+                    log.info("http request %s choice %d: internal request %s", self._rid, i, r.request_id.hex())
+                self._queue.put_nowait((i, r))
+            self._queue.put_nowait((i, None))
         except Exception as e:  # handed to the reader, which raises it
-            queue.put_nowait((i, e))
+            self._queue.put_nowait((i, e))
 
-    tasks = [asyncio.ensure_future(pump(i, req)) for i, req in enumerate(reqs)]
-    try:
-        left = len(tasks)
-        while left:
-            i, item = await queue.get()
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> tuple[int, gateway_pb2.GenerateResponse]:
+        if self._tasks is None:
+            self._tasks = [asyncio.ensure_future(self._pump(i, req)) for i, req in enumerate(self._reqs)]
+        while True:
+            if self._error is not None:
+                raise self._error
+            if not self._left:
+                raise StopAsyncIteration
+            i, item = await self._queue.get()
             if item is None:
-                left -= 1
+                self._left -= 1
             elif isinstance(item, Exception):
                 raise item
             else:
-                yield i, item
-    finally:
+                return i, item
+
+    def ready(self) -> list[tuple[int, gateway_pb2.GenerateResponse]]:
+        """The messages already queued, in order, without waiting; an error behind them is raised by the next
+        read."""
+        out = []
+        while self._error is None and not self._queue.empty():
+            i, item = self._queue.get_nowait()
+            if item is None:
+                self._left -= 1
+            elif isinstance(item, Exception):
+                self._error = item
+            else:
+                out.append((i, item))
+        return out
+
+    async def aclose(self) -> None:
+        tasks, self._tasks = self._tasks or [], []
+        self._left, self._error = 0, None
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def merged(servicer, reqs: list[gateway_pb2.GenerateRequest], rid: str, deadline: float | None = None,
+           tenant: str | None = None) -> Merged:
+    return Merged(servicer, reqs, rid, deadline, tenant)
 
 
 async def _gather(servicer, reqs, rid: str, deadline: float | None, tenant: str | None) -> list[Output]:
