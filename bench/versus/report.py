@@ -121,6 +121,8 @@ def render(res: dict, rows: list[dict]) -> str:
              f"system's and the client's) over {res['protocol']['load_limit_cores']} core after one re-run.", "",
              "Systems: " + "; ".join(f"{s}: start-up {', '.join(f'{x:.0f}' for x in i['startup_s'])} s"
                                      + (f", computes on {i['compute']}" if "compute" in i else "")
+                                     + (f", commits by round {', '.join(i['commits'])}"
+                                        if len(set(i.get("commits", []))) > 1 else "")
                                      + (f" ({', '.join(env)})" if (env := [n for n in i["notes"] if "=" in n
                                                                              and " " not in n]) else "")
                                      for s, i in res["systems"].items()) + ".", "",

@@ -182,8 +182,9 @@ def main(argv=None) -> int:
                 info["rss_after_start"] = system.rss()
                 if isinstance(system, Vllm):
                     info["compute"] = system.compute_threads()
-                else:
+                else:  # per round: a shared checkout can move between rounds, and the table must say so
                     info["commit"] = system.commit
+                    info.setdefault("commits", []).append(system.commit)
                 for p in sorted({c.prompt_len for c in cells}):  # first calls (compiles, caches) are not measured
                     warm = protocol.prompts(Cell(p, 0), r, "warm-up", WARM_UP, facts["vocab_size"])
                     run_http_load(system.url, system.model, warm, 1, protocol.OUTPUT_TOKENS, system.extra_body)
