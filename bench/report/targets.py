@@ -1,11 +1,11 @@
-"""Report section on the targets: each goal with what was measured and a verdict (met, missed, inconclusive)."""
+"""Report section on the targets: each goal with what was measured and a verdict (met, missed, inconclusive),
+the decode step against its memory-bandwidth floor among them."""
 from __future__ import annotations
 
-from .format import (NAN, TTFT_GAP_SLACK_S, _ci_verdict, _div, _find, _hist_quantile, _median, _ms, _table,
-                            _verdict)
-from .decode_step import decode_step_targets
-from .sweep import sweep_targets
 from ..harness.workload import Summary, fmt_ci, mean_ci
+from .format import NAN, TTFT_GAP_SLACK_S, _ci_verdict, _div, _find, _hist_quantile, _median, _ms, _table, _verdict
+from .load import sweep_targets
+
 
 FLOOD_TARGET = 5000  # over-long rejections/s (issue 12)
 
@@ -91,3 +91,30 @@ def targets(res: dict, runs: list[Summary], keys: list[tuple], gaps: dict[tuple,
     L += ["## Targets", ""]
     L += _table(["target", "measured", "verdict"], T)
     return L
+
+
+TARGET_BATCH, TARGET_CONTEXT, TARGET_RATIO = 16, 1024, 2.0  # issue 12: within 2× of the floor at b16, c1024
+
+
+def decode_step_section(res: dict) -> list[str]:
+    ds = res.get("decode_step") or {}
+    if "rows" not in ds:
+        return []
+    return ["## Decode step against its memory-bandwidth floor", "",
+            f"`python -m pdserve.bench.scenarios.decode_step`'s own table (its rows also in `{ds['file']}`):", "",
+            ds["table"], ""]
+
+
+def decode_step_targets(res: dict) -> list[list[str]]:
+    ds = res.get("decode_step") or {}
+    label = (f"decode step ≤ {TARGET_RATIO:g}× its memory-bandwidth floor (batch {TARGET_BATCH}, "
+             f"context {TARGET_CONTEXT})")
+    if "rows" not in ds:
+        why = ds.get("absent", "not run")
+        return [[label, why, _verdict(None)]]
+    row = next((r for r in ds["rows"] if r["batch"] == TARGET_BATCH and r["context"] == TARGET_CONTEXT), None)
+    if row is None:
+        got = sorted((r["batch"], r["context"]) for r in ds["rows"])
+        return [[label, f"no batch {TARGET_BATCH} × context {TARGET_CONTEXT} row (has {got})", _verdict(None)]]
+    return [[label, f"{row['ratio']:.2f}× ({row['step_ms']:.2f} ms vs floor {row['floor_ms']:.2f} ms)",
+             _verdict(row["ratio"] <= TARGET_RATIO)]]

@@ -4,16 +4,11 @@ from __future__ import annotations
 import json
 import os
 
-from .breakdown import cpu_per_request, profiles, ttft_breakdown
-from .decode_step import decode_step_section
+from .costs import admission_and_flood, checksum_ab, guard_overhead, transfer_table
 from .format import guard_fractions
-from .gateway import admission_and_flood
-from .guards import checksum_ab, guard_overhead
-from .guidellm import guidellm_section
-from .latency import headline_ratios, latency_table, paired_gap
-from .sweep import sweep_section
-from .targets import targets
-from .transfer import transfer_table
+from .latency import cpu_per_request, headline_ratios, latency_table, paired_gap, profiles, ttft_breakdown
+from .load import guidellm_section, sweep_section
+from .targets import decode_step_section, targets
 from ..harness.workload import Summary
 
 __all__ = ["build", "guard_fractions", "write_report"]

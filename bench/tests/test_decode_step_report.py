@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from pdserve.bench.report.decode_step import decode_step_targets
+from pdserve.bench.report.targets import decode_step_targets
 from pdserve.bench.scenarios.run_decode_step import read_rows
 
 
