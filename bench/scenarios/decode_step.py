@@ -7,7 +7,10 @@ rows); the KV is what the B sequences attend: (position + 1) tokens each. The po
 values, not a prefill (the step's cost does not depend on them), and each sequence's pages are granted
 lowest id first, as the broker grants them (--layout scattered: drawn at random from a pool twice the size,
 as a pool looks after a load peak). Times are the best of --reps steps: on a shared machine other work only
-adds, so the best is the closest to the code's own cost; the run prints the load average.
+adds, so the best is the closest to the code's own cost; the run prints adds, so the best is the closest to the code's own cost; the run prints the load average.
+
+As a step of `pdserve bench` (DecodeStepStep, mixed into Bench), this module runs itself in its own process and
+keeps its Markdown table and its JSON rows {batch, context, step_ms, floor_ms, ratio} for the report.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import argparse
 import json
 import os
 import random
+import subprocess
+import sys
 import time
 
 import torch
@@ -23,7 +28,7 @@ from pdserve.engine.config import ModelConfig
 from pdserve.engine.kv_pool import PoolLayout
 
 from .attention_memory import table as attention_memory_table
-from ..harness.common import MODELS, RESULTS, ensure_model
+from ..harness.common import MODELS, RESULTS, ROOT, ensure_model, log
 
 BW_BYTES, BW_REPS = 1 << 30, 5
 PAGE_SIZE = 16
@@ -189,6 +194,40 @@ def main(argv: list[str] | None = None) -> None:
                 for r in measured if "skipped" not in r]
         with open(args.json, "w") as f:
             json.dump({"bandwidth_gbps": bw / 1e9, "rows": rows}, f, indent=1)
+
+
+ROW_KEYS = ("batch", "context", "step_ms", "floor_ms", "ratio")
+
+
+def read_rows(path: str) -> list[dict]:
+    """The JSON rows decode_step wrote (a list, or {"rows": [...]}), each checked for the agreed keys."""
+    with open(path) as f:
+        doc = json.load(f)
+    rows = doc.get("rows") if isinstance(doc, dict) else doc
+    if not isinstance(rows, list) or not rows:
+        raise ValueError(f"{path}: expected a non-empty list of rows (or {{'rows': [...]}}), got {type(doc).__name__}")
+    for i, r in enumerate(rows):
+        missing = [k for k in ROW_KEYS if k not in r]
+        if missing:
+            raise ValueError(f"{path}: row {i} lacks {missing} (has {sorted(r)})")
+    return rows
+
+
+class DecodeStepStep:
+    """Mixed into Bench (uses its plan and res)."""
+
+    def decode_step(self) -> None:
+        path = os.path.join(RESULTS, f"decode-step-{self.plan.mode}.json")
+        log("decode step against its memory-bandwidth floor (python -m pdserve.bench.scenarios.decode_step) ...")
+        # quick: the target cell and its neighbours on the tiny checkpoint; full: every batch, context and preset
+        grid = ["--presets", "tiny", "--batches", "1,16", "--contexts", "128,1024", "--reps", "5"] \
+            if self.plan.mode == "quick" else []
+        out = subprocess.run([sys.executable, "-m", "pdserve.bench.scenarios.decode_step", "--json", path, *grid],
+                             capture_output=True, text=True, cwd=ROOT, timeout=900, stdin=subprocess.DEVNULL)
+        if out.returncode != 0:
+            raise RuntimeError(f"decode_step exited {out.returncode}: {out.stderr[-2000:]}")
+        self.res["decode_step"] = {"rows": read_rows(path), "table": out.stdout.strip(),
+                                   "file": os.path.relpath(path, ROOT)}
 
 
 if __name__ == "__main__":

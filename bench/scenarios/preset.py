@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
 from ..harness.common import ROOT, _short, ensure_model, log
-from .run_decode_step import DecodeStepStep
+from .decode_step import DecodeStepStep
 from .gateway import GatewaySteps
 from .guidellm import GuidellmStep
 from .profile import ProfileStep

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from pdserve.bench.report.targets import decode_step_targets
-from pdserve.bench.scenarios.run_decode_step import read_rows
+from pdserve.bench.scenarios.decode_step import read_rows
 
 
 def _row(batch, context, step_ms, floor_ms):
