@@ -11,8 +11,8 @@ import grpc
 import torch
 
 from ..common.errors import PdError
-from ..common.faults import FAULTS
 from ..common.metrics import GUARD_SECONDS, count_violation
+from . import faults
 from .sweep import ChecksumSweep
 from .verify import step_tag_mismatches
 
@@ -45,10 +45,7 @@ class StepGuards:
 
     def sweep_pages(self, batch: list[Sequence], tables: list[list[int]]) -> tuple[list[Sequence], list[list[int]]]:
         """Re-checksums the oldest-checked prompt pages of the batch (sweep.py); drops failing sequences."""
-        if (arg := _fresh_fault(batch)) is not None:
-            # a late write of data alone: bytes of one prompt page of the newest request change, its tag does not
-            page = batch[-1].pages[int(arg or 0)]
-            self.pool.kv[page, :, :, 0] = 0.5
+        faults.rogue_data_write(self.pool, batch)
         with GUARD_SECONDS.labels("checksum_sweep").time():
             bad = self.sweep([s.prompt for s in batch])
         for m in bad:
@@ -69,12 +66,3 @@ def _without(batch: list[Sequence], tables: list[list[int]], failed: set[int]
         return batch, tables
     keep = [i for i in range(len(batch)) if i not in failed]
     return [batch[i] for i in keep], [tables[i] for i in keep]
-
-
-def _fresh_fault(batch: list[Sequence]) -> str | None:
-    """decode.rogue_data_write fires only on a request not yet stepped (the newest joins last), so a test
-    knows the write came before that request's first step."""
-    if batch and len(batch[-1].generated) == 1:
-        return FAULTS.fire("decode.rogue_data_write", batch[-1].owner)
-    return None
-

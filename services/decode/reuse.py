@@ -90,25 +90,3 @@ def shared_words(pool: KVPool, leases: list[tuple[int, int]]) -> torch.Tensor:
     """The ownership words the per-step check expects of checked shared pages: their tags as checked (the
     publisher's owner words, this epoch, the lease generation, the page index)."""
     return pool.tags[[p for p, _ in leases]][:, OWNERSHIP].clone().reshape(-1, OWNERSHIP.stop - OWNERSHIP.start)
-
-
-CORRUPTIONS = ("bit_flip", "foreign_tag", "stale_generation", "late_write")
-
-
-def corrupt_in_place(pool: KVPool, page: int, how: str) -> None:
-    """Fault point decode.corrupt_cached (the chaos suite): what a stray write, a foreign tag or a stale lease
-    would leave on a cached page, done to the pool's own memory."""
-    how = how or "bit_flip"
-    if how == "bit_flip":
-        pool.kv[page].view(torch.uint8).view(-1)[123] ^= 0x10
-    elif how == "foreign_tag":  # a whole valid-looking tag of another request, with another chain
-        pool.tags[page, :PAGE_INDEX] = torch.tensor([0x0BAD, 0x0BAD, int(pool.tags[page, EPOCH]),
-                                                     int(pool.tags[page, GENERATION])], dtype=torch.int64)
-        pool.tags[page, CHAIN] ^= 0x5A5A
-    elif how == "stale_generation":
-        pool.tags[page, GENERATION] -= 1
-    elif how == "late_write":
-        other = (page + 1) % pool.num_pages
-        pool.kv[page].copy_(pool.kv[other] + 1)
-    else:
-        raise ValueError(f"decode.corrupt_cached: {how!r} is not one of {CORRUPTIONS}")

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Awaitable, Callable
 
 import grpc
@@ -26,12 +25,12 @@ import torch
 
 from ..common.errors import PdError
 from ..common.tasks import spawn
-from ..common.faults import FAULTS
 from ..common.metrics import FORWARD_SECONDS, SAMPLING_FAILURES, TIMEOUTS
 from ..engine.grammar import fill
 from ..engine.runner import DecodeInputs, ModelRunner
 from ..engine.sampler import SamplingError, TokenLogprobs, advance, logprobs, sample
-from ..engine.tags import OWNER_LO, make_tag
+from ..engine.tags import make_tag
+from . import faults
 from .growth import Growth
 from .guards import StepGuards
 from .requests import RequestTable
@@ -180,8 +179,7 @@ class Scheduler:
               ) -> list[tuple[int | SamplingError, TokenLogprobs | None]]:
         """One forward step (its inputs prepared on the event loop) and its sampling, in the worker thread (on a GPU,
         sampling is what waits)."""
-        if (arg := FAULTS.fire("decode.stall_step")) is not None:
-            time.sleep(float(arg or 1000) / 1000)  # a stalled step thread: the event loop goes on meanwhile
+        faults.stall_step()
         with FORWARD_SECONDS.labels("decode").time():
             logits = self.runner.run_decode(inputs)
         # structured output: the constrained rows' masks, after the forward pass is launched (on a GPU it runs
@@ -220,8 +218,7 @@ class Scheduler:
             try:
                 for seq in batch:
                     self._stamp_own_pages(seq)
-                if (arg := FAULTS.fire("decode.corrupt_tag", batch[0].owner)) is not None:
-                    self.runner.pool.tags[batch[0].pages[int(arg or 0)], OWNER_LO] ^= 1
+                faults.corrupt_tag(self.runner.pool, batch)
                 ps = self.runner.page_size
                 batch, tables = self.guards.check(batch, [s.pages[: s.position // ps + 1] for s in batch])
                 batch, tables = self.guards.sweep_pages(batch, tables)

@@ -13,7 +13,6 @@ from ..common.deadline import deadline_of, timeout_within
 from ..common.config import DEFAULT_HEADROOM_PAGES, pages_for, pages_needed, pages_up_front
 from ..common.drain import draining_error
 from ..common.errors import PdError, invalid
-from ..common.faults import FAULTS
 from ..common.metrics import GUARD_SECONDS, PREFIX_LOOKUPS, PREFIX_REFUSED, TIMEOUTS, count_violation
 from ..common.prefix import CHAINS_INLINE_TOKENS
 from ..common.tasks import spawn
@@ -23,11 +22,13 @@ from ..engine.grammar import Grammars
 from ..engine.runner import ModelRunner
 from ..engine.tags import TAG_NBYTES, expected_tags
 from ..engine.sampler import SamplingParams
+from . import faults
 from .admit import admit_decode
 from .allocations import Allocation
 from .growth import Growth
+from .lease import LeaseClient
 from .requests import RequestTable, State
-from .reuse import PrefixPlan, corrupt_in_place, first_bad_shared, plan_prefix, shared_words
+from .reuse import PrefixPlan, first_bad_shared, plan_prefix, shared_words
 from .run import GrantQueue, Notices
 from .scheduler import Scheduler, Sequence, raise_if_ended
 from .sweep import PromptRecord
@@ -64,8 +65,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.allocation_timeout_per_token_s = allocation_timeout_per_token_s
         self.requests = RequestTable()
         self.link = BrokerWatch(broker, self, pool_id, self.pool.num_pages, max_blind_s, rpc_timeout_s)
+        self.leases = LeaseClient(broker, self.link, rpc_timeout_s)  # every lease RPC of decode's
         self.headroom_pages = headroom_pages
-        self.growth = Growth(self._extend, self.pool.page_size, headroom_pages, growth_pages, preempt_after_s,
+        self.growth = Growth(self.leases.extend, self.pool.page_size, headroom_pages, growth_pages, preempt_after_s,
                              wake=self.requests.wake, mark=self.requests.mark,
                              on_broker_moved=self.link.epoch_changed.set)
         self.scheduler = Scheduler(runner, self._release_seq, max_batch, sweep_pages if check_checksums else 0,
@@ -182,8 +184,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             bad = None
             if k:
                 self.requests.share(owner, (p for p, _ in leases[:k]))
-                if FAULTS.enabled:
-                    self._corrupt_unread(owner, leases[:k])
+                faults.corrupt_cached(self.pool, owner, leases[:k], self.requests.readonly_of_others(owner))
                 with GUARD_SECONDS.labels("prefix_check").time():
                     bad = first_bad_shared(self.pool, resp.epoch, leases[:k], lookup, list(resp.shared_checksums),
                                            self.check_checksums)
@@ -207,21 +208,10 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             lookup = lookup[:i]
         raise AssertionError("unreachable: the last attempt shares nothing")
 
-    def _corrupt_unread(self, owner: bytes, shared: list[tuple[int, int]]) -> None:
-        """Fault point decode.corrupt_cached, on the first of these shared pages that no other request here reads
-        (it stays armed while every one is read). What it models (a stray write, a foreign tag) can land only on a
-        page nobody holds: the quarantine keeps every late write off a page until it is granted again."""
-        others = self.requests.readonly_of_others(owner)
-        page = next((p for p, _ in shared if p not in others), None)
-        if page is not None and (how := FAULTS.fire("decode.corrupt_cached", owner)) is not None:
-            corrupt_in_place(self.pool, page, how)
-
     async def _unpublish_and_release(self, owner: bytes, epoch: int, leases, bad, reason: str) -> None:
         """While still a reader of the bad page, take it out of the cache; then end this grant."""
         try:
-            await call(self.broker.Unpublish(broker_pb2.UnpublishRequest(
-                pool_id=self.pool_id, owner=owner, epoch=epoch, leases=leases_to_pb(bad), reason=reason),
-                timeout=self.rpc_timeout_s), "broker Unpublish")
+            await self.leases.unpublish(owner, epoch, bad, reason)
         except PdError as e:  # it stays cached: the next reader's check refuses it again
             log.warning("Unpublish of %s failed: %s", bad, e)
         await self.release(owner, epoch, leases)
@@ -241,9 +231,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         # held from before the Grant is sent: a KeepAlive racing the reply must not have it revoked
         self.requests.begin_grant(owner)
         pool_id = self.pool_id  # a move while the Grant is in flight must not relabel its leases
-        rpc = asyncio.ensure_future(call(self.broker.Grant(broker_pb2.GrantRequest(
-            pool_id=pool_id, owner=owner, num_pages=need, epoch=self.epoch, prefix_chains=lookup,
-            scope_tag=plan.tag if plan is not None and lookup else b""), timeout=timeout), "broker Grant"))
+        rpc = asyncio.ensure_future(self.leases.grant(pool_id, owner, need, timeout, lookup,
+                                                      plan.tag if plan is not None and lookup else b""))
         try:
             with GUARD_SECONDS.labels("grant_rpc").time():
                 resp = await asyncio.shield(rpc)
@@ -258,32 +247,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.link.epoch_changed.set()  # re-register now rather than at the next liveness tick
             raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED", e.message) from None
         leases = leases_from_pb(resp.leases)  # GRANTING until it is an allocation (or refused)
-        if len(leases) != need:  # the broker grants all or nothing: anything else is a broker fault
+        if (err := self.leases.bad_grant(leases, need)) is not None:
             self.requests.grant_refused(owner)
             spawn(self.release(owner, resp.epoch, leases))
-            raise PdError(grpc.StatusCode.INTERNAL, "BAD_GRANT", f"asked the broker for {need} pages, granted "
-                                                                 f"{len(leases)}")
+            raise err
         return resp, leases, pool_id
-
-    async def _extend(self, items: list[tuple[bytes, int]]) -> list:
-        """One broker Extend for many running sequences (growth.py): per item its new leases or the refusal."""
-        resp = await call(self.broker.Extend(broker_pb2.ExtendRequest(
-            pool_id=self.pool_id, epoch=self.epoch, owners=[o for o, _ in items], num_pages=[n for _, n in items]),
-            timeout=self.rpc_timeout_s), "broker Extend")
-        if len(resp.results) != len(items) or resp.epoch != self.epoch:
-            raise PdError(grpc.StatusCode.INTERNAL, "BAD_EXTEND", f"asked the broker to grow {len(items)} sequences "
-                                                                  f"in epoch {self.epoch:#x}; it answered {len(resp.results)} "
-                                                                  f"results in epoch {resp.epoch:#x}")
-        out = []
-        for (owner, n), r in zip(items, resp.results):
-            if r.refused:
-                out.append(PdError(grpc.StatusCode.FAILED_PRECONDITION, r.refused, r.message))
-            elif len(r.leases) != n:  # all or nothing per item: anything else is a broker fault
-                out.append(PdError(grpc.StatusCode.INTERNAL, "BAD_GRANT", f"asked for {n} growth pages for "
-                                                                          f"{owner.hex()}, granted {len(r.leases)}"))
-            else:
-                out.append(leases_from_pb(r.leases))
-        return out
 
     def _allocation_timeout(self, num_prompt_tokens: int) -> float:
         return self.allocation_timeout_s + num_prompt_tokens * self.allocation_timeout_per_token_s
@@ -430,9 +398,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                 return
             n = pages_for(alloc.num_prompt_tokens, self.pool.page_size)
             with GUARD_SECONDS.labels("validate_rpc").time():
-                await call(self.broker.Validate(broker_pb2.ValidateRequest(
-                    pool_id=self.pool_id, owner=owner, epoch=alloc.epoch, leases=leases_to_pb(alloc.leases[:n])),
-                    timeout=timeout_within(deadline, self.rpc_timeout_s, "before broker Validate")), "broker Validate")
+                await self.leases.validate(owner, alloc.epoch, alloc.leases[:n],
+                                           timeout_within(deadline, self.rpc_timeout_s, "before broker Validate"))
         except Violation as v:
             count_violation("decode", v.reason, owner)
             log.error("request %s refused before its first step: %s %s", owner.hex(), v.reason, v.message)
@@ -464,14 +431,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if not items:
             return
         try:
-            resp = await call(self.broker.Publish(broker_pb2.PublishRequest(
-                pool_id=alloc.pool_id, owner=owner, epoch=alloc.epoch, leases=leases_to_pb(items),
-                chains=plan.chains[k:plan.num_publishable], checksums=checksums[k:plan.num_publishable],
-                scope_tag=plan.tag), timeout=self.rpc_timeout_s), "broker Publish")
+            ok = await self.leases.publish(alloc.pool_id, owner, alloc.epoch, items,
+                                           plan.chains[k:plan.num_publishable],
+                                           checksums[k:plan.num_publishable], plan.tag)
         except PdError as e:
             log.warning("Publish of %d pages of %s failed (they stay its own): %s", len(items), owner.hex(), e)
             return
-        published = {p for (p, _), ok in zip(items, resp.published) if ok}
+        published = {p for (p, _), cached in zip(items, ok) if cached}
         if published:  # the owner's release forgets it only after this: never re-added
             self.requests.published(owner, published)
 
@@ -495,11 +461,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             # page that still carries it would prove stale bytes got through
             self.pool.fill([p for p, _ in leases if p not in readonly], CANARY_BYTE)
         try:
-            if FAULTS.fire("decode.fail_release", owner) is not None:
-                raise PdError(grpc.StatusCode.UNAVAILABLE, "FAULT", "fault point decode.fail_release")
+            faults.fail_release(owner)
             with GUARD_SECONDS.labels("release_rpc").time():
-                await self.broker.Release(broker_pb2.ReleaseRequest(pool_id=self.pool_id, owner=owner, epoch=epoch),
-                                          timeout=self.rpc_timeout_s)
+                await self.leases.release(owner, epoch)
             self.queue.pages_may_be_free()
         except (grpc.RpcError, PdError) as e:
             # the broker restarting ends every lease of the old epoch anyway, and a live broker revokes an

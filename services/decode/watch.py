@@ -32,7 +32,8 @@ from ..common.errors import PdError
 from ..common.metrics import LEASE_RECHECKS, TIMEOUTS
 from ..common.proto import broker_pb2
 from ..common.tasks import spawn
-from ..common.wire import call, leases_to_pb
+from ..common.wire import call
+from .lease import LeaseClient
 from .requests import RequestTable
 from .run import GrantQueue, Notices
 from .scheduler import Scheduler
@@ -76,6 +77,7 @@ class BrokerWatch:
         self.contact_at: float | None = None  # monotonic time of the last reply of the broker
         self.fence_s = 0.0  # how long after contact_at a write it accepted may still land
         self.fenced_until = 0.0  # after a move: no grant from the new incarnation before this
+        self.leases = LeaseClient(broker, self, rpc_timeout_s)  # the re-check's Validate
 
     async def register(self, quarantined: list[int] = ()) -> int:
         resp = await call(self.broker.RegisterPool(broker_pb2.RegisterPoolRequest(
@@ -226,9 +228,8 @@ class BrokerWatch:
         requests = self.holder.requests
         # one already ending (a revocation the replay brought, a cancellation) is not asked about again
         seqs = [s for s in requests.sequences() if not s.cancelled]
-        results = await asyncio.gather(*(call(self.broker.Validate(broker_pb2.ValidateRequest(
-            pool_id=self.pool_id, owner=s.owner, epoch=s.epoch, leases=leases_to_pb(s.leases), recheck=True),
-            timeout=self.rpc_timeout_s), "broker Validate") for s in seqs), return_exceptions=True)
+        results = await asyncio.gather(*(self.leases.recheck(s.owner, s.epoch, s.leases) for s in seqs),
+                                       return_exceptions=True)
         for seq, result in zip(seqs, results):
             if not isinstance(result, Exception):
                 LEASE_RECHECKS.labels("current").inc()
