@@ -12,7 +12,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .context import get_context
-from . import native
+from . import native, native_prefill
 from .moe import SparseMoeBlock
 from .paged_attention import paged_decode_attention
 from .rope import RotaryEmbedding, apply_rope
@@ -120,7 +120,10 @@ class LlamaAttention(nn.Module):
         chunks of it left in the pool (read back as decode reads them, so a chunked prompt equals a whole one)."""
         # q: [L, H, D]; k, v: [L, kvh, D] -> [L, H, D]
         mask = None
-        if prefix_len:
+        if prefix_len and native_prefill.supports(self.kv_cache, self.num_heads):
+            # the prefix read where it lies in the pool, causal by offset: no copy of it, no [L, P + L] mask
+            return native_prefill.prefill_attention(q, k, v, self.kv_cache, prefix_pages, prefix_len)
+        if prefix_len:  # the torch path (a pool on a GPU, no native library): native_prefill logs why, once
             L, kvh, D = q.shape[0], self.num_kv_heads, self.head_dim
             old = self.kv_cache[prefix_pages]  # [P, 2, ps, kvh, D], a copy of the prefix's pages
             k = torch.cat([old[:, 0].reshape(-1, kvh, D)[:prefix_len].to(k.dtype), k])

@@ -33,7 +33,7 @@
 
 #define PF_MAX_HEAD_DIM 256
 #define TK 16              /* keys per tile: two 8-float vectors of scores per query row */
-#define BR 64              /* query rows per block (positions x group), a multiple of 4 */
+#define BR 128             /* query rows per block (positions x group), a multiple of 4 */
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define PF_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -45,6 +45,27 @@ typedef float v8 __attribute__((vector_size(32)));
 
 static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+typedef int32_t v8i __attribute__((vector_size(32)));
+
+/* lane-wise a > b ? a : b (C has no vector ?:, a bit select is what it compiles to) */
+static inline v8 max8(v8 a, v8 b) {
+    const v8i m = a > b;
+    return (v8)((m & (v8i)a) | (~m & (v8i)b));
+}
+
+static inline float hmax8(v8 x) {
+    x = max8(x, __builtin_shuffle(x, (v8i){4, 5, 6, 7, 0, 1, 2, 3}));
+    x = max8(x, __builtin_shuffle(x, (v8i){2, 3, 0, 1, 6, 7, 4, 5}));
+    x = max8(x, __builtin_shuffle(x, (v8i){1, 0, 3, 2, 5, 4, 7, 6}));
+    return x[0];
+}
+
+static inline float hsum8(v8 x) {
+    x += __builtin_shuffle(x, (v8i){4, 5, 6, 7, 0, 1, 2, 3});
+    x += __builtin_shuffle(x, (v8i){2, 3, 0, 1, 6, 7, 4, 5});
+    x += __builtin_shuffle(x, (v8i){1, 0, 3, 2, 5, 4, 7, 6});
+    return x[0];
+}
 
 /* e^x for x <= 0: the same Cephes polynomial as paged_attention.c's (a loop of it vectorises; libm's would not) */
 static inline float exp_nonpositive(float x) {
@@ -63,6 +84,22 @@ static inline float exp_nonpositive(float x) {
     float scale;
     memcpy(&scale, &bits, 4);
     return p * scale;
+}
+
+/* the same on 8 lanes (x <= 0 assumed: scores less their row's maximum); n rounds x log2(e) to a nearest
+ * integer by truncating y - 0.5 (y <= 0), which keeps the reduced argument within the polynomial's range */
+static inline v8 exp8_nonpositive(v8 x) {
+    x = max8(x, (v8){0} - 87.0f);
+    const v8i ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i);
+    const v8 n = __builtin_convertvector(ni, v8);
+    const v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return p * (v8)((ni + 127) << 23);
 }
 
 static inline float widen(const char *p, int dtype) {
@@ -106,7 +143,9 @@ struct pool {
  * read from the pool, the rest from the chunk's fresh k and v ([L, kvh, D] float32). */
 static inline void load_tile(const struct pool *pl, int64_t prefix_len, const float *k_new, const float *v_new,
                              int kvh, int j, int D, int64_t t0, int cnt, float *kt, float *vt) {
-    for (int t = 0; t < TK; t++) {
+    int64_t page = t0 / pl->page_size, slot = t0 % pl->page_size;  /* one division per tile, not per key */
+    for (int t = 0; t < TK; t++, slot++) {
+        if (slot == pl->page_size) { page++; slot = 0; }
         float *vr = vt + t * D;
         if (t >= cnt) {
             for (int i = 0; i < D; i++) { kt[i * TK + t] = 0.0f; vr[i] = 0.0f; }
@@ -114,8 +153,8 @@ static inline void load_tile(const struct pool *pl, int64_t prefix_len, const fl
         }
         const int64_t pos = t0 + t;
         if (pos < prefix_len) {
-            const char *kp = pl->base + (pl->pages[pos / pl->page_size] * pl->page_stride +
-                                         (pos % pl->page_size) * pl->token_stride + j * pl->head_stride) * pl->esize;
+            const char *kp = pl->base + (pl->pages[page] * pl->page_stride + slot * pl->token_stride +
+                                         j * pl->head_stride) * pl->esize;
             const char *vp = kp + pl->kv_stride * pl->esize;
             if (pl->dtype == PF_F32) {
                 const float *kf = (const float *)kp;
@@ -156,14 +195,16 @@ static inline void scores(const float *qb, const float *kt, float *s, int rows, 
     }
 }
 
-/* ob[r] += sum_t w[r][t] vt[t] for rows 0 .. rows (a multiple of 2), D a multiple of 8 */
-static inline void weighted_values(const float *w, const float *vt, float *ob, int rows, int D) {
+/* ob[r] = ob[r] alpha[r] + sum_t w[r][t] vt[t] for rows 0 .. rows (a multiple of 2), D a multiple of 8 */
+static inline void weighted_values(const float *w, const float *vt, const float *alpha, float *ob, int rows,
+                                   int D) {
     int c = 0;
     for (; c + 32 <= D; c += 32) {
         for (int r = 0; r < rows; r += 2) {
             float *o0 = ob + r * D + c, *o1 = o0 + D;
-            v8 x0 = load8(o0), x1 = load8(o0 + 8), x2 = load8(o0 + 16), x3 = load8(o0 + 24);
-            v8 y0 = load8(o1), y1 = load8(o1 + 8), y2 = load8(o1 + 16), y3 = load8(o1 + 24);
+            const float a0 = alpha[r], a1 = alpha[r + 1];
+            v8 x0 = a0 * load8(o0), x1 = a0 * load8(o0 + 8), x2 = a0 * load8(o0 + 16), x3 = a0 * load8(o0 + 24);
+            v8 y0 = a1 * load8(o1), y1 = a1 * load8(o1 + 8), y2 = a1 * load8(o1 + 16), y3 = a1 * load8(o1 + 24);
             const float *w0 = w + r * TK, *w1 = w0 + TK;
             for (int t = 0; t < TK; t++) {
                 const float *v = vt + t * D + c;
@@ -179,7 +220,7 @@ static inline void weighted_values(const float *w, const float *vt, float *ob, i
     for (; c < D; c += 8) {
         for (int r = 0; r < rows; r++) {
             float *o = ob + r * D + c;
-            v8 x = load8(o);
+            v8 x = alpha[r] * load8(o);
             for (int t = 0; t < TK; t++) x += w[r * TK + t] * load8(vt + t * D + c);
             store8(o, x);
         }
@@ -212,10 +253,10 @@ int pd_prefill_attention(const float *q, const float *k_new, const float *v_new,
     const int bq = BR / G;  /* query positions per block */
     const struct pool pl = {(const char *)cache, dtype, dtype == PF_F32 ? 4 : 2, page_stride, kv_stride,
                             token_stride, head_stride, page_size, pages};
-    float *scratch = aligned_alloc(64, sizeof(float) * (size_t)(2 * BR * D + BR * TK + 2 * TK * D + 2 * BR));
+    float *scratch = aligned_alloc(64, sizeof(float) * (size_t)(2 * BR * D + BR * TK + 2 * TK * D + 3 * BR));
     if (scratch == NULL) return PF_NO_MEMORY;
     float *qb = scratch, *ob = qb + BR * D, *s = ob + BR * D, *kt = s + BR * TK, *vt = kt + TK * D,
-          *m = vt + TK * D, *l = m + BR;
+          *m = vt + TK * D, *l = m + BR, *alpha = l + BR;
     for (int j = head_lo; j < head_hi; j++) {
         for (int64_t q0 = 0; q0 < L; q0 += bq) {
             const int nq = (int)(L - q0 < bq ? L - q0 : bq);
@@ -238,30 +279,28 @@ int pd_prefill_attention(const float *q, const float *k_new, const float *v_new,
                 const int masked = t0 + TK - 1 > first;  /* some key of the tile lies after some query */
                 for (int r = 0; r < padded; r++) {
                     float *sr = s + r * TK;
-                    /* keys after this row's position, and padding rows, weigh exactly 0 */
-                    const int64_t last = r < rows ? first + r / G : -1;
-                    const int valid = masked ? (int)(last - t0 + 1 < 0 ? 0 : (last - t0 + 1 > TK ? TK : last - t0 + 1))
-                                             : TK;
-                    float mx = m[r];
-                    for (int t = 0; t < TK; t++) mx = (t < valid && sr[t] > mx) ? sr[t] : mx;
-                    float alpha = 1.0f;
-                    if (mx > m[r]) {
-                        alpha = exp_nonpositive(m[r] - mx);
-                        m[r] = mx;
+                    int valid = TK;
+                    if (masked) {  /* keys after this row's position (and every key, for a padding row) */
+                        const int64_t last = r < rows ? first + r / G : t0 - 1;
+                        valid = (int)(last - t0 + 1 < 0 ? 0 : (last - t0 + 1 > TK ? TK : last - t0 + 1));
+                        for (int t = valid; t < TK; t++) sr[t] = -1e30f;
                     }
-                    float sum = 0.0f;
-                    for (int t = 0; t < TK; t++) {
-                        const float e = exp_nonpositive(sr[t] - mx);
-                        sr[t] = t < valid ? e : 0.0f;
-                        sum += sr[t];
+                    v8 s0 = load8(sr), s1 = load8(sr + 8);
+                    const float mx = fmaxf(m[r], hmax8(max8(s0, s1)));
+                    alpha[r] = exp_nonpositive(m[r] - mx);
+                    m[r] = mx;
+                    s0 = exp8_nonpositive(s0 - mx);
+                    s1 = exp8_nonpositive(s1 - mx);
+                    store8(sr, s0);
+                    store8(sr + 8, s1);
+                    if (valid < TK) {  /* exactly 0, not e^-87 */
+                        for (int t = valid; t < TK; t++) sr[t] = 0.0f;
+                        s0 = load8(sr);
+                        s1 = load8(sr + 8);
                     }
-                    l[r] = l[r] * alpha + sum;
-                    if (alpha != 1.0f) {
-                        float *o = ob + r * D;
-                        for (int i = 0; i < D; i++) o[i] *= alpha;
-                    }
+                    l[r] = l[r] * alpha[r] + hsum8(s0 + s1);
                 }
-                weighted_values(s, vt, ob, padded, D);
+                weighted_values(s, vt, alpha, ob, padded, D);
             }
             for (int a = 0; a < nq; a++)
                 for (int g = 0; g < G; g++) {
