@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
 import subprocess
 import time
 
@@ -61,3 +62,26 @@ def under_flood(flood_cmd: list[str], measure):
             proc.kill()
             proc.wait(5)
     return result, stats
+
+
+def git_commit(path: str | None = None) -> str:
+    """HEAD (with -dirty when services/ or bench/ differ from it), or with a path the last commit that touched it."""
+    args = ["git", "log", "-1", "--format=%H", "--", path] if path else ["git", "rev-parse", "HEAD"]
+    sha = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+    if not sha:
+        raise RuntimeError(f"no commit for {' '.join(args)} in {ROOT}")
+    if path is None:
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "services", "bench"],
+                               cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+        sha += "-dirty" if dirty else ""
+    return sha
+
+
+def machine() -> dict:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"cpus": os.cpu_count(), "cpu": model, "arch": platform.machine(), "python": platform.python_version()}

@@ -12,12 +12,10 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
-import subprocess
 import sys
 
-from ..harness.common import COMMITTED, RESULTS, ROOT
+from ..harness.common import COMMITTED, RESULTS, ROOT, git_commit, machine
 
 SUFFIX = ".summary.json"
 
@@ -53,29 +51,6 @@ def _cells(line: str) -> list[str]:
     return [c.strip() for c in line.strip()[1:-1].split("|")]
 
 
-def git_commit(path: str | None = None) -> str:
-    """HEAD (with -dirty when tracked code differs from it), or with a path the last commit that touched it."""
-    args = ["git", "log", "-1", "--format=%H", "--", path] if path else ["git", "rev-parse", "HEAD"]
-    sha = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-    if not sha:
-        raise RuntimeError(f"no commit for {' '.join(args)} in {ROOT}")
-    if path is None:
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "services", "bench"],
-                               cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
-        sha += "-dirty" if dirty else ""
-    return sha
-
-
-def machine() -> dict:
-    model = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    return {"cpus": os.cpu_count(), "cpu": model, "arch": platform.machine(), "python": platform.python_version()}
-
-
 def summary(md_path: str, commit: str, host: dict, raw: dict | None = None) -> dict:
     with open(md_path) as f:
         text = f.read()
@@ -91,16 +66,25 @@ def summary(md_path: str, commit: str, host: dict, raw: dict | None = None) -> d
 
 
 def keep(src: str = RESULTS, dst: str = COMMITTED) -> list[str]:
-    """Copy each NAME.md of src to dst and write NAME.summary.json beside it; returns the paths written."""
+    """Copy each NAME.md of src to dst and write NAME.summary.json beside it; returns the paths written.
+
+    The commit is the one the run recorded in its JSON (or in its own NAME-summary.json, which is kept inside
+    the summary as "figures"); a run that recorded none is taken to have measured HEAD, and says so."""
     names = sorted(n[:-3] for n in os.listdir(src) if n.endswith(".md")) if os.path.isdir(src) else []
     if not names:
         raise SystemExit(f"make bench-commit: no results in {os.path.relpath(src, ROOT)}/: "
                          f"run make bench-quick or make bench first")
-    commit, host, written = git_commit(), machine(), []
+    head, host, written = git_commit(), machine(), []
     os.makedirs(dst, exist_ok=True)
     for name in names:
-        raw = _load(os.path.join(src, name + ".json"))
-        doc = summary(os.path.join(src, name + ".md"), commit, {**host, **(raw or {}).get("host", {})}, raw)
+        raw, own = _load(os.path.join(src, name + ".json")), _load(os.path.join(src, name + "-summary.json"))
+        recorded = next((d["commit"] for d in (raw, own) if isinstance(d, dict) and d.get("commit")), None)
+        ran_on = next((d[k] for d in (raw, own) for k in ("host", "machine") if isinstance(d, dict)
+                       and isinstance(d.get(k), dict)), {})
+        doc = summary(os.path.join(src, name + ".md"), recorded or head, {**host, **ran_on}, raw)
+        doc["commit_from"] = "the run's JSON" if recorded else "HEAD when kept (the run recorded none)"
+        if own is not None:
+            doc["figures"] = own
         shutil.copyfile(os.path.join(src, name + ".md"), os.path.join(dst, name + ".md"))
         write_summary(os.path.join(dst, name + SUFFIX), doc)
         written += [os.path.join(dst, name + ".md"), os.path.join(dst, name + SUFFIX)]

@@ -18,7 +18,8 @@ def intro(res: dict) -> list[str]:
     """The title, the host, what each system is, and anything skipped or failed."""
     L: list[str] = []
     h = res["host"]
-    L += [f"# pdserve bench — {res['mode']} run, {res['started']}", ""]
+    L += [f"# pdserve bench — {res['mode']} run, {res['started']}"
+          + (f", commit `{res['commit']}`" if "commit" in res else ""), ""]
     gpu = h.get("device", "cpu")
     gpu = "no GPU" if gpu == "cpu" else f"engines on {gpu}"
     L += [f"Host: {h['cpus']} CPU cores ({h['machine']}), {gpu}, Python {h['python']}; total bench time "

@@ -7,10 +7,11 @@ import gc
 import math
 import os
 import platform
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
-from ..harness.common import ROOT, _short, ensure_model, log
+from ..harness.common import ROOT, _short, ensure_model, git_commit, log
 from .decode_step import DecodeStepStep
 from .gateway import GatewaySteps
 from .guidellm import GuidellmStep
@@ -25,6 +26,14 @@ def _device_name(device: str) -> str:
     return f"cuda ({torch.cuda.get_device_name()})" if device == "cuda" else "cpu"
 
 
+def _commit() -> str:
+    """The commit measured, or why there is none (a tree without git still runs the bench; its table says so)."""
+    try:
+        return git_commit()
+    except (OSError, subprocess.CalledProcessError, RuntimeError) as e:
+        return f"unknown ({type(e).__name__}: {e})"
+
+
 class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, TransferSteps):
     """One bench run: every preset's measurements, then the steps after them; results collect in res."""
 
@@ -36,6 +45,7 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
         self.device = device
         self.res: dict = {
             "mode": plan.mode, "started": datetime.datetime.now().isoformat(timespec="seconds"),
+            "commit": _commit(),
             "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version(),
                      "device": _device_name(device)},
             "max_tokens": MAX_TOKENS, "skipped": list(plan.skipped), "runs": [], "ab": [], "flood": {},

@@ -46,8 +46,24 @@ def test_keep_copies_the_table_and_writes_its_summary_but_not_the_raw_json(tmp_p
     assert (dst / "bench-quick.md").read_text() == MD
     doc = json.loads((dst / "bench-quick.summary.json").read_text())
     assert doc["commit"] == "abc123" and doc["mode"] == "quick" and doc["machine"]["cpus"] == 2
+    assert doc["commit_from"].startswith("HEAD")
     assert doc["tables"][0]["rows"][1] == ["tiny", "128", "pdserve", "47.6"]
     assert "runs" not in doc
+
+
+def test_the_commit_the_run_recorded_wins_over_head_and_its_own_summary_is_kept(tmp_path, monkeypatch):
+    src, dst = tmp_path / "out", tmp_path / "results"
+    src.mkdir()
+    (src / "versus-quick.md").write_text(MD)
+    (src / "versus-quick.json").write_text(json.dumps({"mode": "quick", "commit": "f00d", "cells": [1] * 100}))
+    (src / "versus-quick-summary.json").write_text(json.dumps({"commit": "f00d", "machine": {"cpus": 2, "cpu": "X"},
+                                                               "cells": [{"ratio": 1.1}]}))
+    monkeypatch.setattr(commit, "git_commit", lambda path=None: "abc123")
+    commit.keep(str(src), str(dst))
+    assert sorted(p.name for p in dst.iterdir()) == ["versus-quick.md", "versus-quick.summary.json"]
+    doc = json.loads((dst / "versus-quick.summary.json").read_text())
+    assert (doc["commit"], doc["commit_from"]) == ("f00d", "the run's JSON")
+    assert doc["figures"]["cells"] == [{"ratio": 1.1}] and doc["machine"]["cpu"] == "X"
 
 
 def test_a_table_less_report_is_refused(tmp_path):
@@ -61,5 +77,5 @@ def test_a_table_less_report_is_refused(tmp_path):
 
 
 def test_the_commit_is_heads_and_says_when_the_tree_differs():
-    sha = commit.git_commit()
+    sha = commit.git_commit()  # the harness's, as report.commit imports it
     assert len(sha.split("-")[0]) == 40 and int(sha.split("-")[0], 16) >= 0
