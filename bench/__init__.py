@@ -1,1 +1,2 @@
-"""Benchmarks side by side: pdserve against a co-located engine, transformers and raw Mooncake (`pdserve bench`)."""
+"""Benchmarks: pdserve measured alone and side by side with what a user would pick instead (`pdserve bench`,
+`python -m pdserve.bench.versus`); bench/README.md has the map."""

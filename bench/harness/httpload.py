@@ -1,5 +1,5 @@
 """A closed loop of streaming OpenAI `/v1/completions` clients over plain HTTP/1.1, the one client the vLLM
-comparison points at both systems (bench/run_vllm.py).
+comparison points at both systems (bench/versus/).
 
 Standard library only (asyncio streams, chunked decoding by hand), so neither system's client library is in the
 measurement and the client costs both the same: one keep-alive connection per client, the body built once per
