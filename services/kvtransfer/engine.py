@@ -1,8 +1,15 @@
-"""Mooncake transfer engine wrapper: register pool regions, write runs of pages, wait for completion.
+"""Mooncake transfer engine wrapper: register pool regions, post runs of pages, wait for them without spinning.
 
 Only one-sided writes are used: prefill pushes page bytes and then page tags into decode's
 registered regions. Contiguous pages are coalesced into one entry (Mooncake moves one large entry
 at ~1.1 GB/s on loopback, 64 KiB entries at ~0.7 GB/s).
+
+Mooncake's synchronous batch call busy-polls its batch's status on the calling thread until it ends: a core per
+writer spent waiting on the wire, beside the forward pass. Here a call's tasks are posted asynchronously and the
+writer looks at them between sleeps that grow from 20 us. The synchronous call's rules are kept, and with them
+the landing bound: a call gives up timeout + 1 ns per byte after its post, it is answered at its first failed task
+while the others may still run, and giving up flushes nothing. The tasks still running once a call is answered
+are kept (Inflight) and looked at until Mooncake says they ended, so Mooncake can free them.
 """
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -184,6 +192,7 @@ class TransferEngine:
         rc = self._engine.initialize(hostname, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
             raise RuntimeError(f"Mooncake initialize({hostname!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}")
+        self._inflight = Inflight(self._engine.transfer_check_status)
         self.hostname = hostname
         self.protocol = protocol
         rpc_port = self._engine.get_rpc_port()
@@ -203,29 +212,148 @@ class TransferEngine:
         self._engine.unregister_memory(ptr)
 
     def write(self, session: str, runs: list[Run], stage: str, owner: bytes = b"") -> int:
-        """Writes every run to `session` in one batch call and waits; returns bytes moved. Raises TransferError,
-        or ValueError before posting anything when the runs exceed the write unit (the declared landing bound
-        would not cover them). owner: the request whose KV it is, named only in a fault point's record."""
-        if not runs:
-            return 0
-        if (nbytes := sum(r.nbytes for r in runs)) > self.max_write_bytes:
+        """Writes every run to `session` as one call and waits for it asleep; returns bytes moved. Raises
+        TransferError at the first failed task or once the call's deadline has passed (other tasks of the call
+        may still be in flight then and land later: the landing bound covers them), or ValueError before posting
+        anything when the runs exceed the write unit (the declared landing bound would not cover them). A write
+        that must land after this one is posted only once this has returned: calls are not ordered on the wire.
+        owner: the request whose KV it is, named only in a fault point's record."""
+        nbytes = sum(r.nbytes for r in runs)
+        if nbytes > self.max_write_bytes:
             raise ValueError(f"a batch call of {len(runs)} runs ({nbytes} bytes) exceeds the write unit of "
                              f"{self.max_write_bytes} bytes that the landing bound is computed from")
+        if not runs:
+            return 0
         if stage == "data" and (arg := FAULTS.fire("transfer.fail_then_land", owner)) is not None:
             # as Mooncake does: the call reports failure while a task of its batch still runs and lands later,
             # reading the source pages as they are then
             delay_s = int(arg or 200) / 1000
-            timer = threading.Timer(delay_s, self._post, (session, runs))
+            timer = threading.Timer(delay_s, self._post_unwatched, (session, runs, stage))
             timer.daemon = True
             timer.start()
             raise TransferError(stage, f"fault transfer.fail_then_land: {len(runs)} runs to {session} reported "
                                        f"failed; they land in {delay_s:.3f}s")
-        rc = self._post(session, runs)
-        if rc != 0:
-            raise TransferError(stage, f"Mooncake write of {len(runs)} runs "
-                                       f"({sum(r.nbytes for r in runs)} bytes) to {session} returned {rc}")
-        return sum(r.nbytes for r in runs)
+        # the call's clock starts before its first task is posted, as Mooncake's synchronous call's does: the
+        # landing bound (landing_bound_s) counts from here
+        deadline = time.monotonic() + self.timeout_s + nbytes * 1e-9
+        ids: list[int] = []
+        try:
+            for r in runs:
+                # one task per Mooncake batch: transfer_check_status, the one status call of Mooncake's Python
+                # binding that does not wait, reads only a batch's first task
+                bid = self._engine.transfer_submit_write(session, r.src, r.dst, r.nbytes)
+                if not bid:
+                    raise TransferError(stage, f"Mooncake refused to post run {len(ids) + 1} of {len(runs)} "
+                                               f"({r.nbytes} bytes) of a write of {nbytes} bytes to {session}")
+                ids.append(bid)
+            what = f"Mooncake write of {len(runs)} runs ({nbytes} bytes) to {session}"
+            ids = _wait(self._engine.transfer_check_status, ids, deadline, stage, what)
+        finally:
+            self._inflight.adopt(ids)  # whatever still runs once the call is answered (none when it completed)
+        return nbytes
 
-    def _post(self, session: str, runs: list[Run]) -> int:
-        return self._engine.batch_transfer_sync_write(
-            session, [r.src for r in runs], [r.dst for r in runs], [r.nbytes for r in runs])
+    def _post_unwatched(self, session: str, runs: list[Run], stage: str) -> None:
+        self._inflight.adopt([bid for r in runs if (bid := self._engine.transfer_submit_write(
+            session, r.src, r.dst, r.nbytes))])
+
+
+# A waiting writer sleeps between looks at its tasks: briefly after its post (a page of a small model lands in tens
+# of microseconds), a quarter longer after each look that found one still running, so a wait ends at most about a
+# quarter of its length after its last task completed, and never sleeps past POLL_MAX_S.
+POLL_FIRST_S = 20e-6
+POLL_GROWTH = 1.25
+POLL_MAX_S = 1e-3
+
+
+def _wait(check, ids: list[int], deadline: float, stage: str, what: str) -> list[int]:
+    """Sleeps until every task has ended; returns [] once all completed. Raises TransferError at the first failed
+    task, or at the deadline with tasks still running; ids is emptied of the tasks that ended as it goes, so what
+    it holds then is what still runs."""
+    sleep_s = POLL_FIRST_S
+    _fine_timer_slack()
+    while True:
+        failed = None
+        for bid in list(ids):
+            rc = check(bid)  # 1 completed (its batch freed), -1 failed (freed), -2 timed out (kept), 0 running
+            if rc == 0:
+                continue
+            ids.remove(bid)
+            if rc != 1 and failed is None:
+                failed = rc
+        if failed is not None:
+            raise TransferError(stage, f"{what} failed (task status {failed}); {len(ids)} of its tasks still "
+                                       "running may land later")
+        if not ids:
+            return ids
+        if (now := time.monotonic()) > deadline:
+            raise TransferError(stage, f"{what}: {len(ids)} tasks still running past its deadline "
+                                       f"({now - deadline:.3f}s over); they may land later")
+        time.sleep(min(sleep_s, max(0.0, deadline - now)))
+        sleep_s = min(POLL_MAX_S, sleep_s * POLL_GROWTH)
+
+
+_slack_set = threading.local()
+
+
+def _fine_timer_slack() -> None:
+    """Linux wakes a sleeping thread up to its timer slack late, 50 us by default: as long as a small write takes.
+    A waiting writer's sleeps are what it is timed by, so its thread asks for 1 us (once per thread)."""
+    if getattr(_slack_set, "done", False) or sys.platform != "linux":
+        return
+    _slack_set.done = True
+    import ctypes
+    try:
+        if ctypes.CDLL(None, use_errno=True).prctl(29, 1000, 0, 0, 0) != 0:  # PR_SET_TIMERSLACK, in nanoseconds
+            log.info("prctl(PR_SET_TIMERSLACK) failed (errno %d): a writer's sleeps may run 50 us long",
+                     ctypes.get_errno())
+    except (OSError, AttributeError) as e:
+        log.info("no prctl (%s): a writer's sleeps may run 50 us long", e)
+
+
+# nobody waits for an adopted task: a look every 10 ms frees its batch soon enough
+KEEP_POLL_S = 0.01
+# an idle keeper's thread exits after this long (the next adoption starts it again): an engine nobody uses holds none
+KEEP_LINGER_S = 2.0
+
+
+class Inflight:
+    """Keeps the tasks of answered calls that were still running (a failed sibling, the deadline, a fault's late
+    post) until Mooncake says they ended: each is polled until then, so Mooncake frees its batch (it refuses to free
+    one whose tasks run) and nothing polls a freed batch. The transport's outcome no longer matters to anyone: the
+    call was answered as failed, and the landing bound, not this, protects the pages the task may still touch."""
+
+    def __init__(self, check_status):
+        self._check = check_status
+        self._lock = threading.Condition()
+        self._ids: list[int] = []
+        self._thread: threading.Thread | None = None
+
+    def adopt(self, ids: list[int]) -> None:
+        if not ids:
+            return
+        with self._lock:
+            self._ids.extend(ids)
+            self._lock.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="mooncake-inflight", daemon=True)
+                self._thread.start()
+
+    def __len__(self) -> int:
+        """Tasks adopted and not yet ended."""
+        with self._lock:
+            return len(self._ids)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                if not self._ids:
+                    self._lock.wait(KEEP_LINGER_S)
+                    if not self._ids:
+                        self._thread = None
+                        return
+                ids = list(self._ids)
+            # -2 (Mooncake's transport timed it out, its batch kept): Mooncake will not say more; let it go
+            ended = {bid for bid in ids if self._check(bid) != 0}
+            with self._lock:
+                self._ids = [bid for bid in self._ids if bid not in ended]
+            time.sleep(KEEP_POLL_S)
