@@ -1,6 +1,7 @@
 """Prefill's own prefix cache: chain key -> a page of the local pool holding that prefix page's KV, so a prompt
 whose prefix this prefill computed before (under the same scope: the key is pdserve.common.prefix's chain) skips
-the forward pass over it. Plain Python over the PageAllocator, touched only from the event loop.
+the forward pass over it. Plain Python over the PageAllocator, a part of LocalPages (local_pages.py), which alone
+calls it in service and decides which pages enter it.
 
 - A page enters only from a prompt whose write succeeded (a failed write's pages, which a late task may still read,
   never do), is never written while cached (a prompt that sends it copies it into a page of its own first), and is

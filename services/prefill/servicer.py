@@ -284,7 +284,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServicer):
                               first_token=first_token, prompt_digest=digest)
 
     async def _release_when_safe(self, res: Reservation) -> None:
-        while (left := res.safe_at - time.monotonic()) > 0:
+        # on LocalPages' own clock: release_held refuses a moment too early, and a sleep may wake a hair early
+        while (left := res.safe_at - self.local.clock()) > 0:
             await asyncio.sleep(left)
         self.local.release_held(res)
         self.batcher.wake()
