@@ -13,26 +13,26 @@ from ..common.deadline import deadline_of, timeout_within
 from ..common.config import DEFAULT_HEADROOM_PAGES, pages_for, pages_needed, pages_up_front
 from ..common.drain import draining_error
 from ..common.errors import PdError, invalid
-from ..common.metrics import GUARD_SECONDS, PREFIX_LOOKUPS, PREFIX_REFUSED, TIMEOUTS, count_violation
+from ..common.metrics import GUARD_SECONDS, TIMEOUTS, count_violation
 from ..common.prefix import CHAINS_INLINE_TOKENS
 from ..common.tasks import spawn
 from ..common.proto import broker_pb2, common_pb2, decode_pb2, decode_pb2_grpc
-from ..common.wire import call, layout_to_pb, leases_from_pb, leases_to_pb, logprobs_to_pb
+from ..common.wire import call, layout_to_pb, leases_to_pb, logprobs_to_pb
 from ..engine.grammar import Grammars
 from ..engine.runner import ModelRunner
 from ..engine.tags import TAG_NBYTES, expected_tags
 from ..engine.sampler import SamplingParams
-from . import faults
 from .admit import admit_decode
 from .allocations import Allocation
 from .growth import Growth
+from .grants import Grants
 from .lease import LeaseClient
 from .requests import RequestTable, State
-from .reuse import PrefixPlan, first_bad_shared, plan_prefix, shared_words
+from .reuse import plan_prefix
 from .run import GrantQueue, Notices
 from .scheduler import Scheduler, Sequence, raise_if_ended
 from .sweep import PromptRecord
-from .verify import CANARY_BYTE, Violation, check_canaries, verify_prompt_pages
+from .verify import Violation, check_canaries, verify_prompt_pages
 from .watch import BrokerWatch
 
 log = logging.getLogger(__name__)
@@ -60,9 +60,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         self.session = transfer_session
         self.context_length, self.model_name = context_length, model_name
         self.rpc_timeout_s = rpc_timeout_s
-        self.allocation_timeout_s = allocation_timeout_s
-        # prefill's write of a prompt takes longer the longer the prompt: its allocation waits this much more per token
-        self.allocation_timeout_per_token_s = allocation_timeout_per_token_s
         self.requests = RequestTable()
         self.link = BrokerWatch(broker, self, pool_id, self.pool.num_pages, max_blind_s, rpc_timeout_s)
         self.leases = LeaseClient(broker, self.link, rpc_timeout_s)  # every lease RPC of decode's
@@ -75,6 +72,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
                                    growth=self.growth)
         self.queue = GrantQueue(queue_limit, queue_timeout_s, lambda: self.draining)
         self.notices = Notices(self.pool.page_size, self.link.blind_error)
+        self.grants = Grants(self.pool, self.requests, self.leases, self.link, self.growth, self.queue,
+                             rpc_timeout_s, allocation_timeout_s, allocation_timeout_per_token_s, check_checksums,
+                             canary)
         self.layout_pb = layout_to_pb(self.pool.layout, TAG_NBYTES)
         self.eos = frozenset(runner.config.eos_token_ids)
         self.draining = False  # set on SIGTERM (drain.py): GetInfo reports it, Allocate refuses
@@ -142,7 +142,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def Allocate(self, request, context) -> decode_pb2.AllocateResponse:
         owner = request.request_id
         need = self.admit_allocation(owner, request.num_prompt_tokens, request.max_tokens)
-        alloc = await self.grant(owner, request.num_prompt_tokens, request.max_tokens, need, deadline_of(context))
+        alloc = await self.grants.grant(owner, request.num_prompt_tokens, request.max_tokens, need,
+                                        deadline_of(context))
         return decode_pb2.AllocateResponse(destination=self.destination(alloc))
 
     def admit_allocation(self, owner: bytes, num_prompt_tokens: int, max_tokens: int) -> int:
@@ -164,108 +165,6 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         return common_pb2.Destination(pool_id=alloc.pool_id, transfer_session=self.session,
                                       data_base=self.pool.data_ptr, tag_base=self.pool.tag_ptr, epoch=alloc.epoch,
                                       leases=leases_to_pb(alloc.leases[k:]), layout=self.layout_pb, cached_pages=k)
-
-    async def grant(self, owner: bytes, num_prompt_tokens: int, max_tokens: int, need: int,
-                    deadline: float | None, plan: PrefixPlan | None = None) -> Allocation:
-        """Leases `need` pages from the broker (RESOURCE_EXHAUSTED when the pool is short) as a new allocation. With
-        a prefix plan, the leading pages the broker shares are checked here, before anything reads them; a bad one
-        is reported and the grant redone without it and what follows (at most twice, then nothing is shared)."""
-        lookup = plan.lookup[:need - 1] if plan is not None else []
-        for attempt in range(3):
-            resp, leases, pool_id = await self._grant_once(owner, need, deadline, lookup if attempt < 2 else [],
-                                                           plan)
-            k = resp.num_shared
-            if k > len(lookup) or len(resp.shared_checksums) != k:
-                self.requests.grant_refused(owner)
-                spawn(self.release(owner, resp.epoch, leases))
-                raise PdError(grpc.StatusCode.INTERNAL, "BAD_GRANT", f"the broker shared {k} cached pages with "
-                                                                     f"{len(resp.shared_checksums)} checksums; "
-                                                                     f"{len(lookup)} were looked up")
-            bad = None
-            if k:
-                self.requests.share(owner, (p for p, _ in leases[:k]))
-                faults.corrupt_cached(self.pool, owner, leases[:k], self.requests.readonly_of_others(owner))
-                with GUARD_SECONDS.labels("prefix_check").time():
-                    bad = first_bad_shared(self.pool, resp.epoch, leases[:k], lookup, list(resp.shared_checksums),
-                                           self.check_checksums)
-            if plan is not None and lookup:
-                good = k if bad is None else bad[0]
-                PREFIX_LOOKUPS.labels("hit").inc(good)
-                PREFIX_LOOKUPS.labels("refused").inc(k - good)
-                PREFIX_LOOKUPS.labels("miss").inc(len(lookup) - k)
-            if bad is None:
-                alloc = Allocation(resp.epoch, leases, num_prompt_tokens, max_tokens,
-                                   time.monotonic() + self._allocation_timeout(num_prompt_tokens), pool_id,
-                                   num_shared=k, shared_checksums=list(resp.shared_checksums), plan=plan)
-                if k:
-                    alloc.shared_words = shared_words(self.pool, leases[:k])
-                return self.requests.granted(owner, alloc)
-            i, reason, message = bad
-            PREFIX_REFUSED.labels(reason).inc()
-            log.warning("request %s: %s", owner.hex(), message)
-            self.requests.grant_refused(owner)
-            await asyncio.shield(self._unpublish_and_release(owner, resp.epoch, leases, leases[i:i + 1], reason))
-            lookup = lookup[:i]
-        raise AssertionError("unreachable: the last attempt shares nothing")
-
-    async def _unpublish_and_release(self, owner: bytes, epoch: int, leases, bad, reason: str) -> None:
-        """While still a reader of the bad page, take it out of the cache; then end this grant."""
-        try:
-            await self.leases.unpublish(owner, epoch, bad, reason)
-        except PdError as e:  # it stays cached: the next reader's check refuses it again
-            log.warning("Unpublish of %s failed: %s", bad, e)
-        await self.release(owner, epoch, leases)
-
-    async def _grant_once(self, owner: bytes, need: int, deadline: float | None, lookup: list[bytes],
-                          plan: PrefixPlan | None):
-        if (err := self.blind_error()) is not None:
-            raise err
-        if self.growth.blocks_new_grants():
-            # running requests come first (growth.py): a new one waits in the queue until they have their pages
-            raise PdError(grpc.StatusCode.RESOURCE_EXHAUSTED, "RUNNING_FIRST",
-                          f"{len(self.growth.starving)} running requests wait for growth pages of pool {self.pool_id}")
-        if self.requests.holds(owner):
-            raise PdError(grpc.StatusCode.ALREADY_EXISTS, "OWNER_HAS_LEASE", f"request {owner.hex()} is already "
-                                                                             f"allocated on pool {self.pool_id}")
-        timeout = timeout_within(deadline, self.rpc_timeout_s, "before broker Grant")
-        # held from before the Grant is sent: a KeepAlive racing the reply must not have it revoked
-        self.requests.begin_grant(owner)
-        pool_id = self.pool_id  # a move while the Grant is in flight must not relabel its leases
-        rpc = asyncio.ensure_future(self.leases.grant(pool_id, owner, need, timeout, lookup,
-                                                      plan.tag if plan is not None and lookup else b""))
-        try:
-            with GUARD_SECONDS.labels("grant_rpc").time():
-                resp = await asyncio.shield(rpc)
-        except asyncio.CancelledError:
-            # the caller left while the Grant was in flight: once it answers, its leases go straight back
-            rpc.add_done_callback(lambda t: self._abandoned_grant(owner, t))
-            raise
-        except PdError as e:
-            self.requests.grant_failed(owner)
-            if e.reason not in ("EPOCH_MISMATCH", "UNKNOWN_POOL", "POOL_FENCED"):
-                raise
-            self.link.epoch_changed.set()  # re-register now rather than at the next liveness tick
-            raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED", e.message) from None
-        leases = leases_from_pb(resp.leases)  # GRANTING until it is an allocation (or refused)
-        if (err := self.leases.bad_grant(leases, need)) is not None:
-            self.requests.grant_refused(owner)
-            spawn(self.release(owner, resp.epoch, leases))
-            raise err
-        return resp, leases, pool_id
-
-    def _allocation_timeout(self, num_prompt_tokens: int) -> float:
-        return self.allocation_timeout_s + num_prompt_tokens * self.allocation_timeout_per_token_s
-
-    def _abandoned_grant(self, owner: bytes, rpc: asyncio.Future) -> None:
-        if rpc.cancelled() or rpc.exception() is not None:
-            self.requests.grant_failed(owner)
-            return
-        self.requests.grant_refused(owner)
-        resp = rpc.result()
-        leases = leases_from_pb(resp.leases)
-        if resp.num_shared:
-            self.requests.share(owner, (p for p, _ in leases[:resp.num_shared]))
-        spawn(self.release(owner, resp.epoch, leases))
 
     async def Release(self, request, context) -> decode_pb2.DecodeReleaseResponse:
         alloc = self.requests.end_allocation(request.request_id, PdError(
@@ -301,13 +200,13 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             plan = (plan_prefix(*args) if request.num_prompt_tokens < CHAINS_INLINE_TOKENS
                     else await asyncio.to_thread(plan_prefix, *args))
         alloc = await self.queue.granted(
-            lambda: self.grant(owner, request.num_prompt_tokens, sampling.max_tokens, need, deadline, plan), need,
-            self.pool_id, deadline)
+            lambda: self.grants.grant(owner, request.num_prompt_tokens, sampling.max_tokens, need, deadline, plan),
+            need, self.pool_id, deadline)
         fut = self.notices.expect(owner)
         try:
             yield decode_pb2.RunEvent(destination=self.destination(alloc))
             notice = await self.notices.wait(owner, alloc, fut, deadline, request.prompt_digest,
-                                             self._allocation_timeout(request.num_prompt_tokens))
+                                             self.grants.allocation_timeout(request.num_prompt_tokens))
             if self.requests.take(owner, alloc) is None:  # ended between the notice and now
                 raise alloc.ended or PdError(grpc.StatusCode.INTERNAL, "ALLOCATION_GONE",
                                              f"the allocation of {owner.hex()} ended for no recorded reason")
@@ -343,7 +242,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             if self.check_checksums:  # verification proved the pages' bytes carry these checksums
                 seq.prompt = PromptRecord.of(alloc.leases, alloc.num_prompt_tokens, self.pool.page_size, checksums)
             if alloc.plan is not None and self.prefix_cache:
-                self.requests.publish_started(owner, spawn(self._publish(owner, alloc, checksums)))
+                self.requests.publish_started(owner, spawn(self.grants.publish(owner, alloc, checksums)))
             seq.max_pages = pages_needed(alloc.num_prompt_tokens, seq.sampling.max_tokens, self.pool.page_size)
             # structured output: the grammar must accept the tokens generated before (a resubmission's) and prefill's
             # first token before that token is sent; a refusal ends the request, never its output
@@ -423,49 +322,5 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
     async def _release_seq(self, seq: Sequence) -> None:
         await self.release(seq.owner, seq.epoch, seq.leases)
 
-    async def _publish(self, owner: bytes, alloc: Allocation, checksums: list[int]) -> None:
-        """Offers the request's full prompt pages it did not get from the cache to later requests of its scope;
-        a page the broker makes cached is read-only from now on (decode never writes a full prompt page)."""
-        k, plan = alloc.num_shared, alloc.plan
-        items = alloc.leases[k:plan.num_publishable]
-        if not items:
-            return
-        try:
-            ok = await self.leases.publish(alloc.pool_id, owner, alloc.epoch, items,
-                                           plan.chains[k:plan.num_publishable],
-                                           checksums[k:plan.num_publishable], plan.tag)
-        except PdError as e:
-            log.warning("Publish of %d pages of %s failed (they stay its own): %s", len(items), owner.hex(), e)
-            return
-        published = {p for (p, _), cached in zip(items, ok) if cached}
-        if published:  # the owner's release forgets it only after this: never re-added
-            self.requests.published(owner, published)
-
     async def release(self, owner: bytes, epoch: int, leases: list[tuple[int, int]]) -> None:
-        if (publish := self.requests.publishing(owner)) is not None:
-            # to its end (its call's own deadline bounds it): which pages are cached decides the canary, and a
-            # Publish answered after this release must leave nothing behind for the owner
-            await asyncio.wait([publish])
-        if self.requests.holds(owner):
-            # a step may still read or write these pages: the broker would free them at once. Stop the sequence
-            # instead; the scheduler releases it between steps (defence in depth: every path that takes an
-            # allocation hands it out once, so this is a bug elsewhere)
-            count_violation("decode", "RELEASE_WHILE_HELD", owner)
-            log.error("refused to release %s while the scheduler holds it; stopping it first", owner.hex())
-            self.scheduler.fail(owner, PdError(grpc.StatusCode.INTERNAL, "RELEASE_WHILE_HELD",
-                                               f"request {owner.hex()} was to be released while decoding"))
-            return
-        readonly = self.requests.forget(owner)  # cached pages others may read: never filled
-        if self.canary:
-            # before the broker can re-grant them: a page nobody rewrites keeps the marker, and a verified
-            # page that still carries it would prove stale bytes got through
-            self.pool.fill([p for p, _ in leases if p not in readonly], CANARY_BYTE)
-        try:
-            faults.fail_release(owner)
-            with GUARD_SECONDS.labels("release_rpc").time():
-                await self.leases.release(owner, epoch)
-            self.queue.pages_may_be_free()
-        except (grpc.RpcError, PdError) as e:
-            # the broker restarting ends every lease of the old epoch anyway, and a live broker revokes an
-            # owner this decode no longer lists as held
-            log.warning("Release of %s failed: %s", owner.hex(), e)
+        await self.grants.release(owner, epoch, leases)

@@ -45,7 +45,7 @@ def test_a_publish_answered_after_the_release_began_leaves_nothing_behind(model_
         table = servicer.requests  # taken by Decode, its Publish started, then it ends and is released
         table.begin_grant(owner)
         table.take(owner, table.granted(owner, alloc))
-        table.publish_started(owner, asyncio.ensure_future(servicer._publish(owner, alloc, [11, 12, 13])))
+        table.publish_started(owner, asyncio.ensure_future(servicer.grants.publish(owner, alloc, [11, 12, 13])))
         table.leave(owner)
         await asyncio.sleep(0)
         await servicer.release(owner, EPOCH, leases)
