@@ -63,7 +63,8 @@ def add_engine_args(p: argparse.ArgumentParser, service: str, port: int, pool_to
     p.add_argument("--device", type=device_arg, default=None,
                    help="cpu, cuda or cuda:N, the device this instance runs on (default: cuda when present, else cpu)")
     p.add_argument("--threads", type=int, default=0,
-                   help="CPU threads for the model (default: half the cores, prefill and decode share a host)")
+                   help="CPU threads for the model (default: decode half the cores; prefill all of them, below "
+                        "decode's priority: --compute-nice)")
     p.add_argument("--switch-interval-ms", type=float, default=0.5,
                    help="Python's GIL switch interval: how long the model thread may wait for the event loop to "
                         "let go (Python's default 5 ms cost 15-20%% of decode throughput at 16 streams)")

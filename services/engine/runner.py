@@ -20,7 +20,8 @@ from .sizing import PoolSize, kv_bytes_per_token
 
 
 def set_threads(n: int = 0, switch_interval_ms: float | None = None) -> None:
-    """Intra-op CPU threads; by default half the cores, since prefill and decode usually share a host.
+    """Intra-op CPU threads; by default half the cores, since prefill and decode usually share a host (prefill
+    asks for all of them, its compute threads below decode's priority: prefill/main.py compute_threads).
     The model runs in a worker thread beside the event loop that streams tokens and answers RPCs; it
     drops the GIL inside every torch op and must get it back between ops, which can take a whole switch
     interval while the loop runs Python, so a service sets a short one."""

@@ -1,0 +1,78 @@
+"""Prefill's compute threads: below the rest of the process by --compute-nice, and so are the torch threads they
+start (a Linux thread inherits its creator's nice value)."""
+import asyncio
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+from pdserve.prefill.main import add_args, compute_threads
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="a nice value per thread is Linux's")
+
+
+def _nice(tid: int) -> int:
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+def _task_nices() -> dict[int, int]:
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/stat") as f:
+            out[int(tid)] = int(f.read().rpartition(")")[2].split()[16])  # field 19: nice
+    return out
+
+
+def test_a_worker_thread_runs_that_much_lower_and_the_loop_does_not():
+    base = _nice(threading.get_native_id())
+    pool = compute_threads(7, max_workers=2)
+    try:
+        async def main():
+            loop = asyncio.get_running_loop()
+            loop.set_default_executor(pool)
+            return await asyncio.to_thread(lambda: _nice(threading.get_native_id())), _nice(threading.get_native_id())
+        worker, loop_thread = asyncio.run(main())
+    finally:
+        pool.shutdown()
+    assert worker == min(19, base + 7) and loop_thread == base
+
+
+def test_the_torch_threads_a_forward_starts_inherit_it():
+    base = _nice(threading.get_native_id())
+    if base + 5 > 19:
+        pytest.skip(f"this process already runs at nice {base}")
+    before = set(_task_nices())
+    pool = compute_threads(5, max_workers=1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+
+        def matmul():
+            # a fresh thread starts its own OpenMP team on its first parallel op
+            a = torch.randn(512, 512)
+            for _ in range(3):
+                a = a @ a / 512
+            return threading.get_native_id()
+        tid = pool.submit(matmul).result()
+        new = {t: n for t, n in _task_nices().items() if t not in before}
+    finally:
+        torch.set_num_threads(threads)
+        pool.shutdown()
+    assert tid in new and len(new) >= 2, new  # the worker and at least one torch thread it started
+    assert set(new.values()) == {base + 5}, new
+
+
+def test_nothing_lowered_at_zero_and_the_flag_bounds():
+    pool = compute_threads(0, max_workers=1)
+    try:
+        assert pool.submit(lambda: _nice(threading.get_native_id())).result() == _nice(threading.get_native_id())
+    finally:
+        pool.shutdown()
+    import argparse
+    p = argparse.ArgumentParser()
+    add_args(p)
+    assert p.parse_args([]).compute_nice == 10
+    with pytest.raises(SystemExit):
+        p.parse_args(["--compute-nice", "20"])
