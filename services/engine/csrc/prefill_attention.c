@@ -1,17 +1,19 @@
 /* Chunked prefill attention on the CPU: a chunk of L tokens that continues a prompt after prefix_len tokens
  * already in the paged KV pool attends to that prefix where it lies, page by page, with a causal offset (query i
  * of the chunk sits at position prefix_len + i and sees keys 0 .. prefix_len + i). No copy of the prefix is made
- * and no mask is materialised: keys are read a tile of TK positions at a time into a small transposed buffer, and
- * the softmax is taken online across tiles (flash attention's running maximum and sum).
+ * and no mask is materialised: keys are taken a tile of TK positions at a time, and the softmax is taken online
+ * across tiles (flash attention's running maximum and sum).
  *
  * The chunk's own keys and values come from the fresh k and v the caller passes (float32, as the projection left
  * them), so a chunked prompt does the same arithmetic as a whole one whatever the pool's dtype; the prefix comes
  * from the pool (float32, bfloat16 or float16, widened exactly), as decode reads it.
  *
  * Work is blocked for gcc -O3's vectoriser: a block of BR query rows (query positions times the query heads of
- * one KV head, so each key row is read once for its whole group) against a tile of TK = 16 keys; scores by
- * broadcast multiply-adds over a transposed key tile, the weighted values over head_dim. Every page id is
- * checked against the pool before anything is read: a bad page table is an error code, never a read outside it.
+ * one KV head, so each key row is read once for its whole group) against a tile of TK = 16 keys. The scores are
+ * kept transposed (keys by query rows): a key's elements are broadcasts against vectors of query rows (the block's
+ * queries are transposed once), so float32 keys and values are read where they lie in the pool, and the online
+ * softmax runs over vectors of rows without a horizontal reduction. Every page id is checked against the pool
+ * before anything is read: a bad page table is an error code, never a read outside it.
  *
  * Built into the engine's one library by services/engine/native_build.py; called through ctypes from
  * services/engine/native_prefill.py (which releases the GIL for the call).
@@ -33,7 +35,7 @@
 
 #define PF_MAX_HEAD_DIM 256
 #define TK 16              /* keys per tile: two 8-float vectors of scores per query row */
-#define BR 128             /* query rows per block (positions x group), a multiple of 4 */
+#define BR 128             /* query rows per block (positions x group) */
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define PF_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -51,20 +53,6 @@ typedef int32_t v8i __attribute__((vector_size(32)));
 static inline v8 max8(v8 a, v8 b) {
     const v8i m = a > b;
     return (v8)((m & (v8i)a) | (~m & (v8i)b));
-}
-
-static inline float hmax8(v8 x) {
-    x = max8(x, __builtin_shuffle(x, (v8i){4, 5, 6, 7, 0, 1, 2, 3}));
-    x = max8(x, __builtin_shuffle(x, (v8i){2, 3, 0, 1, 6, 7, 4, 5}));
-    x = max8(x, __builtin_shuffle(x, (v8i){1, 0, 3, 2, 5, 4, 7, 6}));
-    return x[0];
-}
-
-static inline float hsum8(v8 x) {
-    x += __builtin_shuffle(x, (v8i){4, 5, 6, 7, 0, 1, 2, 3});
-    x += __builtin_shuffle(x, (v8i){2, 3, 0, 1, 6, 7, 4, 5});
-    x += __builtin_shuffle(x, (v8i){1, 0, 3, 2, 5, 4, 7, 6});
-    return x[0];
 }
 
 /* e^x for x <= 0: the same Cephes polynomial as paged_attention.c's (a loop of it vectorises; libm's would not) */
@@ -138,90 +126,92 @@ struct pool {
     const int64_t *pages;
 };
 
-/* Keys t0 .. t0 + cnt - 1 of KV head j into kt[D][TK] (transposed) and vt[TK][D]; slots past cnt are zero, so a
- * tile never carries a stale value (a weight of 0 times a NaN would still be NaN). Positions below prefix_len are
- * read from the pool, the rest from the chunk's fresh k and v ([L, kvh, D] float32). */
-static inline void load_tile(const struct pool *pl, int64_t prefix_len, const float *k_new, const float *v_new,
-                             int kvh, int j, int D, int64_t t0, int cnt, float *kt, float *vt) {
+/* The rows of keys t0 .. t0 + cnt - 1 of KV head j, as float32: a float32 pool's rows where they lie, other pools'
+ * widened into kbuf and vbuf ([TK][D]); slots past cnt point at a zero row, so a tile never carries a stale value
+ * (a weight of 0 times a NaN would still be NaN). Positions below prefix_len are the pool's, the rest the chunk's
+ * fresh k and v ([L, kvh, D] float32). */
+static inline void tile_rows(const struct pool *pl, int64_t prefix_len, const float *k_new, const float *v_new,
+                             int kvh, int j, int D, int64_t t0, int cnt, const float *zero, float *kbuf,
+                             float *vbuf, const float **kr, const float **vr) {
     int64_t page = t0 / pl->page_size, slot = t0 % pl->page_size;  /* one division per tile, not per key */
     for (int t = 0; t < TK; t++, slot++) {
         if (slot == pl->page_size) { page++; slot = 0; }
-        float *vr = vt + t * D;
-        if (t >= cnt) {
-            for (int i = 0; i < D; i++) { kt[i * TK + t] = 0.0f; vr[i] = 0.0f; }
-            continue;
-        }
         const int64_t pos = t0 + t;
-        if (pos < prefix_len) {
+        if (t >= cnt) {
+            kr[t] = vr[t] = zero;
+        } else if (pos >= prefix_len) {
+            kr[t] = k_new + ((pos - prefix_len) * kvh + j) * D;
+            vr[t] = v_new + ((pos - prefix_len) * kvh + j) * D;
+        } else {
             const char *kp = pl->base + (pl->pages[page] * pl->page_stride + slot * pl->token_stride +
                                          j * pl->head_stride) * pl->esize;
             const char *vp = kp + pl->kv_stride * pl->esize;
             if (pl->dtype == PF_F32) {
-                const float *kf = (const float *)kp;
-                for (int i = 0; i < D; i++) kt[i * TK + t] = kf[i];
-                memcpy(vr, vp, (size_t)D * 4);
+                kr[t] = (const float *)kp;
+                vr[t] = (const float *)vp;
             } else {
+                float *kd = kbuf + t * D, *vd = vbuf + t * D;
                 for (int i = 0; i < D; i++) {
-                    kt[i * TK + t] = widen(kp + i * pl->esize, pl->dtype);
-                    vr[i] = widen(vp + i * pl->esize, pl->dtype);
+                    kd[i] = widen(kp + i * pl->esize, pl->dtype);
+                    vd[i] = widen(vp + i * pl->esize, pl->dtype);
                 }
+                kr[t] = kd;
+                vr[t] = vd;
             }
-        } else {
-            const float *kf = k_new + ((pos - prefix_len) * kvh + j) * D;
-            for (int i = 0; i < D; i++) kt[i * TK + t] = kf[i];
-            memcpy(vr, v_new + ((pos - prefix_len) * kvh + j) * D, (size_t)D * 4);
         }
     }
 }
 
-/* s[r][0..TK) = qb[r] . kt for rows 0 .. rows (a multiple of 4) */
-static inline void scores(const float *qb, const float *kt, float *s, int rows, int D) {
-    for (int r = 0; r < rows; r += 4) {
-        v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
-        const float *q0 = qb + r * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
-        for (int i = 0; i < D; i++) {
-            const v8 k0 = load8(kt + i * TK), k1 = load8(kt + i * TK + 8);
-            /* a scalar times a vector: gcc broadcasts it once (a hand-built splat costs 8 inserts in a clone) */
-            a00 += q0[i] * k0; a01 += q0[i] * k1;
-            a10 += q1[i] * k0; a11 += q1[i] * k1;
-            a20 += q2[i] * k0; a21 += q2[i] * k1;
-            a30 += q3[i] * k0; a31 += q3[i] * k1;
+/* st[t][r] = kr[t] . qt[.][r]: the scores transposed (keys by query rows), so the row vectors are the query rows
+ * and a key's element is a broadcast; rp (a multiple of 16) rows, qt is [D][rp] */
+static inline void scores_t(const float *qt, const float *const *kr, float *st, int rp, int D) {
+    for (int rc = 0; rc < rp; rc += 16) {
+        for (int t = 0; t < TK; t += 4) {
+            const float *k0 = kr[t], *k1 = kr[t + 1], *k2 = kr[t + 2], *k3 = kr[t + 3];
+            v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
+            for (int i = 0; i < D; i++) {
+                const v8 x = load8(qt + i * rp + rc), y = load8(qt + i * rp + rc + 8);
+                /* a scalar times a vector: gcc broadcasts it once (a hand-built splat costs 8 inserts in a clone) */
+                a00 += k0[i] * x; a01 += k0[i] * y;
+                a10 += k1[i] * x; a11 += k1[i] * y;
+                a20 += k2[i] * x; a21 += k2[i] * y;
+                a30 += k3[i] * x; a31 += k3[i] * y;
+            }
+            float *o = st + t * rp + rc;
+            store8(o, a00); store8(o + 8, a01);
+            store8(o + rp, a10); store8(o + rp + 8, a11);
+            store8(o + 2 * rp, a20); store8(o + 2 * rp + 8, a21);
+            store8(o + 3 * rp, a30); store8(o + 3 * rp + 8, a31);
         }
-        float *o = s + r * TK;
-        store8(o, a00); store8(o + 8, a01);
-        store8(o + TK, a10); store8(o + TK + 8, a11);
-        store8(o + 2 * TK, a20); store8(o + 2 * TK + 8, a21);
-        store8(o + 3 * TK, a30); store8(o + 3 * TK + 8, a31);
     }
 }
 
-/* ob[r] = ob[r] alpha[r] + sum_t w[r][t] vt[t] for rows 0 .. rows (a multiple of 2), D a multiple of 8 */
-static inline void weighted_values(const float *w, const float *vt, const float *alpha, float *ob, int rows,
+/* ob[r] = ob[r] alpha[r] + sum_t w[t][r] vr[t] for rows 0 .. rp (a multiple of 2), D a multiple of 8 */
+static inline void weighted_values(const float *w, const float *const *vr, const float *alpha, float *ob, int rp,
                                    int D) {
     int c = 0;
     for (; c + 32 <= D; c += 32) {
-        for (int r = 0; r < rows; r += 2) {
+        for (int r = 0; r < rp; r += 2) {
             float *o0 = ob + r * D + c, *o1 = o0 + D;
             const float a0 = alpha[r], a1 = alpha[r + 1];
             v8 x0 = a0 * load8(o0), x1 = a0 * load8(o0 + 8), x2 = a0 * load8(o0 + 16), x3 = a0 * load8(o0 + 24);
             v8 y0 = a1 * load8(o1), y1 = a1 * load8(o1 + 8), y2 = a1 * load8(o1 + 16), y3 = a1 * load8(o1 + 24);
-            const float *w0 = w + r * TK, *w1 = w0 + TK;
             for (int t = 0; t < TK; t++) {
-                const float *v = vt + t * D + c;
+                const float *v = vr[t] + c;
                 const v8 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
-                const float b = w0[t], c1 = w1[t];
+                const float b = w[t * rp + r], b1 = w[t * rp + r + 1];
                 x0 += b * v0; x1 += b * v1; x2 += b * v2; x3 += b * v3;
-                y0 += c1 * v0; y1 += c1 * v1; y2 += c1 * v2; y3 += c1 * v3;
+                y0 += b1 * v0; y1 += b1 * v1; y2 += b1 * v2; y3 += b1 * v3;
             }
             store8(o0, x0); store8(o0 + 8, x1); store8(o0 + 16, x2); store8(o0 + 24, x3);
             store8(o1, y0); store8(o1 + 8, y1); store8(o1 + 16, y2); store8(o1 + 24, y3);
         }
     }
     for (; c < D; c += 8) {
-        for (int r = 0; r < rows; r++) {
+        for (int r = 0; r < rp; r++) {
             float *o = ob + r * D + c;
             v8 x = alpha[r] * load8(o);
-            for (int t = 0; t < TK; t++) x += w[r * TK + t] * load8(vt + t * D + c);
+            for (int t = 0; t < TK; t++) x += w[t * rp + r] * load8(vr[t] + c);
             store8(o, x);
         }
     }
@@ -253,54 +243,55 @@ int pd_prefill_attention(const float *q, const float *k_new, const float *v_new,
     const int bq = BR / G;  /* query positions per block */
     const struct pool pl = {(const char *)cache, dtype, dtype == PF_F32 ? 4 : 2, page_stride, kv_stride,
                             token_stride, head_stride, page_size, pages};
-    float *scratch = aligned_alloc(64, sizeof(float) * (size_t)(2 * BR * D + BR * TK + 2 * TK * D + 3 * BR));
+    const int RPMAX = (BR + 15) & ~15;
+    float *scratch = aligned_alloc(64, sizeof(float) * (size_t)(2 * RPMAX * D + RPMAX * TK + 3 * TK * D + 3 * RPMAX));
     if (scratch == NULL) return PF_NO_MEMORY;
-    float *qb = scratch, *ob = qb + BR * D, *s = ob + BR * D, *kt = s + BR * TK, *vt = kt + TK * D,
-          *m = vt + TK * D, *l = m + BR, *alpha = l + BR;
+    float *qt = scratch, *ob = qt + RPMAX * D, *st = ob + RPMAX * D, *kbuf = st + RPMAX * TK, *vbuf = kbuf + TK * D,
+          *zero = vbuf + TK * D, *m = zero + TK * D, *l = m + RPMAX, *alpha = l + RPMAX;
+    memset(zero, 0, sizeof(float) * (size_t)D);
+    const float *kr[TK], *vr[TK];
     for (int j = head_lo; j < head_hi; j++) {
         for (int64_t q0 = 0; q0 < L; q0 += bq) {
             const int nq = (int)(L - q0 < bq ? L - q0 : bq);
-            const int rows = nq * G, padded = (rows + 3) & ~3;
+            const int rows = nq * G, rp = (rows + 15) & ~15;  /* padding rows: zero queries, results dropped */
+            memset(qt, 0, sizeof(float) * (size_t)rp * D);
             for (int a = 0; a < nq; a++)
                 for (int g = 0; g < G; g++) {
                     const float *src = q + ((q0 + a) * H + j * G + g) * D;
-                    float *dst = qb + (a * G + g) * D;
-                    for (int i = 0; i < D; i++) dst[i] = src[i] * scale;
+                    for (int i = 0; i < D; i++) qt[i * rp + a * G + g] = src[i] * scale;
                 }
-            memset(qb + rows * D, 0, sizeof(float) * (size_t)(padded - rows) * D);
-            memset(ob, 0, sizeof(float) * (size_t)padded * D);
-            for (int r = 0; r < padded; r++) { m[r] = -1e30f; l[r] = 0.0f; }
+            memset(ob, 0, sizeof(float) * (size_t)rp * D);
+            for (int r = 0; r < rp; r++) { m[r] = -1e30f; l[r] = 0.0f; }
             const int64_t first = prefix_len + q0;     /* the block's first query position */
             const int64_t end = prefix_len + q0 + nq;  /* keys 0 .. end - 1 are seen by some row of the block */
             for (int64_t t0 = 0; t0 < end; t0 += TK) {
                 const int cnt = (int)(end - t0 < TK ? end - t0 : TK);
-                load_tile(&pl, prefix_len, k_new, v_new, kvh, j, D, t0, cnt, kt, vt);
-                scores(qb, kt, s, padded, D);
-                const int masked = t0 + TK - 1 > first;  /* some key of the tile lies after some query */
-                for (int r = 0; r < padded; r++) {
-                    float *sr = s + r * TK;
-                    int valid = TK;
-                    if (masked) {  /* keys after this row's position (and every key, for a padding row) */
-                        const int64_t last = r < rows ? first + r / G : t0 - 1;
-                        valid = (int)(last - t0 + 1 < 0 ? 0 : (last - t0 + 1 > TK ? TK : last - t0 + 1));
-                        for (int t = valid; t < TK; t++) sr[t] = -1e30f;
-                    }
-                    v8 s0 = load8(sr), s1 = load8(sr + 8);
-                    const float mx = fmaxf(m[r], hmax8(max8(s0, s1)));
-                    alpha[r] = exp_nonpositive(m[r] - mx);
-                    m[r] = mx;
-                    s0 = exp8_nonpositive(s0 - mx);
-                    s1 = exp8_nonpositive(s1 - mx);
-                    store8(sr, s0);
-                    store8(sr + 8, s1);
-                    if (valid < TK) {  /* exactly 0, not e^-87 */
-                        for (int t = valid; t < TK; t++) sr[t] = 0.0f;
-                        s0 = load8(sr);
-                        s1 = load8(sr + 8);
-                    }
-                    l[r] = l[r] * alpha[r] + hsum8(s0 + s1);
+                tile_rows(&pl, prefix_len, k_new, v_new, kvh, j, D, t0, cnt, zero, kbuf, vbuf, kr, vr);
+                scores_t(qt, kr, st, rp, D);
+                /* keys after a row's position, or past the tile's end, weigh exactly 0 */
+                const int masked = t0 + TK - 1 > first;
+                if (masked)
+                    for (int t = 0; t < TK; t++)
+                        for (int r = 0; r < rp; r++)
+                            if (t >= cnt || t0 + t > first + r / G) st[t * rp + r] = -1e30f;
+                for (int r = 0; r < rp; r += 8) {
+                    const v8 old = load8(m + r);
+                    v8 mx = old;
+                    for (int t = 0; t < TK; t++) mx = max8(mx, load8(st + t * rp + r));
+                    store8(alpha + r, exp8_nonpositive(old - mx));
+                    store8(m + r, mx);
+                    for (int t = 0; t < TK; t++) store8(st + t * rp + r, exp8_nonpositive(load8(st + t * rp + r) - mx));
                 }
-                weighted_values(s, vt, alpha, ob, padded, D);
+                if (masked)  /* exactly 0, not e^-87 */
+                    for (int t = 0; t < TK; t++)
+                        for (int r = 0; r < rp; r++)
+                            if (t >= cnt || t0 + t > first + r / G) st[t * rp + r] = 0.0f;
+                for (int r = 0; r < rp; r += 8) {
+                    v8 sum = load8(l + r) * load8(alpha + r);
+                    for (int t = 0; t < TK; t++) sum += load8(st + t * rp + r);
+                    store8(l + r, sum);
+                }
+                weighted_values(st, vr, alpha, ob, rp, D);
             }
             for (int a = 0; a < nq; a++)
                 for (int g = 0; g < G; g++) {
