@@ -159,11 +159,119 @@ PD_CLONES static void NAME(const float *q, float *out, const char *base, int dty
     }                                                                                                           \
 }
 
+typedef float v8f __attribute__((vector_size(32), aligned(4))); /* 8 lanes, loaded from any float address */
+
+/* the lanes of a, b, c, ..., h summed each: [sum(a), sum(b), ..., sum(h)], pairwise in a fixed order */
+static inline v8f hadd(v8f a, v8f b) {
+    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+static inline v8f sums8(const v8f *a) {
+    const v8f ab = hadd(a[0], a[1]), cd = hadd(a[2], a[3]), ef = hadd(a[4], a[5]), gh = hadd(a[6], a[7]);
+    const v8f abcd = hadd(ab, cd), efgh = hadd(ef, gh); /* lanes 0-3 and 4-7 hold the two halves' sums */
+    return __builtin_shufflevector(abcd, efgh, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(abcd, efgh, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+static inline float sum1(v8f a) { return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7])); }
+
+/* PD_SEQUENCE's arithmetic in 8-lane vectors, for a head_dim HD that is a multiple of 8 and a group HG, both
+ * compile-time: each score a vector of products summed lane-wise (eight tokens' scores reduced together), the
+ * group's accumulators in registers across a page's rows, and the next page's rows fetched while this one is
+ * computed (a page is a few KiB of one layer, far from the last: the hardware prefetcher does not follow it). */
+#define PD_SEQUENCE_V(NAME, HD, HG)                                                                             \
+PD_CLONES static void NAME(const float *q, float *out, const char *base, int dtype, int64_t esize,              \
+                 int64_t page_stride, int64_t kv_stride, int64_t token_stride, int64_t head_stride,             \
+                 int page_size, int num_kv_heads, int d_, int group_, const int64_t *pages, int64_t n,          \
+                 float scale) {                                                                                 \
+    enum { D = HD, G = HG, NV = HD / 8 };                                                                       \
+    (void)d_; (void)group_;                                                                                     \
+    const int H = num_kv_heads * G;                                                                             \
+    v8f qs[H][NV], acc[H][NV];                                                                                  \
+    float m[H], l[H], s[G][page_size + 8];                                                                      \
+    float kbuf[MAX_HEAD_DIM], vbuf[MAX_HEAD_DIM];                                                               \
+    for (int h = 0; h < H; h++) {                                                                               \
+        for (int v = 0; v < NV; v++) {                                                                          \
+            qs[h][v] = *(const v8f *)(q + h * D + v * 8) * scale;                                               \
+            acc[h][v] = (v8f){0};                                                                               \
+        }                                                                                                       \
+        m[h] = -1e30f;                                                                                          \
+        l[h] = 0.0f;                                                                                            \
+    }                                                                                                           \
+    const int64_t row_bytes = D * esize, np = (n + page_size - 1) / page_size;                                  \
+    for (int64_t p = 0; p < np; p++) {                                                                          \
+        const int cnt = (int)((n - p * page_size) < page_size ? (n - p * page_size) : page_size);               \
+        const char *page = base + pages[p] * page_stride * esize;                                               \
+        const char *next = p + 1 < np ? base + pages[p + 1] * page_stride * esize : NULL;                       \
+        for (int j = 0; j < num_kv_heads; j++) {                                                                \
+            const char *kp = page + j * head_stride * esize, *vp = kp + kv_stride * esize;                      \
+            const v8f (*qg)[NV] = (const v8f (*)[NV])qs[j * G];                                                 \
+            if (next) { /* this head's rows of the next page, at the same offsets */                                \
+                const char *nk = next + j * head_stride * esize;                                                \
+                for (int t = 0; t < page_size; t++)                                                             \
+                    for (int64_t o = 0; o < row_bytes; o += 64) {                                               \
+                        __builtin_prefetch(nk + t * token_stride * esize + o);                                  \
+                        __builtin_prefetch(nk + (kv_stride + t * token_stride) * esize + o);                    \
+                    }                                                                                           \
+            }                                                                                                   \
+            int t = 0;                                                                                          \
+            for (; t + 8 <= cnt; t += 8) {                                                                      \
+                v8f part[G][8];                                                                                 \
+                for (int u = 0; u < 8; u++) {                                                                   \
+                    const float *k = row(kp + (t + u) * token_stride * esize, dtype, D, kbuf);                  \
+                    for (int g = 0; g < G; g++) {                                                               \
+                        v8f a = qg[g][0] * *(const v8f *)k;                                                     \
+                        for (int v = 1; v < NV; v++) a += qg[g][v] * *(const v8f *)(k + v * 8);                 \
+                        part[g][u] = a;                                                                         \
+                    }                                                                                           \
+                }                                                                                               \
+                for (int g = 0; g < G; g++) *(v8f *)(s[g] + t) = sums8(part[g]);                                \
+            }                                                                                                   \
+            for (; t < cnt; t++) {                                                                              \
+                const float *k = row(kp + t * token_stride * esize, dtype, D, kbuf);                            \
+                for (int g = 0; g < G; g++) {                                                                   \
+                    v8f a = qg[g][0] * *(const v8f *)k;                                                         \
+                    for (int v = 1; v < NV; v++) a += qg[g][v] * *(const v8f *)(k + v * 8);                     \
+                    s[g][t] = sum1(a);                                                                          \
+                }                                                                                               \
+            }                                                                                                   \
+            v8f ag[G][NV];                                                                                      \
+            for (int g = 0; g < G; g++) {                                                                       \
+                const int h = j * G + g;                                                                        \
+                float mx = m[h];                                                                                \
+                for (int u = 0; u < cnt; u++) mx = s[g][u] > mx ? s[g][u] : mx;                                 \
+                float alpha = 1.0f;                                                                             \
+                if (mx > m[h]) {                                                                                \
+                    alpha = exp_nonpositive(m[h] - mx);                                                         \
+                    l[h] *= alpha;                                                                              \
+                    m[h] = mx;                                                                                  \
+                }                                                                                               \
+                float sum = 0.0f;                                                                               \
+                for (int u = 0; u < cnt; u++) { s[g][u] = exp_nonpositive(s[g][u] - mx); sum += s[g][u]; }      \
+                l[h] += sum;                                                                                    \
+                for (int v = 0; v < NV; v++) ag[g][v] = acc[h][v] * alpha;                                      \
+            }                                                                                                   \
+            for (int u = 0; u < cnt; u++) {                                                                     \
+                const float *vr = row(vp + u * token_stride * esize, dtype, D, vbuf);                           \
+                for (int g = 0; g < G; g++) {                                                                   \
+                    const float w = s[g][u];                                                                    \
+                    for (int v = 0; v < NV; v++) ag[g][v] += w * *(const v8f *)(vr + v * 8);                    \
+                }                                                                                               \
+            }                                                                                                   \
+            for (int g = 0; g < G; g++)                                                                         \
+                for (int v = 0; v < NV; v++) acc[j * G + g][v] = ag[g][v];                                      \
+        }                                                                                                       \
+    }                                                                                                           \
+    for (int h = 0; h < H; h++) {                                                                               \
+        const float inv = 1.0f / l[h];                                                                          \
+        for (int v = 0; v < NV; v++) *(v8f *)(out + h * D + v * 8) = acc[h][v] * inv;                           \
+    }                                                                                                           \
+}
+
 #define PD_SIZES(D)                                                                                             \
-    PD_SEQUENCE(sequence_d##D##_g1, D, 1)                                                                       \
-    PD_SEQUENCE(sequence_d##D##_g2, D, 2)                                                                       \
-    PD_SEQUENCE(sequence_d##D##_g4, D, 4)                                                                       \
-    PD_SEQUENCE(sequence_d##D##_g8, D, 8)
+    PD_SEQUENCE_V(sequence_d##D##_g1, D, 1)                                                                     \
+    PD_SEQUENCE_V(sequence_d##D##_g2, D, 2)                                                                     \
+    PD_SEQUENCE_V(sequence_d##D##_g4, D, 4)                                                                     \
+    PD_SEQUENCE_V(sequence_d##D##_g8, D, 8)
 PD_SIZES(32)
 PD_SIZES(64)
 PD_SIZES(128)

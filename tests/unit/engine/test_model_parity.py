@@ -137,3 +137,55 @@ def test_the_native_step_gives_a_sequence_the_same_logits_whatever_shares_its_st
     for b, (s, t) in enumerate(zip(seqs, tables)):
         alone = runner.decode([s[-1]], [len(s) - 1], [t])
         assert torch.equal(batch[b], alone[0])
+
+
+def _decode_steps(runner: ModelRunner, lengths: list[int], steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Prefills one prompt per length (pages 10 apart), then decodes `steps` greedy tokens for all of them in one
+    batch per step; returns each sequence's tokens and each step's logits."""
+    runner.pool.kv.zero_()
+    tables = [list(range(10 * b, 10 * b + 10)) for b in range(len(lengths))]
+    seqs = [_prompt(n, 11 * n + b) for b, n in enumerate(lengths)]
+    for s, t in zip(seqs, tables):
+        runner.prefill(s[:-1], t)
+    out, logits = [[] for _ in seqs], []
+    last = [s[-1] for s in seqs]
+    pos = [len(s) - 1 for s in seqs]
+    for _ in range(steps):
+        step = runner.decode(last, pos, tables)
+        logits.append(step)
+        last = step.argmax(-1).tolist()
+        for b, tok in enumerate(last):
+            out[b].append(tok)
+        pos = [p + 1 for p in pos]
+    return out, logits
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("batch", [9, 16, 33])
+def test_the_native_step_above_eight_sequences_matches_the_torch_path(model_dir, batch):
+    """Batches past one GEMM tile of rows run the native step, and give the torch path's greedy tokens (float32)."""
+    lengths = [2 + (37 * b) % 140 for b in range(batch)]
+    native_runner = ModelRunner(model_dir, num_pages=10 * batch, page_size=16, device="cpu")
+    torch_runner = use_path(ModelRunner(model_dir, num_pages=10 * batch, page_size=16, device="cpu"), "torch")
+    assert native_runner.native_step is not None and torch_runner.native_step is None
+    ours, ours_logits = _decode_steps(native_runner, lengths, 6)
+    ref, ref_logits = _decode_steps(torch_runner, lengths, 6)
+    assert ours == ref
+    assert max((a - b).abs().max().item() for a, b in zip(ours_logits, ref_logits)) < 1e-4
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("batch", [9, 16, 33])
+def test_a_large_native_step_gives_each_sequence_its_logits_alone(model_dir, batch):
+    """Bit for bit at batch sizes that split into several tiles of rows (and leave a partial one): a sequence's logits
+    do not depend on which tile of the step it lands in."""
+    runner = ModelRunner(model_dir, num_pages=10 * batch, page_size=16, device="cpu")
+    lengths = [2 + (53 * b) % 150 for b in range(batch)]
+    tables = [list(range(10 * b, 10 * b + 10)) for b in range(batch)]
+    seqs = [_prompt(n, 5 * n + b) for b, n in enumerate(lengths)]
+    for s, t in zip(seqs, tables):
+        runner.prefill(s[:-1], t)
+    step = runner.decode([s[-1] for s in seqs], [len(s) - 1 for s in seqs], tables)
+    for b in (0, batch // 2, batch - 1):
+        alone = runner.decode([seqs[b][-1]], [len(seqs[b]) - 1], [tables[b]])
+        assert torch.equal(step[b], alone[0]), f"sequence {b} of {batch}"
