@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -24,6 +25,8 @@ MAX_GROUP = 64      # query heads per KV head: its block of query rows (BR)
 
 _fn = None
 _warned: set[str] = set()
+_pool: ThreadPoolExecutor | None = None  # KV heads split over torch's intra-op threads, when it has several
+_pool_size = 0
 
 
 def _kernel():
@@ -88,10 +91,23 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
         raise ValueError(f"prefix pages must be int64 on the CPU, got {pages.dtype} on {pages.device}")
     out = torch.empty(L, H, D)
     kvh = cache.shape[3]
-    rc = _kernel()(qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), out.data_ptr(), L, cache.data_ptr(),
-                   DTYPE_CODES[cache.dtype], cache.shape[0], cache.stride(0), cache.stride(1), cache.stride(2),
-                   cache.stride(3), cache.shape[2], kvh, H, D, pages.data_ptr(), pages.numel(), prefix_len, 0, kvh,
-                   D ** -0.5)
+    fn = _kernel()
+
+    def heads(lo: int, hi: int) -> int:  # ctypes drops the GIL for the call: ranges of heads run side by side
+        return fn(qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), out.data_ptr(), L, cache.data_ptr(),
+                  DTYPE_CODES[cache.dtype], cache.shape[0], cache.stride(0), cache.stride(1), cache.stride(2),
+                  cache.stride(3), cache.shape[2], kvh, H, D, pages.data_ptr(), pages.numel(), prefix_len, lo, hi,
+                  D ** -0.5)
+
+    n = min(torch.get_num_threads(), kvh)
+    if n > 1:
+        global _pool, _pool_size
+        if _pool_size < n:
+            _pool, _pool_size = ThreadPoolExecutor(n, thread_name_prefix="prefill-attention"), n
+        cuts = [kvh * i // n for i in range(n + 1)]
+        rc = next((r for r in _pool.map(heads, cuts[:-1], cuts[1:]) if r != 0), 0)
+    else:
+        rc = heads(0, kvh)
     if rc != 0:
         raise ValueError(f"prefill attention refused a chunk of {L} tokens after {prefix_len} on "
                          f"{pages.numel()} pages of {cache.shape[2]} (pool of {cache.shape[0]} pages): "

@@ -58,6 +58,22 @@ def test_matches_a_masked_softmax_over_the_gathered_prefix(dtype, prefix_len, L,
     assert (out.double() - ref).abs().max().item() < 2e-5 * max(1.0, ref.abs().max().item())
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+def test_heads_split_over_threads_give_the_same_attention(threads):
+    """With several intra-op threads the KV heads are computed in ranges side by side (3 heads over 2 threads: an
+    uneven split); each range writes only its own heads."""
+    q, k, v, cache, pages = _case(torch.float32, 3, 2, 32, 16, 70, 40)
+    one = native_prefill.prefill_attention(q, k, v, cache, pages, 70)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        split = native_prefill.prefill_attention(q, k, v, cache, pages, 70)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, split)
+    assert (split.double() - _reference(q, k, v, cache, pages, 70)).abs().max().item() < 1e-4
+
+
 def test_refuses_a_page_outside_the_pool_and_too_few_pages():
     q, k, v, cache, pages = _case(torch.float32, 4, 2, 32, 16, 40, 8)
     bad = pages.clone()
