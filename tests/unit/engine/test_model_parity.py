@@ -1,6 +1,6 @@
 """The engine's logits match transformers' LlamaForCausalLM on the same files (fp32, < 1e-3), over each of its
-decode paths: the whole step in one native call (small batches on the CPU), the native attention block, the native
-attention alone, and the torch path (what a GPU and larger batches run)."""
+decode paths: the whole step in one native call (the CPU's, at any batch size), the native attention block, the
+native attention alone, and the torch path (what a GPU runs)."""
 import random
 
 import pytest
