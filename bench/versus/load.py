@@ -13,6 +13,7 @@ import time
 
 from ..harness.httpload import HttpError, _Conn, completion_body, read_completion
 from ..harness.workload import Record
+from ..peers.vllm_peer import group_stats
 from . import protocol
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -26,20 +27,6 @@ def machine_seconds() -> tuple[float, float]:
     with open("/proc/stat") as f:
         user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in f.readline().split()[1:9])
     return (user + nice + system + steal) / _TICK, (irq + softirq) / _TICK
-
-
-def group_pids(pgids: list[int]) -> list[int]:
-    want, out = set(pgids), []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if int(f.read().rpartition(")")[2].split()[2]) in want:
-                    out.append(int(pid))
-        except (OSError, ValueError, IndexError):
-            continue
-    return out
 
 
 def pids_cpu_seconds(pids: list[int]) -> float:
@@ -59,7 +46,7 @@ class CpuSampler:
     at any instant by linear interpolation: `with CpuSampler(pgids) as s: ...; s.cores_between(t0, t1)`."""
 
     def __init__(self, pgids: list[int]):
-        self.pids = group_pids(pgids)  # found once: a scan of /proc per sample would cost the client a core share
+        self.pids = [pid for pid, _ in group_stats(pgids)]  # found once: a scan of /proc per sample would cost the client a core share
         self.samples: list[tuple[float, float, float, float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)

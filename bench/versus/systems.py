@@ -26,8 +26,8 @@ from pdserve import launcher
 from ..harness.common import MODELS, ROOT, log
 from ..harness.httpload import run_http_load
 from ..harness.workload import Record, Summary, percentile, summarize
-from ..peers.vllm_peer import VllmPeer, group_rss_bytes
-from .load import machine_seconds, pids_cpu_seconds, group_pids
+from ..peers.vllm_peer import VllmPeer, group_rss_bytes, group_stats
+from .load import machine_seconds, pids_cpu_seconds
 
 BIG_POOL = 2_097_152
 TINY = os.path.join(ROOT, "models", "pdserve-tiny")
@@ -204,7 +204,7 @@ def measure(system, row_name: str, prompts: list[list[int]], concurrency: int,
             max_tokens: int) -> tuple[Summary, list[Record]]:
     """One closed-loop pass over every prompt (no window, no rounds): for steps that need a single figure, such
     as a served request at a pool size (big_pools.py)."""
-    pids = group_pids(system.pgids())
+    pids = [pid for pid, _ in group_stats(system.pgids())]
     c0, (m0, i0), p0, t0 = pids_cpu_seconds(pids), machine_seconds(), time.process_time(), time.perf_counter()
     records, wall = run_http_load(system.url, system.model, prompts, concurrency, max_tokens, system.extra_body)
     sys_cpu, client, dt = pids_cpu_seconds(pids) - c0, time.process_time() - p0, time.perf_counter() - t0
