@@ -112,3 +112,25 @@ def test_the_open_loop_sends_on_schedule_and_counts_from_the_scheduled_time(serv
     assert all(r.token_times[0] >= r.arrival for r in records) and records[0].arrival >= t0
     with pytest.raises(ValueError, match="4 send times for 5 prompts"):
         open_loop(server, "m", prompts, offsets[:4], 2, 4, None)
+
+
+class _ClosesIdle(_Sse):
+    timeout = 0.2  # the server closes a keep-alive connection idle this long, as uvicorn does after 5 s
+
+
+def test_the_open_loop_reopens_a_pooled_connection_the_server_may_have_closed(monkeypatch):
+    _Sse.bodies, _Sse.connections = [], set()
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), _ClosesIdle)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr("pdserve.bench.versus.load.STALE_AFTER_S", 0.1)
+        # every pooled connection sits idle past the server's 0.2 s before its send: written into as the server
+        # closes it, a request would be lost before its status line
+        records = open_loop(f"http://127.0.0.1:{srv.server_address[1]}", "m", [[10, 1], [20, 1], [30, 1]],
+                            [0.5, 0.5, 1.0], 1, 4, None)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    assert [r.error for r in records] == [None] * 3
+    assert [r.token_ids for r in records] == [[10 + k for k in range(4)], [20 + k for k in range(4)],
+                                              [30 + k for k in range(4)]]

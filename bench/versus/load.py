@@ -128,12 +128,19 @@ async def _closed(url, model, prompts, concurrency, max_tokens, extra, timeout) 
     return records
 
 
+# an open loop's pooled connection idle this long is opened again before its next send: both servers (uvicorn) close
+# a keep-alive connection idle for 5 s, and a request written into one the server is closing is lost before its
+# status line (a loopback connect, counted in that request's TTFT, costs both systems the same ~0.1 ms)
+STALE_AFTER_S = 4.0
+
+
 async def _open(url, model, prompts, offsets, concurrency, max_tokens, extra, timeout) -> list[Record]:
     host, port = _split(url)
     idle = [_Conn(host, port) for _ in range(2 * concurrency)]
     for c in idle:  # a pool opened before the clock; a request finding none idle opens one (counted in its TTFT)
         await c.open()
     everyone = list(idle)
+    last_used: dict[_Conn, float] = {}
     records = [Record(0.0) for _ in prompts]
     start = time.perf_counter()
 
@@ -143,8 +150,11 @@ async def _open(url, model, prompts, offsets, concurrency, max_tokens, extra, ti
         conn = idle.pop() if idle else _Conn(host, port)
         if conn not in everyone:
             everyone.append(conn)
+        if time.perf_counter() - last_used.get(conn, start) > STALE_AFTER_S:
+            await conn.close()  # the server may have closed it (uvicorn: 5 s idle); the send opens a fresh one
         # TTFT counts from the scheduled send: a late send is the client's or the system's delay, never a pause
         await _one(conn, records[i], completion_body(model, prompts[i], max_tokens, extra), max_tokens, timeout)
+        last_used[conn] = time.perf_counter()
         idle.append(conn)
 
     try:
