@@ -183,7 +183,7 @@ class Scheduler:
         with FORWARD_SECONDS.labels("decode").time():
             logits = self.runner.run_decode(inputs)
         # structured output: the constrained rows' masks, after the forward pass is launched (on a GPU it runs
-        # meanwhile; on the CPU a thread of their own measured no faster: bench/grammar_mask.py)
+        # meanwhile; on the CPU a thread of their own measured no faster)
         grammars = {i: s.grammar for i, s in enumerate(batch) if s.grammar is not None}
         masks = fill(list(grammars.values()), logits.shape[-1]) if grammars else None
         tokens = sample(logits, [s.sampling for s in batch], [len(s.generated) for s in batch],
