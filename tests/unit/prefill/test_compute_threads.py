@@ -41,8 +41,9 @@ def test_a_worker_thread_runs_that_much_lower_and_the_loop_does_not():
 
 def test_the_torch_threads_a_forward_starts_inherit_it():
     base = _nice(threading.get_native_id())
-    if base + 5 > 19:
-        pytest.skip(f"this process already runs at nice {base}")
+    # clamped as compute_threads clamps: a process already at nice 15 or more still checks the clamp (tests run
+    # at the nice they were started with; `make test` starts them at 0)
+    want = min(19, base + 5)
     before = set(_task_nices())
     pool = compute_threads(5, max_workers=1)
     threads = torch.get_num_threads()
@@ -61,7 +62,7 @@ def test_the_torch_threads_a_forward_starts_inherit_it():
         torch.set_num_threads(threads)
         pool.shutdown()
     assert tid in new and len(new) >= 2, new  # the worker and at least one torch thread it started
-    assert set(new.values()) == {base + 5}, new
+    assert set(new.values()) == {want}, new
 
 
 def test_nothing_lowered_at_zero_and_the_flag_bounds():
