@@ -8,13 +8,12 @@ import logging
 from typing import TYPE_CHECKING, Callable
 
 import grpc
-import torch
 
 from ..common.errors import PdError
 from ..common.metrics import GUARD_SECONDS, count_violation
 from . import faults
 from .sweep import ChecksumSweep
-from .verify import step_tag_mismatches
+from .verify import StepExpectation
 
 if TYPE_CHECKING:
     from ..engine.kv_pool import KVPool
@@ -26,14 +25,15 @@ log = logging.getLogger(__name__)
 class StepGuards:
     def __init__(self, pool: KVPool | None, sweep: ChecksumSweep, end: Callable[[Sequence, PdError], None]):
         self.pool, self.sweep, self.end = pool, sweep, end
+        self.expectation = StepExpectation()
+        self._tag_seconds = GUARD_SECONDS.labels("step_tag_check")
+        self._sweep_seconds = GUARD_SECONDS.labels("checksum_sweep")
 
     def check(self, batch: list[Sequence], tables: list[list[int]]) -> tuple[list[Sequence], list[list[int]]]:
         """The per-step guard over exactly the page tables the step will read; drops failing sequences."""
-        lengths = [len(t) for t in tables]
-        pages = torch.cat([s.page_ids[:n] for s, n in zip(batch, lengths)])
-        expected = torch.cat([s.expected[:n] for s, n in zip(batch, lengths)])
-        with GUARD_SECONDS.labels("step_tag_check").time():
-            bad = step_tag_mismatches(self.pool.tags, pages, expected, lengths)
+        with self._tag_seconds.time():
+            # tags live on the host even when pages are on a GPU: a numpy view of the registered region
+            bad = self.expectation.mismatches(self.pool.tags.numpy(), batch, [len(t) for t in tables])
         for i in bad:
             seq = batch[i]
             count_violation("decode", "STEP_TAG_MISMATCH", seq.owner)
@@ -46,7 +46,7 @@ class StepGuards:
     def sweep_pages(self, batch: list[Sequence], tables: list[list[int]]) -> tuple[list[Sequence], list[list[int]]]:
         """Re-checksums the oldest-checked prompt pages of the batch (sweep.py); drops failing sequences."""
         faults.rogue_data_write(self.pool, batch)
-        with GUARD_SECONDS.labels("checksum_sweep").time():
+        with self._sweep_seconds.time():
             bad = self.sweep([s.prompt for s in batch])
         for m in bad:
             seq = batch[m.index]

@@ -5,6 +5,7 @@ function here raises Violation; callers end the request with DATA_LOSS and emit 
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..common.config import pages_for
@@ -108,4 +109,59 @@ def step_tag_mismatches(tags: torch.Tensor, pages: torch.Tensor, expected: torch
     return [i for i, seg in enumerate(torch.split(ok, lengths)) if not bool(seg.all())]
 
 
-__all__ = ["CANARY_BYTE", "Violation", "check_canaries", "verify_prompt_pages", "step_tag_mismatches"]
+class StepExpectation:
+    """step_tag_mismatches over numpy, with what the tags must say kept from one step to the next.
+
+    What the batch's tags must say (its pages and their ownership words) is fixed by its sequences' leases and
+    changes only when the batch does: a sequence joins or leaves, reads one more page, or grows its leases. So it
+    is gathered again only then; the tags themselves are read from the pool, every page of every sequence, at
+    every call, because what may rewrite a tag between two steps is exactly what this check is for: a one-sided
+    Mooncake write (a stale or rogue writer) that decode is never told about, landing on any page at any time.
+    A cache of "pages known good" would skip the very page such a write hit."""
+
+    def __init__(self) -> None:
+        self._key: list[tuple] = []
+        self._views: dict[int, tuple] = {}            # id(sequence) -> (it, its tensors, their numpy views)
+        self._pages = np.zeros(0, dtype=np.int64)     # [N] physical pages the step reads, batch order
+        self._expected = np.zeros((0, OWNERSHIP.stop - OWNERSHIP.start), dtype=np.int64)  # [N, 5]
+        self._seq_of = np.zeros(0, dtype=np.int64)    # [N] batch position of each row
+
+    def _is_current(self, batch: list, lengths: list[int]) -> bool:
+        # identity, not equality: the key holds the sequences and their tensors, so none of them can be freed and
+        # another allocated in its place; a lease change (grow) gives a sequence new tensors
+        key = self._key
+        if len(key) != len(batch):
+            return False
+        for (s0, p0, e0, n0), s, n in zip(key, batch, lengths):
+            if s0 is not s or p0 is not s.page_ids or e0 is not s.expected or n0 != n:
+                return False
+        return True
+
+    def _gather(self, batch: list, lengths: list[int]) -> None:
+        views = {k: v for k, v in self._views.items() if not v[0].done}
+        rows = []
+        for s in batch:
+            v = views.get(id(s))
+            if v is None or v[0] is not s or v[1] is not s.page_ids or v[2] is not s.expected:
+                v = views[id(s)] = (s, s.page_ids, s.expected, s.page_ids.numpy(), s.expected.numpy())
+            rows.append(v)
+        self._views = views
+        self._key = [(s, p, e, n) for (s, p, e, _, _), n in zip(rows, lengths)]
+        self._pages = np.concatenate([v[3][:n] for v, n in zip(rows, lengths)])
+        self._expected = np.concatenate([v[4][:n] for v, n in zip(rows, lengths)])
+        self._seq_of = np.repeat(np.arange(len(batch)), lengths)
+
+    def mismatches(self, tags: np.ndarray, batch: list, lengths: list[int]) -> list[int]:
+        """Indices into batch of the sequences whose first lengths[i] pages' ownership words differ from their
+        leases'. tags: the pool's [num_pages, TAG_WORDS] int64 tags, a view (read now, not copied before)."""
+        if not self._is_current(batch, lengths):
+            self._gather(batch, lengths)
+        read = tags[self._pages, OWNERSHIP]  # a copy of the words as they are now
+        if np.array_equal(read, self._expected):
+            return []
+        ok = (read == self._expected).all(axis=1)
+        return np.unique(self._seq_of[~ok]).tolist()
+
+
+__all__ = ["CANARY_BYTE", "StepExpectation", "Violation", "check_canaries", "verify_prompt_pages",
+           "step_tag_mismatches"]
