@@ -66,6 +66,17 @@ def prompts(cell: Cell, r: int, loop: str, num: int, vocab_size: int) -> list[li
     return [[rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(cell.prompt_len)] for _ in range(num)]
 
 
+MAX_KEPT_MISMATCHES = 8     # per system pair, round, cell and loop: a broken system must not bloat the run's JSON
+
+
+def id_mismatches(ours: list[list[int] | None], theirs: list[list[int] | None]) -> list[dict]:
+    """Requests whose greedy ids differ (index i of both, where both streamed), at most MAX_KEPT_MISMATCHES: the
+    index, which with the cell, round and loop names the prompt (prompts() above), and both id lists, all that the
+    float64 reference needs to judge the divergence again (ties.py)."""
+    return [{"index": i, "ours": list(x), "theirs": list(y)}
+            for i, (x, y) in enumerate(zip(ours, theirs)) if x and y and list(x) != list(y)][:MAX_KEPT_MISMATCHES]
+
+
 def open_loop_rate(closed_req_s: dict[str, float]) -> float:
     """The arrival rate every system's open loop gets at a cell: a share of the slowest closed loop there."""
     rates = [x for x in closed_req_s.values() if x > 0 and not math.isnan(x)]

@@ -6,7 +6,8 @@ import json
 import math
 import os
 
-from . import protocol
+from ..harness.common import ROOT
+from . import protocol, ties
 from .floors import cell_floors
 
 # figure, loop, higher is better
@@ -76,6 +77,33 @@ def targets(rows: list[dict], system: str = "pdserve") -> list[dict]:
             out.append({"figure": fig, "cell": row["cell"], "bound": bound, "ratio": r,
                         "verdict": protocol.verdict(r, bound, higher), "loaded": row["loaded"]})
     return out
+
+
+def mismatches(res: dict) -> list[dict]:
+    """Every kept greedy-id mismatch (protocol.id_mismatches), with the check it came from."""
+    return [{"system": t["system"], "against": t["against"], "cell": t["cell"], "round": t["round"], "tag": t["tag"],
+             **m} for t in res["tokens"] for m in t.get("mismatches", [])]
+
+
+def judge_mismatches(res: dict, reference=None) -> None:
+    """Gives each kept mismatch its float64 verdict (ties.py) in place, once: the reference is loaded only when
+    some mismatch has none yet. A failure to judge is written as the verdict, never lost with the report."""
+    pending = [(t, m) for t in res["tokens"] for m in t.get("mismatches", []) if "judgement" not in m]
+    if not pending:
+        return
+    try:
+        ref = reference or ties.Reference(os.path.join(ROOT, res["model"]))
+    except Exception as e:  # noqa: BLE001 - the tables are still worth writing
+        for _, m in pending:
+            m["judgement"] = {"verdict": f"not judged: {type(e).__name__}: {e}"[:300]}
+        return
+    seen: dict = {}
+    for t, m in pending:
+        key = (t["cell"], t["round"], t["tag"], m["index"], tuple(m["ours"]), tuple(m["theirs"]))
+        if key not in seen:  # the same request against both vLLM configurations is one question
+            prompt = ties.prompt_of(t["cell"], t["round"], t["tag"], m["index"], res["model_facts"]["vocab_size"])
+            seen[key] = ref.examine(prompt, m["ours"], m["theirs"]).as_dict()
+        m["judgement"] = seen[key]
 
 
 def _n(x, scale=1.0, digits=1) -> str:
@@ -181,6 +209,7 @@ def render(res: dict, rows: list[dict]) -> str:
         ratio = "n/a" if math.isnan(t["ratio"]) else f"{t['ratio']:.2f}×"
         lines.append(f"| {t['figure']} | {t['cell']} | {sign} {t['bound']:.1f}× | {ratio} "
                      f"| {t['verdict']}{' (loaded)' if t['loaded'] else ''} |")
+    lines += _mismatch_lines(res)
     lines += ["", f"Run time {res.get('elapsed_s', math.nan) / 60:.1f} min."
               + (" PARTIAL: the run stopped before its last round ended." if res.get("partial") else "")]
     for s, i in res["systems"].items():
@@ -191,14 +220,47 @@ def render(res: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _mismatch_lines(res: dict) -> list[str]:
+    counted = sum(t["mismatched"] for t in res["tokens"])
+    kept = mismatches(res)
+    if not counted:
+        return []
+    lines = ["", "## Greedy token ids unlike vLLM's", "",
+             "Each mismatch re-computed at its first differing output token by the checkpoint in transformers' own "
+             "forward (float32 and float64) on the prompt plus the ids both systems agreed on. Near tie: both "
+             f"tokens within the bound ({ties.TIE_ROUNDINGS:g} × the float32 reference's largest rounding on that "
+             "row) of the float64 maximum; further under it, a defect.", "",
+             "| system | against | cell | round | loop | request | token | pdserve / vLLM id | fp32 top-2 margin "
+             "| fp64 pdserve − vLLM | bound | verdict |", "|---|---|---|---:|---|---:|---:|---|---:|---:|---:|---|"]
+    for m in kept:
+        j = m.get("judgement", {})
+        lines.append(f"| {m['system']} | {m['against']} | {m['cell']} | {m['round'] + 1} | {m['tag']} | {m['index']} "
+                     f"| {j.get('position', 'n/a')} | {j.get('ours', 'n/a')} / {j.get('theirs', 'n/a')} "
+                     f"| {_e(j.get('margin32'))} | {_e(j.get('gap64'))} | {_e(j.get('bound'))} "
+                     f"| {j.get('verdict', 'not judged')} |")
+    if counted > len(kept):
+        cells = sorted({(t["cell"], t["first_divergence"]) for t in res["tokens"] if t["mismatched"]})
+        lines += ["", f"{counted - len(kept)} mismatched request{'s' if counted - len(kept) != 1 else ''} (counted "
+                  "once per pdserve system and vLLM configuration) without kept ids (a run from before they were "
+                  f"kept, or past {protocol.MAX_KEPT_MISMATCHES} a check): `python -m pdserve.bench.versus.find_ties "
+                  "--cell CELL --position K` looks for the near tie at "
+                  + ", ".join(f"{c} token {k}" for c, k in cells) + "."]
+    return lines
+
+
+def _e(x) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2e}"
+
+
 def summary(res: dict, rows: list[dict]) -> dict:
     return {"mode": res["mode"], "commit": res["commit"], "machine": res["machine"], "vllm": res["vllm"],
             "baseline": {s: i.get("commit") for s, i in res["systems"].items() if s == "pdserve-baseline"},
             "floors": res["floors"], "rates": res["rates"], "rows": rows, "targets": targets(rows),
-            "errors": res["errors"]}
+            "mismatches": mismatches(res), "errors": res["errors"]}
 
 
 def write_all(res: dict, results_dir: str) -> str:
+    judge_mismatches(res)
     rows = analyse(res)
     text = render(res, rows)
     print(text, flush=True)

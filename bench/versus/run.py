@@ -243,7 +243,8 @@ def token_checks(ids: dict, systems: list[str]) -> list[dict]:
         for other in systems:
             if other.startswith("vLLM") and (other, r, cell, tag) in ids:
                 out.append({"system": name, "against": other, "round": r, "cell": cell, "tag": tag,
-                            **compare_ids(got, ids[(other, r, cell, tag)])})
+                            **compare_ids(got, ids[(other, r, cell, tag)]),
+                            "mismatches": protocol.id_mismatches(got, ids[(other, r, cell, tag)])})
     return out
 
 
