@@ -59,6 +59,9 @@ async def revocation_stream(table: LeaseTable, pool_id: str, after_seq: int, wak
             yield broker_pb2.Revocation(epoch=table.epoch, seq=cursor, heartbeat=True, gap=gap)
             sent_at, first = loop.time(), False
         try:
-            await asyncio.wait_for(wake.wait(), max(0.0, sent_at + heartbeat_s - loop.time()))
-        except asyncio.TimeoutError:
+            # a timeout scope around the wait, not wait_for: wait_for runs the wait as a task of its own, so a
+            # write-done notice that EndWrite appends reached this loop two event-loop turns after the wake
+            async with asyncio.timeout_at(sent_at + heartbeat_s):
+                await wake.wait()
+        except TimeoutError:
             pass
