@@ -1,6 +1,7 @@
 """ModelRunner: packs prefill and decode batches for the model and runs them over a KVPool."""
 from __future__ import annotations
 
+import math
 import os
 import sys
 import threading
@@ -19,13 +20,67 @@ from .paged_attention import prepare_paged_decode
 from .sizing import PoolSize, kv_bytes_per_token
 
 
+def _cgroup_quota(line: str, root: str) -> float | None:
+    """The CPU quota, in cores, of one /proc/self/cgroup line's group and the groups above it (the smallest
+    applies); None where none is set or the files are not there."""
+    _, controllers, path = line.strip().split(":", 2)
+    if controllers == "":  # v2: cpu.max holds "<quota> <period>" or "max <period>"
+        dirs, name = [os.path.join(root, "unified"), root], "cpu.max"
+    elif "cpu" in controllers.split(","):  # v1: cpu.cfs_quota_us (-1: none) beside cpu.cfs_period_us
+        dirs, name = [os.path.join(root, controllers), os.path.join(root, "cpu")], "cpu.cfs_quota_us"
+    else:
+        return None
+    best = None
+    for base in dirs:
+        parts = [p for p in path.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            d = os.path.join(base, *parts[:depth])
+            try:
+                with open(os.path.join(d, name)) as f:
+                    quota, *period = f.read().split()
+                if name == "cpu.cfs_quota_us":
+                    with open(os.path.join(d, "cpu.cfs_period_us")) as f:
+                        period = f.read().split()
+            except (OSError, ValueError):
+                continue
+            if quota not in ("max", "-1") and period and int(period[0]) > 0:
+                cores = int(quota) / int(period[0])
+                best = cores if best is None else min(best, cores)
+        if best is not None:
+            return best
+    return best
+
+
+def available_cpus(cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """The cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (a container's CPU limit)
+    rounded up. os.cpu_count() counts the host's cores and would start more threads than the process gets."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.readlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        try:
+            quota = _cgroup_quota(line, cgroup_root)
+        except ValueError:  # a line of another shape
+            continue
+        if quota is not None:
+            cores = min(cores, max(1, math.ceil(quota)))
+    return max(1, cores)
+
+
 def set_threads(n: int = 0, switch_interval_ms: float | None = None) -> None:
-    """Intra-op CPU threads; by default half the cores, since prefill and decode usually share a host (prefill
-    asks for all of them, its compute threads below decode's priority: prefill/main.py compute_threads).
+    """Intra-op CPU threads; by default half the cores this process may use (available_cpus), since prefill and
+    decode usually share a host (prefill asks for all of them, its compute threads below decode's priority:
+    prefill/main.py compute_threads).
     The model runs in a worker thread beside the event loop that streams tokens and answers RPCs; it
     drops the GIL inside every torch op and must get it back between ops, which can take a whole switch
     interval while the loop runs Python, so a service sets a short one."""
-    torch.set_num_threads(n or max(1, (os.cpu_count() or 2) // 2))
+    torch.set_num_threads(n or max(1, available_cpus() // 2))
     if switch_interval_ms is not None:
         sys.setswitchinterval(switch_interval_ms / 1000)
 

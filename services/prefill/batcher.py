@@ -13,9 +13,12 @@ the cache, or fail to, and lets the prompts behind it pass meanwhile: the prefix
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
 import time
 from collections import deque
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -75,6 +78,8 @@ class Batcher:
         self._wake = asyncio.Event()  # pages were freed or a caller left
         self._task: asyncio.Task | None = None
         self._tokens_per_s: float | None = None  # of recent passes (a moving average): the refusals' retry delay
+        # where passes run (None: the loop's default executor); one thread, so torch's OpenMP threads form one team
+        self.executor: Executor | None = None
         self.num_waiting = 0  # queued prompts whose first pass has not started (read by the metrics thread)
         OVERLOAD_REJECTIONS.labels("prefill", "queue_full")  # exported at 0 from start-up
 
@@ -146,7 +151,8 @@ class Batcher:
                     continue
                 try:
                     began = time.monotonic()
-                    results = await asyncio.to_thread(self._pass, batch)
+                    pass_ = functools.partial(contextvars.copy_context().run, self._pass, batch)  # as asyncio.to_thread
+                    results = await asyncio.get_running_loop().run_in_executor(self.executor, pass_)
                     rate = sum(n for _, _, n in batch) / max(1e-6, time.monotonic() - began)
                     self._tokens_per_s = rate if self._tokens_per_s is None else 0.8 * self._tokens_per_s + 0.2 * rate
                 except Exception as e:  # noqa: BLE001  (the pass failed for every prompt in it)

@@ -10,12 +10,16 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-# Read by OpenMP (torch's threads) once, when torch loads, so set before anything here imports it. Prefill's torch
-# threads share cores with decode, at a lower priority: one that waits at a barrier for a sibling that decode has
-# preempted must sleep, not spin (spinning, 2 threads took 3.4x the CPU of 1 for a 1,024-token forward on 2 busy
-# cores; asleep, 1.1x). An operator's own setting stands.
+# Read by OpenMP (libgomp, torch's threads) once, when torch loads, so set before anything here imports it. A torch
+# thread that finds no work spins this many rounds (tens of microseconds) before it sleeps: a forward pass is hundreds
+# of short parallel ops, and a thread woken from sleep for each one (OMP_WAIT_POLICY=PASSIVE) made 2 threads no
+# faster than 1. The bound keeps what spinning costs small where prefill's threads share cores with decode, below its
+# priority: libgomp's default spins ~100x longer (2 threads then took 3.4x the CPU of 1 for a 1,024-token forward on
+# 2 busy cores). An operator's own setting stands.
+SPIN_COUNT = "10000"
 _OMP_ENV_BEFORE_TORCH = "torch" not in sys.modules
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+if "OMP_WAIT_POLICY" not in os.environ:
+    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
 
 from ..common import config  # noqa: E402
 from ..common.capacity import check_pool_capacity
@@ -105,26 +109,29 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "prompt needs; cached pages are evicted least recently used whenever a prompt needs them)")
 
 
-def compute_threads(nice: int, max_workers: int = 32) -> ThreadPoolExecutor:
+def compute_threads(nice: int, max_workers: int = 32, name: str = "prefill-compute") -> ThreadPoolExecutor:
     """asyncio's worker threads for prefill: each one lowers its own priority by `nice` as it starts (on Linux a nice
     value belongs to a thread, and a thread inherits its creator's, so the torch (OpenMP) threads a forward pass
     starts run at it too). More workers than asyncio's default (cores + 4): a write now waits asleep for Mooncake,
-    and 16 of them must not keep the next forward pass out of the pool."""
+    and 16 of them must not keep the next forward pass out of the pool. The forward passes get a pool of one thread
+    of their own (the batcher's executor): OpenMP keeps a team of torch threads per thread that runs a parallel op,
+    and once the teams outnumber the cores, libgomp stops spinning in all of them."""
     def lower() -> None:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
-    return ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="prefill-compute",
+    return ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name,
                               initializer=lower if nice else None)
 
 
 async def serve(args) -> None:
     check_unsafe("prefill", args)  # before the model loads: a refusal is immediate
+    from ..engine.runner import available_cpus
     if not _OMP_ENV_BEFORE_TORCH:
-        log.warning("torch was loaded before prefill set OMP_WAIT_POLICY=%s: its threads may spin while they wait",
-                    os.environ["OMP_WAIT_POLICY"])
-    # prefill computes on every core, below decode's priority (--compute-nice); decode keeps its half (cli_args)
-    args.threads = args.threads or os.cpu_count() or 1
+        log.warning("torch was loaded before prefill set GOMP_SPINCOUNT=%s: its threads may spin longer while they "
+                    "wait", os.environ.get("GOMP_SPINCOUNT"))
+    # prefill computes on every core it may use, below decode's priority (--compute-nice); decode keeps its half
+    args.threads = args.threads or available_cpus()
     asyncio.get_running_loop().set_default_executor(compute_threads(args.compute_nice))
     tls = tls_from_args(args, "prefill", "prefill")
     # listening before the model loads: probes see NOT_SERVING (alive, not ready) during a long load
@@ -183,10 +190,12 @@ async def _start(args, tls) -> PrefillServicer:
     log.info("prefix cache: %s", "off" if not worker.cache.enabled else
              f"on, at most {args.prefix_cache_pages} pages" if args.prefix_cache_pages is not None else
              "on, up to the pool's unused pages")
-    return PrefillServicer(worker, leases, context_length, max_prompt,
-                           os.path.basename(os.path.normpath(args.model)), transfer_timeout_s=args.transfer_timeout,
-                           max_batch_tokens=args.prefill_max_batch_tokens, queue_limit=args.prefill_queue_limit,
-                           grammars=Grammars.for_model(model_path(args.model), runner.config))
+    servicer = PrefillServicer(worker, leases, context_length, max_prompt,
+                               os.path.basename(os.path.normpath(args.model)), transfer_timeout_s=args.transfer_timeout,
+                               max_batch_tokens=args.prefill_max_batch_tokens, queue_limit=args.prefill_queue_limit,
+                               grammars=Grammars.for_model(model_path(args.model), runner.config))
+    servicer.batcher.executor = compute_threads(args.compute_nice, max_workers=1, name="prefill-forward")
+    return servicer
 
 
 def main(args) -> None:
