@@ -132,6 +132,44 @@ class BenchStack:
             self.settle()
         return summarize(system, preset, len(prompts[0]), concurrency, records, wall, extra), records
 
+    # -- the guard-cost A/B: requests sent without a scrape around each, the guards' exact time per series ------
+    def send(self, prompts: list[list[int]], concurrency: int, max_tokens: int = MAX_TOKENS
+             ) -> tuple[list[Record], float]:
+        """The client's view only: no /metrics read around it, so a pair's two requests follow each other closely."""
+        return run_load(self.gateway, prompts, concurrency, max_tokens)
+
+    def guard_sample(self) -> dict:
+        """Counters for a series of A/B requests, read before and after it (series_cost takes the difference):
+        prefill's and decode's guard seconds and calls by kind, decode's steps and their forward seconds, the
+        gateway's first tokens, every stack process's CPU seconds."""
+        d, p = scrape(self.procs["decode"][0].metrics_port), scrape(self.procs["prefill"][0].metrics_port)
+        g = scrape(self.procs["gateway"][0].metrics_port)
+        out = {f"guard_s.{k}": sum(m.get(("pdserve_guard_seconds_sum", f'kind="{k}"'), 0.0) for m in (p, d))
+               for k in GUARD_KINDS}
+        out |= {f"guard_n.{k}": sum(m.get(("pdserve_guard_seconds_count", f'kind="{k}"'), 0.0) for m in (p, d))
+                for k in GUARD_KINDS}
+        for k in STEP_KINDS:  # the per-step guards' distribution: a mean alone hides a rare preempted call
+            out |= {f"guard_b.{k}.{labels.rpartition('le=')[2].strip(chr(34))}": v for (name, labels), v in d.items()
+                    if name == "pdserve_guard_seconds_bucket" and f'kind="{k}"' in labels}
+        out["steps"] = d.get(("pdserve_forward_seconds_count", 'phase="decode"'), 0.0)
+        out["step_forward_s"] = d.get(("pdserve_forward_seconds_sum", 'phase="decode"'), 0.0)
+        out["first_tokens"] = g.get(("pdserve_time_to_first_token_seconds_count", ""), 0.0)
+        out |= {f"cpu_s.{k}": v for k, v in self.cpu_sample().items() if k not in ("client", "machine")}
+        return out
+
+    @staticmethod
+    def series_cost(before: dict, after: dict) -> dict:
+        """What a series cost between two guard_samples: guard seconds and calls by kind, steps, first tokens,
+        CPU seconds by process (wall: the series' elapsed time)."""
+        d = {k: after[k] - before[k] for k in after}
+        return {"guard": {k: d[f"guard_s.{k}"] for k in GUARD_KINDS},
+                "guard_calls": {k: d[f"guard_n.{k}"] for k in GUARD_KINDS},
+                "step_buckets": {k: {b.split(".", 2)[2]: v for b, v in d.items() if b.startswith(f"guard_b.{k}.")}
+                                 for k in STEP_KINDS},
+                "steps": d["steps"], "step_forward_s": d["step_forward_s"], "first_tokens": d["first_tokens"],
+                "cpu": {k[6:]: v for k, v in d.items() if k.startswith("cpu_s.") and k != "cpu_s.wall"},
+                "wall_s": d["cpu_s.wall"]}
+
     def settle(self, quiet_s: float = 2.0, timeout_s: float = 180.0) -> None:
         """Waits until prefill has no backlog: a request the client gave up on still runs its prefill and
         transfer (by design), and that work must not land in the next measurement."""

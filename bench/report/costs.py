@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from ..harness.stack import GUARD_KINDS, STEP_KINDS
+from ..harness.stack import GUARD_KINDS, STEP_KINDS, TTFT_KINDS
 from ..harness.workload import Summary, fmt_ci, mean_ci
-from .format import NAN, _div, _ms, _ms2, _ok, _pct, _table, guard_fractions
+from .format import NAN, _div, _hist_quantile, _median, _ms, _ms2, _ok, _pct, _table, guard_fractions
 
 
 def guard_overhead(runs: list[Summary], ab: list[Summary]) -> tuple[list[str], tuple]:
@@ -37,53 +37,143 @@ def guard_overhead(runs: list[Summary], ab: list[Summary]) -> tuple[list[str], t
         L += _table(["preset", "prompt", "conc"] + [f"{k} ms/req" for k in GUARD_KINDS if k not in STEP_KINDS] +
                     [f"{k} ms total" for k in STEP_KINDS] +
                     ["sweep share of wall", "share of TTFT p50", "share of wall (tok/s)"], rows)
-        on = [s for s in ab if s.extra.get("checksums")]
-        if on:
-            c1 = [s for s in on if s.concurrency == min(x.concurrency for x in on)]
-            cn = [s for s in on if s.concurrency == max(x.concurrency for x in on)]
-            guard_ttft = mean_ci([guard_fractions(s)[0] for s in c1])
-            guard_thr = mean_ci([guard_fractions(s)[1] for s in cn])
-            guard_ttft_cell, guard_thr_cell = c1[0], cn[0]
-            L += [f"Over the repeated checksums-on runs of the A/B, mean ± 95% t-interval: guard share of TTFT p50 "
-                  f"**{fmt_ci(*guard_ttft, scale=100, unit='%')}** ({len(c1)} runs, prompt {c1[0].prompt_len} × "
-                  f"concurrency {c1[0].concurrency}); of output throughput "
-                  f"**{fmt_ci(*guard_thr, scale=100, unit='%')}** ({len(cn)} runs, prompt {cn[0].prompt_len} × "
-                  f"concurrency {cn[0].concurrency}).", ""]
+        L += _series_table(ab)
+        guard_ttft, guard_thr, guard_ttft_cell, guard_thr_cell = _guard_shares(ab)
+        if guard_ttft_cell is not None or guard_thr_cell is not None:
+            L += ["Guard share, checksums-on stack of the A/B, mean ± 95% t-interval: "
+                  + "; ".join(x for x in (
+                      guard_ttft_cell and f"of TTFT p50 **{fmt_ci(*guard_ttft[:2], scale=100, unit='%')}** (prompt "
+                      f"{guard_ttft_cell.prompt_len} × concurrency 1, the series' guard time per request over each "
+                      f"request's TTFT, {guard_ttft[2]} requests)",
+                      guard_thr_cell and f"of output throughput **{fmt_ci(*guard_thr[:2], scale=100, unit='%')}** "
+                      f"(prompt {guard_thr_cell.prompt_len} × concurrency {guard_thr_cell.concurrency}, per-step "
+                      f"guard seconds over each run's wall time, {guard_thr[2]} runs)") if x) + ".", ""]
+        guard_ttft, guard_thr = guard_ttft[:2], guard_thr[:2]
     return L, (guard_ttft, guard_thr, guard_ttft_cell, guard_thr_cell)
 
 
+def _cells(ab: list[Summary]) -> list[list[Summary]]:
+    """The A/B's runs by cell, in the order they ran."""
+    cells: dict[int, list[Summary]] = {}
+    for s in ab:
+        cells.setdefault(s.extra.get("ab_cell", 0), []).append(s)
+    return [cells[k] for k in sorted(cells)]
+
+
+def _pairs(cell: list[Summary]) -> list[dict[bool, Summary]]:
+    """Complete pairs, on and off, neither with a failed request."""
+    pairs: dict[int, dict[bool, Summary]] = {}
+    for s in cell:
+        pairs.setdefault(s.extra["pair"], {})[s.extra["checksums"]] = s
+    return [p for _, p in sorted(pairs.items()) if len(p) == 2 and not p[True].num_errors and not p[False].num_errors]
+
+
+def _series(cell: list[Summary], checksums: bool) -> dict | None:
+    return next((s.extra["series"] for s in cell if s.extra["checksums"] == checksums and "series" in s.extra), None)
+
+
+def _guard_shares(ab: list[Summary]) -> tuple[tuple, tuple, Summary | None, Summary | None]:
+    """(guard share of TTFT at concurrency 1, of output throughput at the loaded cell), each (mean, half-width,
+    n), from the checksums-on stack: the TTFT guards' seconds per request of the series over each request's TTFT;
+    per run, the per-step guards' seconds over its wall time (those runs are read around each)."""
+    ttft = thr = (NAN, NAN, 0)
+    ttft_cell = thr_cell = None
+    for cell in _cells(ab):
+        on = [s for s in cell if s.extra["checksums"] and not s.num_errors]
+        series = _series(cell, True)
+        if not on:
+            continue
+        if on[0].concurrency == 1 and series and series["first_tokens"]:
+            per_req = sum(series["guard"].get(k, 0.0) for k in TTFT_KINDS) / series["first_tokens"]
+            xs = [per_req / s.ttft_p50 for s in on if s.ttft_p50 > 0]
+            ttft, ttft_cell = (*mean_ci(xs), len(xs)), on[0]
+        elif on[0].concurrency > 1 and all("guard" in s.extra for s in on):
+            xs = [guard_fractions(s)[1] for s in on]
+            thr, thr_cell = (*mean_ci(xs), len(xs)), on[0]
+    return ttft, thr, ttft_cell, thr_cell
+
+
+def _us_quantiles(series: dict, kind: str) -> str:
+    """p50 / p90 of one per-step guard's calls, interpolated in the histogram's buckets (50 µs wide at the
+    bottom: a coarse figure, there to show whether the mean is typical or carried by a few preempted calls)."""
+    b = series.get("step_buckets", {}).get(kind)
+    if not b:
+        return "n/a"
+    return f"{_hist_quantile(b, 0.5) * 1e6:.0f} / {_hist_quantile(b, 0.9) * 1e6:.0f}"
+
+
+def _series_table(ab: list[Summary]) -> list[str]:
+    """Each A/B stack's series as pdserve_guard_seconds counted it: the guards' exact in-process time."""
+    rows = []
+    for cell in _cells(ab):
+        for checksums in (True, False):
+            x = _series(cell, checksums)
+            if not x:
+                continue
+            g, steps, req = x["guard"], max(x["steps"], 1), max(x["first_tokens"], 1)
+            c0 = cell[0]
+            rows.append([c0.prompt_len, c0.concurrency, "on" if checksums else "off", int(x["first_tokens"]),
+                         int(x["steps"]),
+                         f"{g['step_tag_check'] / steps * 1e6:.1f}", _us_quantiles(x, "step_tag_check"),
+                         f"{g['checksum_sweep'] / steps * 1e6:.1f}", _us_quantiles(x, "checksum_sweep"),
+                         f"{x['step_forward_s'] / steps * 1e3:.2f}",
+                         _pct(sum(g[k] for k in STEP_KINDS) / x["step_forward_s"]) if x["step_forward_s"] else "n/a",
+                         _ms2(sum(g[k] for k in TTFT_KINDS) / req), _ms2(g["checksum"] / req),
+                         _ms2(g["prompt_verify"] / req),
+                         f"{sum(v for k, v in x['cpu'].items()) / req * 1e3:.1f}"])
+    if not rows:
+        return []
+    return ["The A/B's series, per stack (`pdserve_guard_seconds` and the processes' CPU time, read before and "
+            "after each stack's whole series): the per-step guards in µs per decode step and against the step's "
+            "forward pass (the quantiles per call: the sweep runs before every `--checksum-sweep-every`-th step), the guards before the first token per request. The tag check runs on both stacks; "
+            "off has no transfer checksums, so no CRC-32C at prefill or verification and no sweep.", ""] + _table(
+        ["prompt", "conc", "checksums", "requests", "steps", "tag check µs/step", "tag check p50 / p90 µs",
+         "sweep µs/step", "sweep call p50 / p90 µs",
+         "forward ms/step", "per-step guards / forward", "TTFT guards ms/req", "CRC-32C prefill ms/req",
+         "prompt verify ms/req", "stack CPU ms/req"], rows)
+
+
 def checksum_ab(ab: list[Summary]) -> tuple[list[str], dict]:
-    """Transfer checksums on vs off over interleaved pairs; the effects per concurrency feed the targets."""
+    """Checksums on vs off, paired; the effects per concurrency feed the targets."""
     L: list[str] = []
     ab_effects = {}
     if ab:
-        L += ["## A/B: transfer checksums on vs off (`--no-transfer-checksum` on prefill and decode)", ""]
+        L += ["## A/B: transfer checksums on vs off (`--no-transfer-checksum` on prefill and decode), paired", ""]
         L += ["Off also turns decode's checksum sweep off (it compares with the transfer checksums), so the "
               "difference is the CRC-32C at prefill, at prompt verification and in the per-step sweep together; "
-              "the sweep's own time is in the guard-overhead table.", ""]
-        L += ["Two stacks up side by side, runs interleaved on, off, on, off, …; the difference is on − off, "
-              "relative to off, as mean ± 95% t-interval over the pairs.", ""]
-        cells = sorted({(s.prompt_len, s.concurrency, s.num_requests) for s in ab}, key=lambda x: x[1])
+              "the per-step tag check runs on both. Two stacks up side by side; each pair sends the same new "
+              "prompts to one, then the other, alternating which goes first. At concurrency 1 a pair is one "
+              "request; above, one closed-loop run of the cell's requests; tok/s is output tokens over the "
+              "request's or the run's wall time. Differences are on − off relative to off, mean ± "
+              "95% t-interval over the pairs, and their median; *order*: the mean of first − second, relative, "
+              "which the alternation cancels from the on − off mean.", ""]
         rows = []
-        for n, c, num in cells:
-            pairs: dict[int, dict[bool, Summary]] = {}
-            for s in ab:
-                if s.prompt_len == n and s.concurrency == c:
-                    pairs.setdefault(s.extra["pair"], {})[s.extra["checksums"]] = s
-            full = [p for p in pairs.values() if len(p) == 2]
-            d_thr = mean_ci([p[True].out_tok_s / p[False].out_tok_s - 1 for p in full])
-            d_ttft = mean_ci([p[True].ttft_p50 / p[False].ttft_p50 - 1 for p in full])
-            d_ttft_ms = mean_ci([p[True].ttft_p50 - p[False].ttft_p50 for p in full])
+        for cell in _cells(ab):
+            full = _pairs(cell)
+            if not full:
+                continue
+            c0 = cell[0]
+            n, c = c0.prompt_len, c0.concurrency
+            thr = (lambda s: s.out_tok_s)
+            xs_thr = [thr(p[True]) / thr(p[False]) - 1 for p in full]
+            xs_ttft = [p[True].ttft_p50 / p[False].ttft_p50 - 1 for p in full]
+            d_thr, d_ttft = mean_ci(xs_thr), mean_ci(xs_ttft)
+            order = mean_ci([(p[True].ttft_p50 / p[False].ttft_p50 - 1) * (1 if p[True].extra["first"] else -1)
+                             for p in full])
             ab_effects[c] = (d_thr, d_ttft, n)
-            on_thr = mean_ci([p[True].out_tok_s for p in full])
-            off_thr = mean_ci([p[False].out_tok_s for p in full])
-            rows.append([n, c, num, len(full), fmt_ci(*on_thr, digits=0), fmt_ci(*off_thr, digits=0),
-                         fmt_ci(*d_thr, scale=100, unit="%"),
-                         fmt_ci(*mean_ci([p[True].ttft_p50 for p in full]), scale=1e3, digits=1),
-                         fmt_ci(*mean_ci([p[False].ttft_p50 for p in full]), scale=1e3, digits=1),
-                         fmt_ci(*d_ttft, scale=100, unit="%"), fmt_ci(*d_ttft_ms, scale=1e3, unit=" ms")])
-        L += _table(["prompt", "conc", "requests/run", "pairs", "on tok/s", "off tok/s", "Δ tok/s (on vs off)",
-                     "on TTFT p50 ms", "off TTFT p50 ms", "Δ TTFT p50", "Δ TTFT p50 ms"], rows)
+            rows.append([n, c, c0.num_requests, len(full), len(cell) // 2 - len(full),
+                         fmt_ci(*mean_ci([thr(p[True]) for p in full]), digits=0),
+                         fmt_ci(*mean_ci([thr(p[False]) for p in full]), digits=0),
+                         fmt_ci(*d_thr, scale=100, unit="%"), _pct(_median(xs_thr)),
+                         _ms(_median([p[True].ttft_p50 for p in full])),
+                         _ms(_median([p[False].ttft_p50 for p in full])),
+                         fmt_ci(*d_ttft, scale=100, unit="%"), _pct(_median(xs_ttft)),
+                         fmt_ci(*mean_ci([p[True].ttft_p50 - p[False].ttft_p50 for p in full]), scale=1e3,
+                                unit=" ms"),
+                         fmt_ci(*order, scale=100, unit="%")])
+        L += _table(["prompt", "conc", "requests/pair", "pairs", "pairs dropped (errors)", "on tok/s", "off tok/s",
+                     "Δ tok/s", "Δ tok/s median", "on TTFT p50 ms (median)", "off TTFT p50 ms (median)",
+                     "Δ TTFT p50", "Δ TTFT median", "Δ TTFT ms", "order: first vs second, TTFT"], rows)
     return L, ab_effects
 
 

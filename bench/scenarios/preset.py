@@ -8,6 +8,7 @@ import math
 import os
 import platform
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
@@ -205,15 +206,48 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
         gc.collect()
 
     def _checksum_ab(self, pp, stack_a, stack_b, vocab) -> None:
-        from ..harness.workload import make_prompts
+        """Guard cost, paired: checksums on (stack_a) against off (stack_b), the same prompts to both back to back,
+        alternating which stack goes first, pairs until the cell's time is up (AB_SECONDS, at least AB_MIN_PAIRS).
 
+        At concurrency 1 a pair is one request (its TTFT and tok/s); above it, one closed-loop run of
+        the cell's requests (its output tok/s). Load from outside the pair hits its two halves alike, and the
+        order alternates, so the mean paired difference resolves what run-to-run spread hides. Around each
+        stack's series, the guards' own in-process seconds (pdserve_guard_seconds) give the exact cost per
+        request and per step, the tag check included (it runs on both stacks: nothing turns it off)."""
+        from ..harness.workload import MAX_TOKENS, make_prompts, summarize
+
+        budget = AB_SECONDS.get(self.plan.mode, AB_SECONDS["quick"])
+        stacks = (stack_a, stack_b)
         for k, cell in enumerate(pp.ab):
-            prompts = make_prompts(cell.prompt_len, cell.num_requests, vocab)
-            log(f"{pp.preset}: checksum A/B, prompt {cell.prompt_len} × concurrency {cell.concurrency} "
-                f"({cell.num_requests} requests), {self.plan.repeats} interleaved pairs")
-            for i in range(self.plan.repeats):
-                for stack, label in ((stack_a, "on"), (stack_b, "off")):
-                    s, _ = stack.run(f"pdserve checksums {label}", pp.preset, prompts, cell.concurrency)
-                    s.extra.update(pair=i, ab_cell=k)
-                    self.res["ab"].append(asdict(s))
-                    log(f"  pair {i + 1}/{self.plan.repeats} checksums {label:>3}: {_short(s)}")
+            log(f"{pp.preset}: guard cost A/B (checksums on / off), prompt {cell.prompt_len} × concurrency "
+                f"{cell.concurrency}: paired {'requests' if cell.concurrency == 1 else 'runs'} for {budget:.0f} s")
+            before = [st.guard_sample() for st in stacks]
+            done: list[dict] = []
+            deadline = time.monotonic() + budget
+            i = 0
+            while i < AB_MIN_PAIRS or (time.monotonic() < deadline and i < AB_MAX_PAIRS):
+                # distinct prompts per pair: neither stack's prefix cache may answer a prompt seen before
+                prompts = make_prompts(cell.prompt_len, cell.num_requests if cell.concurrency > 1 else 1, vocab,
+                                       seed=7919 + 1000 * k + i)
+                for j, stack in enumerate(stacks if i % 2 == 0 else stacks[::-1]):
+                    label = "on" if stack.checksums else "off"
+                    if cell.concurrency == 1:
+                        recs, wall = stack.send(prompts, 1, MAX_TOKENS)
+                        s = summarize(f"pdserve checksums {label}", pp.preset, cell.prompt_len, 1, recs, wall)
+                    else:
+                        s, _ = stack.run(f"pdserve checksums {label}", pp.preset, prompts, cell.concurrency)
+                    s.extra.update(pair=i, ab_cell=k, checksums=stack.checksums, first=j == 0)
+                    done.append(asdict(s))
+                i += 1
+            for st, b in zip(stacks, before):
+                series = st.series_cost(b, st.guard_sample())
+                last = next(r for r in reversed(done) if r["extra"]["checksums"] == st.checksums)
+                last["extra"]["series"] = series
+            self.res["ab"] += done
+            errors = sum(r["num_errors"] for r in done)
+            log(f"  {i} pairs{f', {errors} failed requests' if errors else ''}")
+
+
+# time per A/B cell: pairs are taken until it is up (at least AB_MIN_PAIRS, at most AB_MAX_PAIRS)
+AB_SECONDS = {"quick": 45.0, "full": 150.0}
+AB_MIN_PAIRS, AB_MAX_PAIRS = 10, 1000
