@@ -31,6 +31,9 @@
 #define MAX_HEAD_DIM 256
 #define MAX_HEADS 128
 #define MAX_PAGE 256
+/* pages ahead whose rows a sequence's loop asks for while it computes this one: a layer's page lies a page stride
+ * (all the layers' pages) from the last one read, past where the hardware's stride prefetch looks */
+#define PREFETCH_PAGES 2
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 /* one build for every x86-64 host: the loader picks the widest vectors the CPU has */
@@ -41,8 +44,9 @@
 
 /* e^x for x <= 0 (a score less the running maximum): Cephes' expf, a degree-6 polynomial after reducing by
  * powers of two, within 2 ulp of expf over [-87, 0] and 0 below; plain arithmetic, so a loop of it vectorises
- * (libm's expf would not, unless -ffast-math, which sets flush-to-zero for the whole process) */
-static inline float exp_nonpositive(float x) {
+ * (libm's expf would not, unless -ffast-math, which sets flush-to-zero for the whole process); always inlined, as
+ * from a large kernel gcc leaves a call per score and the loop does not vectorise */
+__attribute__((always_inline)) static inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
     const float n = floorf(x * 1.44269504088896341f + 0.5f);
     const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -159,11 +163,119 @@ PD_CLONES static void NAME(const float *q, float *out, const char *base, int dty
     }                                                                                                           \
 }
 
+typedef float v8f __attribute__((vector_size(32), aligned(4))); /* 8 lanes, loaded from any float address */
+
+/* the lanes of a and b summed in pairs: [a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7] */
+static inline v8f hadd(v8f a, v8f b) {
+    return __builtin_shufflevector(a, b, 0, 2, 8, 10, 4, 6, 12, 14) +
+           __builtin_shufflevector(a, b, 1, 3, 9, 11, 5, 7, 13, 15);
+}
+/* eight vectors' lane sums, one per lane, each in one fixed order */
+static inline v8f sums8(const v8f *a) {
+    const v8f ab = hadd(a[0], a[1]), cd = hadd(a[2], a[3]), ef = hadd(a[4], a[5]), gh = hadd(a[6], a[7]);
+    const v8f abcd = hadd(ab, cd), efgh = hadd(ef, gh); /* lanes 0-3 and 4-7 hold the two halves' sums */
+    return __builtin_shufflevector(abcd, efgh, 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(abcd, efgh, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* PD_SEQUENCE's attention in 8-lane vectors for the common sizes (head_dim HD a multiple of 8 and the group HG
+ * compile-time), a page read token by token: one token's K (then V) rows of every KV head, the bytes in the order
+ * they lie, where a KV head at a time strides through the page once per head (in a step whose KV is far larger
+ * than the cache, the kernel waits on memory far longer than it computes, and the head-by-head order waited
+ * longer), and the rows of the page PREFETCH_PAGES ahead asked for meanwhile.
+ * Each score is a vector of products summed lane-wise, eight tokens' scores reduced together in sums8's order
+ * (a page's last partial eight padded with zeros, so a score's rounding never depends on its place in a page). */
+#define PD_SEQUENCE_V(NAME, HD, HG)                                                                             \
+PD_CLONES static void NAME(const float *q, float *out, const char *base, int dtype, int64_t esize,              \
+                 int64_t page_stride, int64_t kv_stride, int64_t token_stride, int64_t head_stride,             \
+                 int page_size, int num_kv_heads, int d_, int group_, const int64_t *pages, int64_t n,          \
+                 float scale) {                                                                                 \
+    enum { D = HD, G = HG, NV = HD / 8 };                                                                       \
+    (void)d_; (void)group_;                                                                                     \
+    const int H = num_kv_heads * G, padded = (page_size + 7) & ~7;                                              \
+    v8f qs[H][NV], acc[H][NV], part[H][8];                                                                      \
+    float m[H], l[H], s[H][padded];                                                                             \
+    float kbuf[MAX_HEAD_DIM], vbuf[MAX_HEAD_DIM];                                                               \
+    for (int h = 0; h < H; h++) {                                                                               \
+        for (int v = 0; v < NV; v++) {                                                                          \
+            qs[h][v] = *(const v8f *)(q + h * D + v * 8) * scale;                                               \
+            acc[h][v] = (v8f){0};                                                                               \
+        }                                                                                                       \
+        m[h] = -1e30f;                                                                                          \
+        l[h] = 0.0f;                                                                                            \
+    }                                                                                                           \
+    const int64_t np = (n + page_size - 1) / page_size;                                                         \
+    const int64_t span = ((num_kv_heads - 1) * head_stride + D) * esize;                                        \
+    for (int64_t p = 0; p < np; p++) {                                                                          \
+        const int cnt = (int)((n - p * page_size) < page_size ? (n - p * page_size) : page_size);               \
+        const char *kpage = base + pages[p] * page_stride * esize, *vpage = kpage + kv_stride * esize;          \
+        if (p + PREFETCH_PAGES < np) {                                                                          \
+            const char *nk = base + pages[p + PREFETCH_PAGES] * page_stride * esize;                            \
+            for (int t = 0; t < page_size; t++)                                                                 \
+                for (int64_t o = 0; o < span; o += 64) {                                                        \
+                    __builtin_prefetch(nk + t * token_stride * esize + o, 0, 2);                                \
+                    __builtin_prefetch(nk + (kv_stride + t * token_stride) * esize + o, 0, 2);                  \
+                }                                                                                               \
+        }                                                                                                       \
+        for (int t0 = 0; t0 < cnt; t0 += 8) {                                                                   \
+            const int m8 = cnt - t0 < 8 ? cnt - t0 : 8;                                                         \
+            for (int u = 0; u < m8; u++) {                                                                      \
+                const char *kt = kpage + (t0 + u) * token_stride * esize;                                       \
+                for (int j = 0; j < num_kv_heads; j++) {                                                        \
+                    const float *k = row(kt + j * head_stride * esize, dtype, D, kbuf);                         \
+                    for (int g = 0; g < G; g++) {                                                               \
+                        const v8f *qh = qs[j * G + g];                                                          \
+                        v8f a = qh[0] * *(const v8f *)k;                                                        \
+                        for (int v = 1; v < NV; v++) a += qh[v] * *(const v8f *)(k + v * 8);                    \
+                        part[j * G + g][u] = a;                                                                 \
+                    }                                                                                           \
+                }                                                                                               \
+            }                                                                                                   \
+            for (int h = 0; h < H; h++) {                                                                       \
+                for (int u = m8; u < 8; u++) part[h][u] = (v8f){0};                                             \
+                const v8f sv = sums8(part[h]);                                                                  \
+                memcpy(s[h] + t0, &sv, sizeof sv);                                                              \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int h = 0; h < H; h++) {                                                                           \
+            float mx = m[h];                                                                                    \
+            for (int t = 0; t < cnt; t++) mx = s[h][t] > mx ? s[h][t] : mx;                                     \
+            if (mx > m[h]) {                                                                                    \
+                const float alpha = exp_nonpositive(m[h] - mx);                                                 \
+                l[h] *= alpha;                                                                                  \
+                for (int v = 0; v < NV; v++) acc[h][v] *= alpha;                                                \
+                m[h] = mx;                                                                                      \
+            }                                                                                                   \
+            float sum = 0.0f;                                                                                   \
+            for (int t = 0; t < cnt; t++) { s[h][t] = exp_nonpositive(s[h][t] - mx); sum += s[h][t]; }          \
+            l[h] += sum;                                                                                        \
+        }                                                                                                       \
+        for (int t = 0; t < cnt; t++) {                                                                         \
+            const char *vt = vpage + t * token_stride * esize;                                                  \
+            for (int j = 0; j < num_kv_heads; j++) {                                                            \
+                const float *vr = row(vt + j * head_stride * esize, dtype, D, vbuf);                            \
+                for (int g = 0; g < G; g++) {                                                                   \
+                    const int h = j * G + g;                                                                    \
+                    const float w = s[h][t];                                                                    \
+                    for (int v = 0; v < NV; v++) acc[h][v] += w * *(const v8f *)(vr + v * 8);                   \
+                }                                                                                               \
+            }                                                                                                   \
+        }                                                                                                       \
+    }                                                                                                           \
+    for (int h = 0; h < H; h++) {                                                                               \
+        const float inv = 1.0f / l[h];                                                                          \
+        for (int v = 0; v < NV; v++) {                                                                          \
+            const v8f o = acc[h][v] * inv;                                                                      \
+            memcpy(out + h * D + v * 8, &o, sizeof o);                                                          \
+        }                                                                                                       \
+    }                                                                                                           \
+}
+
 #define PD_SIZES(D)                                                                                             \
-    PD_SEQUENCE(sequence_d##D##_g1, D, 1)                                                                       \
-    PD_SEQUENCE(sequence_d##D##_g2, D, 2)                                                                       \
-    PD_SEQUENCE(sequence_d##D##_g4, D, 4)                                                                       \
-    PD_SEQUENCE(sequence_d##D##_g8, D, 8)
+    PD_SEQUENCE_V(sequence_d##D##_g1, D, 1)                                                                     \
+    PD_SEQUENCE_V(sequence_d##D##_g2, D, 2)                                                                     \
+    PD_SEQUENCE_V(sequence_d##D##_g4, D, 4)                                                                     \
+    PD_SEQUENCE_V(sequence_d##D##_g8, D, 8)
 PD_SIZES(32)
 PD_SIZES(64)
 PD_SIZES(128)
