@@ -6,7 +6,7 @@ import time
 import pytest
 
 from pdserve.kvtransfer import engine as E
-from pdserve.kvtransfer.engine import Inflight, Run, TransferEngine, TransferError
+from pdserve.kvtransfer.engine import Inflight, Run, TransferEngine, TransferError, Waiter
 
 
 class ScriptedMooncake:
@@ -50,6 +50,7 @@ def make_engine(mc, timeout_s=5):
     eng = TransferEngine.__new__(TransferEngine)
     eng._engine, eng.timeout_s, eng.max_write_bytes = mc, timeout_s, 1 << 20
     eng._inflight = Inflight(mc.transfer_check_status)
+    eng._waiter = Waiter(mc, eng._inflight)
     return eng
 
 
@@ -160,3 +161,34 @@ def test_the_keeper_thread_exits_when_idle(monkeypatch):
     while keep._thread is not None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert keep._thread is None and len(keep) == 0 and mc.freed == {1000}
+
+
+def test_writers_blocked_at_once_are_all_looked_after_by_one_thread():
+    """Many writers at once (a pass of prompts) wake one poller, not one each: every look comes from the waiter's
+    thread, none from a writer's, and each writer gets its own call's answer."""
+    mc = ScriptedMooncake([(20, 1)] * 7 + [(5, -1)])
+    lookers = set()
+    real_check = mc.transfer_check_status
+
+    def check(bid):
+        lookers.add(threading.get_ident())
+        return real_check(bid)
+    mc.transfer_check_status = check
+    eng = make_engine(mc)
+    results: dict[int, object] = {}
+
+    def writer(i):
+        try:
+            results[i] = eng.write("peer", [Run(64 * i, 64 * i, 64)], "data")
+        except TransferError as e:
+            results[i] = e
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(lookers) == 1 and not lookers & {t.ident for t in threads}
+    failed = {i for i, r in results.items() if isinstance(r, TransferError)}
+    assert len(results) == 8 and len(failed) == 1  # the one task scripted to fail, and only its writer
+    assert all(results[i] == 64 for i in set(results) - failed)
+    assert wait_kept(eng) == 0 and mc.freed == set(range(1000, 1008))
