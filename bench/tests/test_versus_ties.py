@@ -137,3 +137,20 @@ def test_the_report_says_where_a_counted_mismatch_kept_no_ids():
     assert "2 mismatched requests (counted once per pdserve system and vLLM configuration) without kept ids" in text
     assert "--position K` looks for the near tie at 128x4 token 21." in text
     assert report._mismatch_lines({"tokens": [{**t, "mismatched": 0} for t in res["tokens"]]}) == []
+
+
+# The committed side-by-side's one mismatch (round 2, closed loop, request 63 of cell 1,024 × 16, first differing at
+# output token 21), recovered by find_ties: pdserve's engine's greedy output in float32, and the float64 reference's
+# own (vLLM's ids were not kept by that run; the judgement reads only the token where they part).
+KNOWN_PDSERVE = [89, 94, 479, 344, 406, 352, 474, 364, 5, 14, 325, 483, 134, 413, 467, 75, 320, 287, 288, 81, 166, 338,
+                 274, 79, 142, 98, 357, 378, 404, 129, 237, 68]
+KNOWN_FP64 = [89, 94, 479, 344, 406, 352, 474, 364, 5, 14, 325, 483, 134, 413, 467, 75, 320, 287, 288, 81, 166, 199,
+              304, 32, 370, 266, 474, 476, 135, 369, 206, 56]
+
+
+def test_the_known_divergence_is_a_near_tie_that_float64_breaks_the_other_way(reference):
+    prompt = ties.prompt_of("1024x16", 1, "closed", 63, 512)
+    j = reference.examine(prompt, KNOWN_PDSERVE, KNOWN_FP64)
+    assert (j.position, j.ours, j.theirs, j.pick64) == (21, 338, 199, 199)
+    assert j.verdict == "near tie, fp64 picks vLLM's"
+    assert 1e-6 < -j.gap64 < 1e-5 and j.margin32 < 1e-5   # some 15 float32 ulps of a logit of 3.87

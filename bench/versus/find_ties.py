@@ -6,7 +6,8 @@ Every prompt of the cell (protocol.prompts: every round and loop) is decoded gre
 float32 (the model runner the services run, no services); the float64 reference then reads that output teacher
 forced, and every output position whose float64 top-2 margin is under --under is listed, smallest first. A request
 that diverged from vLLM at position k has its near tie there if it is one; the listed candidates are then judged as
-a mismatch would be, pdserve's token against the float64 runner-up (or the arg-max, where pdserve's is not it).
+a mismatch would be, pdserve's token against the float64 runner-up (or the arg-max, where pdserve's is not it):
+what the verdict would be were the other system to pick that token there.
 """
 from __future__ import annotations
 
@@ -50,7 +51,8 @@ def main(argv=None) -> int:
     p.add_argument("--tags", default=",".join(TAGS[:2]), help=f"loops to scan, of {', '.join(TAGS)}")
     p.add_argument("--requests", type=int, default=MIN_REQUESTS)
     p.add_argument("--tokens", type=int, default=32)
-    p.add_argument("--under", type=float, default=1e-2, help="list positions whose float64 top-2 margin is under this")
+    p.add_argument("--under", type=float, default=1e-4,
+                   help="list positions whose float64 top-2 margin is under this (ties.py's bound is ~1e-4 here)")
     p.add_argument("--position", type=int, default=-1, help="only this output position")
     p.add_argument("--json", default="", help="also write the candidates here")
     args = p.parse_args(argv)
@@ -75,11 +77,12 @@ def main(argv=None) -> int:
                     if margin < args.under and args.position in (-1, k):
                         other = int(top.indices[k, 1] if int(top.indices[k, 0]) == ours[k] else top.indices[k, 0])
                         row32, row64 = ref.next_logits(prompt + ours[:k])
-                        j = judge(row32, row64, ours[k], other, k, ("pdserve", "the float64 alternative"))
+                        j = judge(row32, row64, ours[k], other, k, ("pdserve", "the runner-up"))
                         found.append({"cell": args.cell, "round": r, "tag": tag, "index": i, "margin64": margin,
                                       "engine_margin32": engine_margins[k], **j.as_dict()})
                         log(f"r{r} {tag} #{i} position {k}: float64 margin {margin:.3e}, pdserve's {ours[k]}, "
-                            f"pdserve's own margin {engine_margins[k]:.3e}, fp64 picks {j.pick64}: {j.verdict}")
+                            f"pdserve's own margin {engine_margins[k]:.3e}, fp64 picks {j.pick64}; another "
+                            f"system picking {other} there: {j.verdict}")
             log(f"round {r} {tag}: {args.requests} prompts scanned, {time.perf_counter() - t0:.0f} s")
     found.sort(key=lambda x: x["margin64"])
     print(json.dumps(found, indent=1))
