@@ -5,7 +5,6 @@ output or forced through the grammar (tools.py), streamed in OpenAI's delta form
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 
@@ -22,7 +21,6 @@ from .tool_stream import ToolStream
 from .tools import ToolPlan, format_of, new_call_id, plan
 from .stream import event_stream, open_stream, usage, usage_fields
 
-log = logging.getLogger(__name__)
 
 
 def _entry(tok, t: int, logprob: float) -> dict:
@@ -110,8 +108,8 @@ async def handle(front, request: Request) -> Response:
     ids = prompt_ids(front, body, tools.render)
     if not ids:
         raise ApiError(400, "empty_prompt", "the chat template rendered an empty prompt", param="messages")
-    log.info("http request %s: chat, %d messages, %d prompt tokens x %d choice(s)%s", rid, len(body.messages),
-             len(ids), body.n, f", user {body.user!r}" if body.user else "")
+    what = (f"chat, {len(body.messages)} messages, {len(ids)} prompt tokens x {body.n} choice(s)"
+            + (f", user {body.user!r}" if body.user else ""))  # logged once the request ends (Merged)
     max_tokens = _max_tokens(body, len(ids), front.servicer.cap.context_length)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     reqs = [build(body, ids, max_tokens, i, logprobs, None, bias, grammar) for i in range(body.n)]
@@ -148,9 +146,9 @@ async def handle(front, request: Request) -> Response:
         def tail():
             if with_usage:
                 yield {"choices": [], "usage": usage(len(ids), sum(counts))}
-        return event_stream(*await open_stream(front.servicer, reqs, request, rid), chunks, tail, rid,
+        return event_stream(*await open_stream(front.servicer, reqs, request, rid, what), chunks, tail, rid,
                             {**head, "object": "chat.completion.chunk"})
-    outs = await collect(front.servicer, reqs, request, rid)
+    outs = await collect(front.servicer, reqs, request, rid, what)
     choices = []
     for i, o in enumerate(outs):
         content, calls = tools.parse("".join(o.text))

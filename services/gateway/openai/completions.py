@@ -3,7 +3,6 @@ with echo and logprobs in the legacy completions format (tokens, token_logprobs,
 Beyond OpenAI, each choice carries its `token_ids` (as vLLM's return_token_ids)."""
 from __future__ import annotations
 
-import logging
 import time
 import uuid
 
@@ -17,7 +16,6 @@ from .generation import Output, build, collect, logit_bias_of
 from .schema import CompletionRequest
 from .stream import event_stream, open_stream, usage, usage_fields
 
-log = logging.getLogger(__name__)
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_CHOICES = 64  # prompts x n: one request must not fan out into more generate calls than this
 
@@ -104,8 +102,7 @@ async def handle(front, request: Request) -> Response:
             "model": front.model}
     if body.stream:
         with_usage = body.stream_options is not None and body.stream_options.include_usage
-        gen, first = await open_stream(front.servicer, reqs, request, rid)
-        admitted(rid, prompts, body)
+        gen, first = await open_stream(front.servicer, reqs, request, rid, described(prompts, body))
 
         def chunks(i, r):
             o = Output()
@@ -116,13 +113,10 @@ async def handle(front, request: Request) -> Response:
             if with_usage:
                 yield {"choices": [], "usage": state.usage()}
         return event_stream(gen, first, chunks, tail, rid, head)
-    outs = await collect(front.servicer, reqs, request, rid)
-    admitted(rid, prompts, body)
+    outs = await collect(front.servicer, reqs, request, rid, described(prompts, body))
     return {**head, "choices": [state.choice(i, o) for i, o in enumerate(outs)], "usage": state.usage()}
 
 
-def admitted(rid: str, prompts: list, body: CompletionRequest) -> None:
-    """Logged once admitted (streamed: at the first message; else at the end), not on arrival: a flood of refused
-    requests must not cost a log line each."""
-    log.info("http request %s: completion, %d prompt(s) x %d choice(s)%s", rid, len(prompts), body.n,
-             f", user {body.user!r}" if body.user else "")
+def described(prompts: list, body: CompletionRequest) -> str:
+    """The request in its log line, written once it ends (Merged)."""
+    return f"completion, {len(prompts)} prompt(s) x {body.n} choice(s)" + (f", user {body.user!r}" if body.user else "")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from ...common.admission import MAX_LOGIT_BIAS
+from ...common.errors import PdError
 from ...common.proto import common_pb2, gateway_pb2
 from ...common.token_ids import parse_token_id
 from .errors import ApiError
@@ -135,24 +136,40 @@ class Merged:
     """(choice index, message) from all calls as they arrive; the first error ends them all. Close it (aclose, or
     contextlib.aclosing) so that the calls are cancelled with it. deadline (time.monotonic()) bounds every internal
     call of every choice; tenant: the caller's (tenant_of). ready() hands over, without waiting, what has already
-    arrived, so a reader that fell behind writes it in one go."""
+    arrived, so a reader that fell behind writes it in one go.
+
+    what: the request as its log line names it. A request that was admitted (a message arrived) gets one INFO line
+    when it is closed, off the path of its first token: its internal request ids, tokens, time to the first message
+    and in all, and how it ended; one refused before any message gets none (a flood of refusals must not cost a
+    line each)."""
 
     def __init__(self, servicer, reqs: list[gateway_pb2.GenerateRequest], rid: str, deadline: float | None = None,
-                 tenant: str | None = None):
+                 tenant: str | None = None, what: str = "generate"):
         self._servicer, self._reqs, self._rid, self._deadline, self._tenant = servicer, reqs, rid, deadline, tenant
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Future] | None = None  # the calls start at the first read
         self._left = len(reqs)  # calls that have not ended
         self._error: Exception | None = None  # arrived behind messages ready() handed over: raised next
+        self._what, self._start = what, time.perf_counter()
+        self._first: float | None = None  # when the first message arrived
+        self._internal: list[tuple[int, str]] = []  # (choice, internal request id)
+        self._tokens = 0
+        self._ended: str | None = None  # "ok" once every call ended; else the first error's name
 
     async def _pump(self, i: int, req) -> None:
         try:
             async for r in self._servicer.generate(req, self._deadline, self._tenant):
+                if self._first is None:
+                    self._first = time.perf_counter()
                 if r.request_id:
-                    log.info("http request %s choice %d: internal request %s", self._rid, i, r.request_id.hex())
+                    self._internal.append((i, r.request_id.hex()))
+                    log.debug("http request %s choice %d: internal request %s", self._rid, i, r.request_id.hex())
+                self._tokens += len(r.token_ids)
                 self._queue.put_nowait((i, r))
             self._queue.put_nowait((i, None))
         except Exception as e:  # handed to the reader, which raises it
+            if self._ended is None:
+                self._ended = f"{e.code.name} {e.reason}" if isinstance(e, PdError) else type(e).__name__
             self._queue.put_nowait((i, e))
 
     def __aiter__(self):
@@ -190,20 +207,29 @@ class Merged:
 
     async def aclose(self) -> None:
         tasks, self._tasks = self._tasks or [], []
+        ended = self._ended or ("ok" if not self._left else "cancelled")
         self._left, self._error = 0, None
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks and self._first is not None:
+            self._log_end(ended)
+
+    def _log_end(self, ended: str) -> None:
+        now = time.perf_counter()
+        log.info("http request %s: %s; internal %s; %d tokens, first message at %.1f ms, %.1f ms in all; %s",
+                 self._rid, self._what, " ".join(f"{i}:{h}" for i, h in self._internal) or "-", self._tokens,
+                 (self._first - self._start) * 1e3, (now - self._start) * 1e3, ended)
 
 
 def merged(servicer, reqs: list[gateway_pb2.GenerateRequest], rid: str, deadline: float | None = None,
-           tenant: str | None = None) -> Merged:
-    return Merged(servicer, reqs, rid, deadline, tenant)
+           tenant: str | None = None, what: str = "generate") -> Merged:
+    return Merged(servicer, reqs, rid, deadline, tenant, what)
 
 
-async def _gather(servicer, reqs, rid: str, deadline: float | None, tenant: str | None) -> list[Output]:
+async def _gather(servicer, reqs, rid: str, deadline: float | None, tenant: str | None, what: str) -> list[Output]:
     outs = [Output() for _ in reqs]
-    gen = merged(servicer, reqs, rid, deadline, tenant)
+    gen = merged(servicer, reqs, rid, deadline, tenant, what)
     try:
         async for i, r in gen:
             outs[i].add(r)
@@ -235,7 +261,8 @@ async def until_disconnect(request: Request, work, rid: str):
     return task.result()
 
 
-async def collect(servicer, reqs, request: Request, rid: str) -> list[Output]:
-    """Runs every call to its end, unless the client leaves first or its deadline passes."""
-    return await until_disconnect(request, _gather(servicer, reqs, rid, client_deadline(request), tenant_of(request)),
-                                  rid)
+async def collect(servicer, reqs, request: Request, rid: str, what: str = "generate") -> list[Output]:
+    """Runs every call to its end, unless the client leaves first or its deadline passes. what: for the log line
+    (Merged)."""
+    return await until_disconnect(
+        request, _gather(servicer, reqs, rid, client_deadline(request), tenant_of(request), what), rid)

@@ -62,10 +62,11 @@ async def _first(gen):
         raise
 
 
-async def open_stream(servicer, reqs, request, rid: str):
+async def open_stream(servicer, reqs, request, rid: str, what: str = "generate"):
     """The merged calls and their first message; raises the refusal of a request that never started, or
-    ClientGone when the client leaves while it waits (in the admission queue, during prefill)."""
-    gen = merged(servicer, reqs, rid, tenant=tenant_of(request))
+    ClientGone when the client leaves while it waits (in the admission queue, during prefill). what: for the log
+    line (Merged)."""
+    gen = merged(servicer, reqs, rid, tenant=tenant_of(request), what=what)
     return gen, await until_disconnect(request, _first(gen), rid)
 
 
