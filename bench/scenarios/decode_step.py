@@ -9,6 +9,10 @@ lowest id first, as the broker grants them (--layout scattered: drawn at random 
 as a pool looks after a load peak). Times are the best of --reps steps: on a shared machine other work only
 adds, so the best is the closest to the code's own cost; the run prints adds, so the best is the closest to the code's own cost; the run prints the load average.
 
+With --baseline REV, each cell also runs the native step built from REV's csrc beside the working tree's, the two
+steps alternating on the same pool and inputs (best wall and best CPU time of each): a change to a kernel is judged
+by the whole step it runs in, on the same load.
+
 As a step of `pdserve bench` (DecodeStepStep, mixed into Bench), this module runs itself in its own process and
 keeps its Markdown table and its JSON rows {batch, context, step_ms, floor_ms, ratio} for the report.
 """
@@ -72,6 +76,42 @@ def _best_ms(step, reps: int, device: torch.device) -> float:
     return best * 1e3
 
 
+def _interleaved_ms(runner, steps: dict, args: tuple, reps: int) -> dict[str, tuple[float, float]]:
+    """{name: (best wall ms, best CPU ms)} of runner.decode(*args) with each native step in turn, one step of each
+    per round, so a load that comes and goes weighs on both alike."""
+    best = {name: [float("inf"), float("inf")] for name in steps}
+    for i in range(reps + 1):  # the first round warms up
+        for name, native_step in steps.items():
+            runner.native_step = native_step
+            c0, t0 = time.thread_time(), time.perf_counter()
+            runner.decode(*args)
+            wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+            if i:
+                best[name] = [min(best[name][0], wall), min(best[name][1], cpu)]
+    runner.native_step = steps["current"]
+    return {name: (w * 1e3, c * 1e3) for name, (w, c) in best.items()}
+
+
+def baseline_library(rev: str):
+    """The native library built from csrc as it was at git revision rev, declared for NativeDecoder."""
+    import ctypes
+    import tempfile
+
+    from pdserve.engine import native
+    from pdserve.engine.native_build import SOURCES, build
+
+    rel = os.path.relpath(os.path.dirname(SOURCES[0]), ROOT)
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, check=True).stdout  # noqa: E731
+    out = tempfile.mkdtemp(prefix="pdserve-baseline-")
+    sources = []
+    for name in git("ls-tree", "--name-only", f"{rev}:{rel}").decode().split():
+        if name.endswith(".c"):
+            sources.append(os.path.join(out, name))
+            with open(sources[-1], "wb") as f:
+                f.write(git("show", f"{rev}:{rel}/{name}"))
+    return native.declare(ctypes.CDLL(build(out, sorted(sources))))
+
+
 def _runner(path: str, num_pages: int, device: torch.device):
     from pdserve.engine.runner import ModelRunner
 
@@ -88,7 +128,8 @@ def _tables(batch: int, pages_per_seq: int, scattered: bool) -> tuple[int, list[
 
 
 def measure(preset: str, batches: list[int], contexts: list[int], reps: int, bw: float, max_pool_gib: float,
-            device: torch.device, scattered: bool = False) -> list[dict]:
+            device: torch.device, scattered: bool = False, baseline=None) -> list[dict]:
+    """baseline: a library from baseline_library(), timed beside the current build in each cell."""
     path = ensure_model(preset)
     cfg = ModelConfig.from_dir(path)
     page_nbytes = PoolLayout.for_model(cfg, PAGE_SIZE, "float32").page_nbytes
@@ -106,9 +147,20 @@ def measure(preset: str, batches: list[int], contexts: list[int], reps: int, bw:
             args = ([5] * batch, [ctx - 1] * batch, tables)
             kv = batch * ctx * page_nbytes // PAGE_SIZE
             w = weight_bytes(runner.model, batch)
-            step_ms = _best_ms(lambda: runner.decode(*args), reps, device)
+            extra = {}
+            if baseline is not None and runner.native_step is not None:
+                from pdserve.engine.native import NativeDecoder
+
+                steps = {"current": runner.native_step,
+                         "baseline": NativeDecoder(runner.model, runner.pool.kv, baseline)}
+                ms = _interleaved_ms(runner, steps, args, reps)
+                step_ms = ms["current"][0]
+                extra = dict(step_cpu_ms=ms["current"][1], baseline_ms=ms["baseline"][0],
+                             baseline_cpu_ms=ms["baseline"][1])
+            else:
+                step_ms = _best_ms(lambda: runner.decode(*args), reps, device)
             rows.append(dict(preset=preset, batch=batch, context=ctx, weight_mb=w / 1e6, kv_mb=kv / 1e6,
-                             floor_ms=(w + kv) / bw * 1e3, step_ms=step_ms))
+                             floor_ms=(w + kv) / bw * 1e3, step_ms=step_ms, **extra))
             print(_row(rows[-1]), flush=True)
             runner = None  # its pool goes before the next cell's is allocated
     return rows
@@ -117,11 +169,17 @@ def measure(preset: str, batches: list[int], contexts: list[int], reps: int, bw:
 def _row(r: dict) -> str:
     if "skipped" in r:
         return f"| {r['preset']} | {r['batch']} | {r['context']} | skipped: {r['skipped']} | | | |"
-    return (f"| {r['preset']} | {r['batch']} | {r['context']} | {r['weight_mb']:.1f} | {r['kv_mb']:.1f} | "
-            f"{r['floor_ms']:.2f} | {r['step_ms']:.2f} | {r['step_ms'] / r['floor_ms']:.1f}× |")
+    line = (f"| {r['preset']} | {r['batch']} | {r['context']} | {r['weight_mb']:.1f} | {r['kv_mb']:.1f} | "
+            f"{r['floor_ms']:.2f} | {r['step_ms']:.2f} | {r['step_ms'] / r['floor_ms']:.2f}× |")
+    if "baseline_ms" in r:
+        line += (f" {r['baseline_ms']:.2f} | {r['baseline_ms'] / r['floor_ms']:.2f}× | {r['step_cpu_ms']:.2f} | "
+                 f"{r['baseline_cpu_ms']:.2f} |")
+    return line
 
 
 HEADER = "| preset | batch | context | weights MB | KV MB | floor ms | step ms | step / floor |\n|---|---|---|---|---|---|---|---|"
+BASELINE_HEADER = ("| preset | batch | context | weights MB | KV MB | floor ms | step ms | step / floor | baseline ms "
+                   "| baseline / floor | step CPU ms | baseline CPU ms |\n" + "|---" * 12 + "|")
 
 
 def profile_step(preset: str, batch: int, ctx: int, device: torch.device, top: int = 15) -> str:
@@ -153,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="each sequence's pages: lowest ids first, or scattered over a pool twice the size")
     ap.add_argument("--attention-memory-pools", default="65536", help="pool sizes in pages (of 16 tokens) of the "
                     "attention memory table (bench/scenarios/attention_memory.py); '' for none")
+    ap.add_argument("--baseline", default="", help="a git revision: each cell also times the native step built from "
+                    "its csrc, alternating with the current one")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda on a GPU host (bench/gpu.sh)")
     ap.add_argument("--out", default="", help=f"also write the report to this file (e.g. {RESULTS}/decode-step.md)")
     ap.add_argument("--json", default="", help="also write the measured rows here: {preset, batch, context, step_ms "
@@ -167,13 +227,13 @@ def main(argv: list[str] | None = None) -> None:
     lines = ["# Decode step against its memory-bandwidth floor\n",
              f"device {device}, threads {torch.get_num_threads()}, read bandwidth {bw / 1e9:.1f} GB/s (best of {BW_REPS} sums over "
              f"{BW_BYTES >> 20} MiB), pages {args.layout}, load average before {os.getloadavg()[0]:.1f}, "
-             f"best of {args.reps} steps\n",
-             HEADER]
+             f"best of {args.reps} steps" + (f", beside the native step of {args.baseline}" if args.baseline else "")
+             + "\n", BASELINE_HEADER if args.baseline else HEADER]
     print("\n".join(lines), flush=True)
     measured = []
     for preset in args.presets.split(","):
         measured += measure(preset, ints(args.batches), ints(args.contexts), args.reps, bw, args.max_pool_gib, device,
-                            args.layout == "scattered")
+                            args.layout == "scattered", baseline_library(args.baseline) if args.baseline else None)
     lines += [_row(r) for r in measured]
     lines.append(f"\nload average after {os.getloadavg()[0]:.1f}")
     if args.profile:

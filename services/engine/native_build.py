@@ -18,10 +18,10 @@ COMPILE_FLAGS = ["-O3", "-ffast-math", "-fPIC", "-fno-semantic-interposition", "
 LINK_FLAGS = ["-shared"]
 
 
-def library_name() -> str:
+def library_name(sources: list[str] = SOURCES) -> str:
     """Named after the sources and the flags: a stale build is never loaded."""
     h = hashlib.sha256(" ".join(COMPILE_FLAGS + LINK_FLAGS).encode())
-    for src in SOURCES:
+    for src in sources:
         with open(src, "rb") as f:
             h.update(os.path.basename(src).encode() + b"\0" + f.read())
     return f"pdserve-native-{h.hexdigest()[:16]}.so"
@@ -34,24 +34,25 @@ def search_dirs() -> list[str]:
     return [os.path.join(HERE, "_native"), cache]
 
 
-def build(out_dir: str | None = None) -> str:
+def build(out_dir: str | None = None, sources: list[str] = SOURCES) -> str:
     """Compiles the library into out_dir (the first of the search folders by default); returns its path.
+    sources: other .c files than csrc's (e.g. an earlier revision's, to measure two builds side by side).
     Raises RuntimeError with the compiler's words when it cannot."""
     out_dir = out_dir or search_dirs()[0]
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
     os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, library_name())
+    path = os.path.join(out_dir, library_name(sources))
     for old in glob.glob(os.path.join(out_dir, ".build-*")):  # left by a build that was killed half-way
         with contextlib.suppress(OSError):
             if time.time() - os.path.getmtime(old) > 600:
                 os.unlink(old)
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out_dir)
     os.close(fd)
-    objs = [f"{tmp[:-3]}-{i}.o" for i in range(len(SOURCES))]
+    objs = [f"{tmp[:-3]}-{i}.o" for i in range(len(sources))]
     try:
-        cmds = [[cc, *COMPILE_FLAGS, "-c", "-o", obj, src] for obj, src in zip(objs, SOURCES)]
+        cmds = [[cc, *COMPILE_FLAGS, "-c", "-o", obj, src] for obj, src in zip(objs, sources)]
         for cmd in [*cmds, [cc, *LINK_FLAGS, "-o", tmp, *objs, "-lm"]]:
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
