@@ -11,11 +11,11 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 # Read by OpenMP (libgomp, torch's threads) once, when torch loads, so set before anything here imports it. A torch
-# thread that finds no work spins this many rounds (tens of microseconds) before it sleeps: a forward pass is hundreds
-# of short parallel ops, and a thread woken from sleep for each one (OMP_WAIT_POLICY=PASSIVE) made 2 threads no
-# faster than 1. The bound keeps what spinning costs small where prefill's threads share cores with decode, below its
-# priority: libgomp's default spins ~100x longer (2 threads then took 3.4x the CPU of 1 for a 1,024-token forward on
-# 2 busy cores). An operator's own setting stands.
+# thread that finds no work spins this many rounds (about 0.1 ms: libgomp reckons 100,000 a millisecond) before it
+# sleeps: a forward pass is hundreds of short parallel ops, and a thread woken from sleep for each one
+# (OMP_WAIT_POLICY=PASSIVE) made 2 threads no faster than 1. The bound keeps what spinning costs small where
+# prefill's threads share cores with decode, below its priority: libgomp's default spins 30x longer (2 threads then
+# took 3.4x the CPU of 1 for a 1,024-token forward on 2 busy cores). An operator's own setting stands.
 SPIN_COUNT = "10000"
 _OMP_ENV_BEFORE_TORCH = "torch" not in sys.modules
 if "OMP_WAIT_POLICY" not in os.environ:
