@@ -249,5 +249,5 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
 
 
 # time per A/B cell: pairs are taken until it is up (at least AB_MIN_PAIRS, at most AB_MAX_PAIRS)
-AB_SECONDS = {"quick": 45.0, "full": 150.0}
+AB_SECONDS = {"quick": 40.0, "full": 60.0}
 AB_MIN_PAIRS, AB_MAX_PAIRS = 10, 1000
