@@ -192,3 +192,49 @@ def test_writers_blocked_at_once_are_all_looked_after_by_one_thread():
     assert len(results) == 8 and len(failed) == 1  # the one task scripted to fail, and only its writer
     assert all(results[i] == 64 for i in set(results) - failed)
     assert wait_kept(eng) == 0 and mc.freed == set(range(1000, 1008))
+
+
+def test_a_chain_posts_each_call_only_after_the_one_before_completed_each_behind_its_check(sleeps):
+    """Data then tags as one chain: the waiter posts the tags the moment the data completed (a tag must never land
+    before its page), each call's check just before its post, and the writer is answered once, at the end."""
+    mc = ScriptedMooncake([(4, 1), (3, 1), (2, 1)])
+    sleeps(mc)
+    eng = make_engine(mc)
+    checks = []
+
+    def before_post(stage):
+        with mc.lock:
+            mc.log.append(("check", stage))
+        checks.append(threading.get_ident())
+    calls = [([Run(0, 0, 64)], "data"), ([Run(64, 64, 64)], "data"), ([Run(128, 128, 8)], "tags")]
+    assert eng.write_calls("peer", calls, before_post) == 136
+    log = mc.log
+    for bid in (1001, 1002):
+        posted = log.index(("post", bid))
+        done = next(i for i, x in enumerate(log) if x == ("look", bid - 1, 1))
+        assert done < posted and log[posted - 1][0] == "check"  # its check, then its post, after the one before
+    assert [x[1] for x in log if x[0] == "check"] == ["data", "data", "tags"]
+    assert checks[0] == threading.get_ident() and checks[1] != threading.get_ident()  # later calls: the waiter's
+    assert mc.freed == {1000, 1001, 1002}
+
+
+def test_a_chain_stops_at_a_failed_call_or_a_failed_check_and_posts_nothing_more(sleeps):
+    mc = ScriptedMooncake([(2, -1), (0, 1)])
+    sleeps(mc)
+    eng = make_engine(mc)
+    calls = [([Run(0, 0, 64)], "data"), ([Run(128, 128, 8)], "tags")]
+    with pytest.raises(TransferError, match="failed \\(task status -1\\)") as e:
+        eng.write_calls("peer", calls, lambda stage: None)
+    assert e.value.stage == "data" and [x for x in mc.log if x[0] == "post"] == [("post", 1000)]
+
+    mc = ScriptedMooncake([(2, 1), (0, 1)])
+    sleeps(mc)
+    eng = make_engine(mc)
+
+    def before_post(stage):
+        if stage == "tags":
+            raise TransferError("liveness", "writer w: liveness lease has 0.50s left")
+    with pytest.raises(TransferError, match="liveness lease") as e:
+        eng.write_calls("peer", calls, before_post)
+    assert e.value.stage == "liveness" and [x for x in mc.log if x[0] == "post"] == [("post", 1000)]
+    assert wait_kept(eng) == 0 and mc.freed == {1000}
