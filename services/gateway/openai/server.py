@@ -53,6 +53,41 @@ def largest_request_bytes(context_length: int, vocab_size: int, max_chars_per_to
     return context_length * max(ids, text) + schemas + bias + stops + OTHER_FIELDS_BYTES
 
 
+class _HeadCork:
+    """A response cycle's transport: its first write (the response head) is held until its next write or the end of
+    this event-loop turn, whichever comes first, so that the head and the first chunk of a stream go out in one
+    send: one segment, one wake-up of the client on the first token's path. Bytes and their order are unchanged."""
+
+    __slots__ = ("_transport", "_loop", "_held", "_armed")
+
+    def __init__(self, transport, loop):
+        self._transport, self._loop = transport, loop
+        self._held: bytes | None = None
+        self._armed = True
+
+    def write(self, data) -> None:
+        if self._armed:
+            self._armed = False
+            self._held = bytes(data)
+            self._loop.call_soon(self.flush)
+            return
+        if self._held is not None:
+            data, self._held = self._held + data, None
+        self._transport.write(data)
+
+    def flush(self) -> None:
+        if self._held is not None:
+            data, self._held = self._held, None
+            self._transport.write(data)
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name):
+        return getattr(self._transport, name)
+
+
 class LimitedH11(H11Protocol):
     def __init__(self, *args, limits: Limits, **kw):
         super().__init__(*args, **kw)
@@ -89,6 +124,8 @@ class LimitedH11(H11Protocol):
         if self.cycle is not self._cycle:  # a new request's head is complete: the body has its own bound
             self._cycle = self.cycle
             self._disarm()
+            if self.cycle is not None:  # its task has not run yet: nothing was written through the plain transport
+                self.cycle.transport = _HeadCork(self.transport, self.loop)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
