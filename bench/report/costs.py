@@ -146,7 +146,10 @@ def checksum_ab(ab: list[Summary]) -> tuple[list[str], dict]:
               "request; above, one closed-loop run of the cell's requests; tok/s is output tokens over the "
               "request's or the run's wall time. Differences are on − off relative to off, mean ± "
               "95% t-interval over the pairs, and their median; *order*: the mean of first − second, relative, "
-              "which the alternation cancels from the on − off mean.", ""]
+              "which the alternation cancels from the on − off mean. The stacks never swap roles: whatever sets two "
+              "identical stacks apart (their processes' places on the cores, start order) is part of on − off, "
+              "and only an A/A run of two identical stacks measures it; the guards' own seconds above have no such "
+              "term.", ""]
         rows = []
         for cell in _cells(ab):
             full = _pairs(cell)
