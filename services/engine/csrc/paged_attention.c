@@ -183,8 +183,9 @@ static inline v8f sums8(const v8f *a) {
  * they lie, where a KV head at a time strides through the page once per head (in a step whose KV is far larger
  * than the cache, the kernel waits on memory far longer than it computes, and the head-by-head order waited
  * longer), and the rows of the page PREFETCH_PAGES ahead asked for meanwhile.
- * Each score is a vector of products summed lane-wise, eight tokens' scores reduced together in sums8's order
- * (a page's last partial eight padded with zeros, so a score's rounding never depends on its place in a page). */
+ * Each score is a vector of products summed lane-wise, eight tokens' scores reduced together in sums8's order (a
+ * lane's sum reads only its own token's products; the unused ones of a page's last eight are zeros, not whatever
+ * the stack held). */
 #define PD_SEQUENCE_V(NAME, HD, HG)                                                                             \
 PD_CLONES static void NAME(const float *q, float *out, const char *base, int dtype, int64_t esize,              \
                  int64_t page_stride, int64_t kv_stride, int64_t token_stride, int64_t head_stride,             \

@@ -140,3 +140,31 @@ def test_the_block_refuses_a_slot_outside_the_pool_and_writes_nothing():
     with pytest.raises(ValueError, match="outside the pool"):
         native.decode_attention_block(qkv, cos, sin, cache, table, lens, 4)
     assert torch.equal(cache, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kvh,group,D", [(4, 2, 32), (1, 8, 128), (8, 1, 64)])
+@pytest.mark.parametrize("ps", [3, 12, 24])
+def test_page_sizes_that_are_not_a_multiple_of_eight(dtype, kvh, group, D, ps):
+    """The vectorised sizes reduce eight tokens' scores at a time: pages that end part-way through an eight, at
+    lengths that end part-way through a page, give float64's attention."""
+    q, cache, table, lens = _case(dtype, kvh, group, D, ps=ps, num_pages=400, lens=(1, ps - 1, ps + 1, 5 * ps + 7))
+    out = native.paged_decode_attention(q, cache, table, lens)
+    ref = _reference(q, cache, table, lens)
+    assert (out.double() - ref).abs().max().item() < 2e-5 * max(1.0, ref.abs().max().item())
+
+
+def test_a_sequence_gets_the_same_bits_alone_in_a_batch_and_on_other_pages():
+    """Its output depends on its query and its pages' contents only: not on the sequences beside it, nor on where
+    in the pool its pages lie (the kernel asks for pages ahead of the one it reads)."""
+    q, cache, table, lens = _case(torch.float32, 4, 2, 32, num_pages=200, lens=(333, 17, 200))
+    batch = native.paged_decode_attention(q, cache, table, lens)
+    alone = native.paged_decode_attention(q[:1], cache, table[:1], lens[:1])
+    assert torch.equal(batch[0], alone[0])
+    pages = table[0, :-(-333 // 16)]
+    moved = torch.arange(100, 100 + len(pages))  # the same contents, adjacent pages elsewhere in the pool
+    other = cache.clone()
+    other[moved] = cache[pages]
+    table2 = table[:1].clone()
+    table2[0, :len(pages)] = moved
+    assert torch.equal(native.paged_decode_attention(q[:1], other, table2, lens[:1])[0], alone[0])
