@@ -22,15 +22,15 @@ def targets(res: dict, runs: list[Summary], keys: list[tuple], gaps: dict[tuple,
         T.append([f"guard overhead ≤ 1% of output throughput (prompt {guard_thr_cell.prompt_len} × "
                   f"concurrency {guard_thr_cell.concurrency})", fmt_ci(*guard_thr, scale=100, unit="%"),
                   _ci_verdict(guard_thr, 0.01)])
-        T.append([f"guard overhead ≤ 1% of TTFT p50 (prompt {guard_ttft_cell.prompt_len} × concurrency "
+        T.append([f"guard overhead ≤ 2% of TTFT p50 (prompt {guard_ttft_cell.prompt_len} × concurrency "
                   f"{guard_ttft_cell.concurrency})", fmt_ci(*guard_ttft, scale=100, unit="%"),
-                  _ci_verdict(guard_ttft, 0.01)])
+                  _ci_verdict(guard_ttft, 0.02)])
     for c, (d_thr, d_ttft, n) in sorted(ab_effects.items()):
         # the cost of checksums: throughput lost (off → on) and TTFT added, each with its interval
         T.append([f"(A/B) checksums cost ≤ 1% of output tok/s (prompt {n} × concurrency {c})",
                   f"tok/s on vs off {fmt_ci(*d_thr, scale=100, unit='%')}", _ci_verdict((-d_thr[0], d_thr[1]), 0.01)])
-        T.append([f"(A/B) checksums cost ≤ 1% of TTFT p50 (prompt {n} × concurrency {c})",
-                  f"TTFT p50 on vs off {fmt_ci(*d_ttft, scale=100, unit='%')}", _ci_verdict(d_ttft, 0.01)])
+        T.append([f"(A/B) checksums cost ≤ 2% of TTFT p50 (prompt {n} × concurrency {c})",
+                  f"TTFT p50 on vs off {fmt_ci(*d_ttft, scale=100, unit='%')}", _ci_verdict(d_ttft, 0.02)])
     for t in tr_rows:
         # judged against raw back to back, the stable floor: paced raw writes (after an idle gap) swung from
         # 1.0 to 7.3 ms for the same 0.5 MB across runs on this machine, so they are shown, not judged on
