@@ -404,7 +404,16 @@ class Waiter:
                 if self._fresh:
                     self._fresh, sleep_s = False, POLL_FIRST_S
                 for call in list(self._calls):
-                    self._sweep(call)
+                    try:
+                        self._sweep(call)
+                    except Exception as e:  # noqa: BLE001  (one call's fault must not stop every writer's waiter)
+                        log.exception("waiter: looking after %s failed", call.what)
+                        if call in self._calls:
+                            # what its tasks are doing is unknown: not polled again (a freed batch must not be),
+                            # and the call is answered failed, its tasks posted
+                            call.ids = []
+                            self._answer(call, TransferError(call.stage, f"{call.what}: its status could not be "
+                                                                         f"read ({e}); it may land later"))
                 if not self._calls:
                     continue
                 nearest = min(c.deadline for c in self._calls)

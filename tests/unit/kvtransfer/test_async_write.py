@@ -238,3 +238,19 @@ def test_a_chain_stops_at_a_failed_call_or_a_failed_check_and_posts_nothing_more
         eng.write_calls("peer", calls, before_post)
     assert e.value.stage == "liveness" and [x for x in mc.log if x[0] == "post"] == [("post", 1000)]
     assert wait_kept(eng) == 0 and mc.freed == {1000}
+
+
+def test_a_call_whose_status_cannot_be_read_fails_alone_and_the_waiter_serves_the_next():
+    mc = ScriptedMooncake([(1, 1), (0, 1)])
+    eng = make_engine(mc)
+    real_check = mc.transfer_check_status
+
+    def check(bid):
+        if bid == 1000:
+            raise RuntimeError("binding error")
+        return real_check(bid)
+    mc.transfer_check_status = check
+    with pytest.raises(TransferError, match="its status could not be read \\(binding error\\)") as e:
+        eng.write("peer", [Run(0, 0, 64)], "data")
+    assert e.value.posted
+    assert eng.write("peer", [Run(64, 64, 64)], "tags") == 64  # the waiter still runs
