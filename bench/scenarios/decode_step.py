@@ -7,7 +7,7 @@ rows); the KV is what the B sequences attend: (position + 1) tokens each. The po
 values, not a prefill (the step's cost does not depend on them), and each sequence's pages are granted
 lowest id first, as the broker grants them (--layout scattered: drawn at random from a pool twice the size,
 as a pool looks after a load peak). Times are the best of --reps steps: on a shared machine other work only
-adds, so the best is the closest to the code's own cost; the run prints adds, so the best is the closest to the code's own cost; the run prints the load average.
+adds, so the best is the closest to the code's own cost; the run prints the load average.
 
 With --baseline REV, each cell also runs the native step built from REV's csrc beside the working tree's, the two
 steps alternating on the same pool and inputs (best wall and best CPU time of each): a change to a kernel is judged
