@@ -3,9 +3,10 @@ on/off A/B, the KV transfer against raw Mooncake, and the gateway's admission de
 from __future__ import annotations
 
 import json
+import math
 
 from ..harness.stack import GUARD_KINDS, STEP_KINDS, TTFT_KINDS
-from ..harness.workload import Summary, fmt_ci, mean_ci
+from ..harness.workload import Summary, fmt_ci, mean_ci, t975
 from .format import NAN, _div, _hist_quantile, _median, _ms, _ms2, _ok, _pct, _table, guard_fractions
 
 
@@ -69,7 +70,15 @@ def _pairs(cell: list[Summary]) -> list[dict[bool, Summary]]:
 
 
 def _series(cell: list[Summary], checksums: bool) -> dict | None:
-    return next((s.extra["series"] for s in cell if s.extra["checksums"] == checksums and "series" in s.extra), None)
+    """One flag's series counters over the cell, summed over its halves (a stack restarted between them)."""
+    found = [s.extra["series"] for s in cell if s.extra["checksums"] == checksums and "series" in s.extra]
+    return _sum_counters(found) if found else None
+
+
+def _sum_counters(xs: list):
+    if isinstance(xs[0], dict):
+        return {k: _sum_counters([x[k] for x in xs if k in x]) for k in dict.fromkeys(k for x in xs for k in x)}
+    return sum(xs)
 
 
 def _guard_shares(ab: list[Summary]) -> tuple[tuple, tuple, Summary | None, Summary | None]:
@@ -133,8 +142,46 @@ def _series_table(ab: list[Summary]) -> list[str]:
          "prompt verify ms/req", "stack CPU ms/req"], rows)
 
 
+def slot_model(xs: list[float], signs: list[int]) -> tuple[float, float, float, float, list[float]]:
+    """x = effect + sign × slot + noise, sign +1 where the on stack held slot A, −1 where it held B: the
+    effect and the slot term, each with the half-width of its 95% t-interval, from the two groups' means and
+    the pooled spread around them (n − 2 degrees of freedom); and each x with its slot term removed. With one
+    group only the slot cannot be told apart: the plain mean and interval, slot nan."""
+    up = [x for x, g in zip(xs, signs) if g > 0]
+    down = [x for x, g in zip(xs, signs) if g < 0]
+    if not up or not down:
+        m, h = mean_ci(xs)
+        return m, h, math.nan, math.nan, list(xs)
+    mu, md = sum(up) / len(up), sum(down) / len(down)
+    effect, slot = (mu + md) / 2, (mu - md) / 2
+    n = len(xs)
+    if n < 3:
+        h = math.nan
+    else:
+        var = (sum((x - mu) ** 2 for x in up) + sum((x - md) ** 2 for x in down)) / (n - 2)
+        h = t975(n - 2) * math.sqrt(var / 4 * (1 / len(up) + 1 / len(down)))
+    return effect, h, slot, h, [x - g * slot for x, g in zip(xs, signs)]
+
+
+def _relative(pairs: list[dict[bool, Summary]], value) -> tuple[tuple, tuple, list[float]]:
+    """on/off − 1 of value over the pairs, the slot term removed: ((effect, half-width), (slot A vs B,
+    half-width), each pair's on/off − 1 without its slot term). Fitted on log ratios, where a slot that slows
+    one stack by a factor cancels exactly between the halves (on plain ratios +20 % and −17 % would leave
+    +1.7 %); half-widths are the log interval's, mapped back and halved. With one half only, the plain mean of
+    the ratios − 1 and its interval."""
+    ratios = [value(p[True]) / value(p[False]) for p in pairs]
+    signs = [1 if p[True].extra.get("slot", 0) == 0 else -1 for p in pairs]
+    if all(r > 0 for r in ratios):
+        e, h, sl, hs, adj = slot_model([math.log(r) for r in ratios], signs)
+        if not math.isnan(sl):
+            rel = (lambda m, w: (math.expm1(m), (math.exp(m + w) - math.exp(m - w)) / 2))
+            return rel(e, h), rel(sl, hs), [math.expm1(x) for x in adj]
+    return mean_ci([r - 1 for r in ratios]), (math.nan, math.nan), [r - 1 for r in ratios]
+
+
 def checksum_ab(ab: list[Summary]) -> tuple[list[str], dict]:
-    """Checksums on vs off, paired; the effects per concurrency feed the targets."""
+    """Checksums on vs off, paired, the stack slots' own difference removed; the effects per concurrency feed
+    the targets."""
     L: list[str] = []
     ab_effects = {}
     if ab:
@@ -144,12 +191,16 @@ def checksum_ab(ab: list[Summary]) -> tuple[list[str], dict]:
               "the per-step tag check runs on both. Two stacks up side by side; each pair sends the same new "
               "prompts to one, then the other, alternating which goes first. At concurrency 1 a pair is one "
               "request; above, one closed-loop run of the cell's requests; tok/s is output tokens over the "
-              "request's or the run's wall time. Differences are on − off relative to off, mean ± "
-              "95% t-interval over the pairs, and their median; *order*: the mean of first − second, relative, "
-              "which the alternation cancels from the on − off mean. The stacks never swap roles: whatever sets two "
-              "identical stacks apart (their processes' places on the cores, start order) is part of on − off, "
-              "and only an A/A run of two identical stacks measures it; the guards' own seconds above have no such "
-              "term.", ""]
+              "request's or the run's wall time. Two identical stacks differ by themselves (start order, ports, "
+              "where the scheduler puts their processes), so the pairs run in two halves with the flags swapped "
+              "between the two stack slots (both stacks restarted, each with the other flag): on − off is the "
+              "mean of the two halves' paired differences, fitted on log ratios, and *slot A vs B* is the "
+              "difference between the slots themselves that this removes (half the halves' difference). "
+              "Intervals are 95% t-intervals from the pairs' spread around their half's mean; the medians are "
+              "of the pairs with their slot term removed; *order*: the mean of first − second, relative, which "
+              "the alternation cancels from the on − off mean. A run with one half only cannot separate the "
+              "slot (its *slot* columns read n/a) and its on − off holds it. The guards' own seconds above have "
+              "no such term.", ""]
         rows = []
         for cell in _cells(ab):
             full = _pairs(cell)
@@ -158,25 +209,29 @@ def checksum_ab(ab: list[Summary]) -> tuple[list[str], dict]:
             c0 = cell[0]
             n, c = c0.prompt_len, c0.concurrency
             thr = (lambda s: s.out_tok_s)
-            xs_thr = [thr(p[True]) / thr(p[False]) - 1 for p in full]
-            xs_ttft = [p[True].ttft_p50 / p[False].ttft_p50 - 1 for p in full]
-            d_thr, d_ttft = mean_ci(xs_thr), mean_ci(xs_ttft)
+            d_thr, slot_thr, xs_thr = _relative(full, thr)
+            d_ttft, slot_ttft, xs_ttft = _relative(full, lambda s: s.ttft_p50)
+            signs = [1 if p[True].extra.get("slot", 0) == 0 else -1 for p in full]
+            d_ms, h_ms = slot_model([p[True].ttft_p50 - p[False].ttft_p50 for p in full], signs)[:2]
             order = mean_ci([(p[True].ttft_p50 / p[False].ttft_p50 - 1) * (1 if p[True].extra["first"] else -1)
                              for p in full])
             ab_effects[c] = (d_thr, d_ttft, n)
             rows.append([n, c, c0.num_requests, len(full), len(cell) // 2 - len(full),
+                         f"{signs.count(1)} / {signs.count(-1)}",
                          fmt_ci(*mean_ci([thr(p[True]) for p in full]), digits=0),
                          fmt_ci(*mean_ci([thr(p[False]) for p in full]), digits=0),
                          fmt_ci(*d_thr, scale=100, unit="%"), _pct(_median(xs_thr)),
                          _ms(_median([p[True].ttft_p50 for p in full])),
                          _ms(_median([p[False].ttft_p50 for p in full])),
                          fmt_ci(*d_ttft, scale=100, unit="%"), _pct(_median(xs_ttft)),
-                         fmt_ci(*mean_ci([p[True].ttft_p50 - p[False].ttft_p50 for p in full]), scale=1e3,
-                                unit=" ms"),
+                         fmt_ci(d_ms, h_ms, scale=1e3, unit=" ms"),
+                         fmt_ci(*slot_ttft, scale=100, unit="%"), fmt_ci(*slot_thr, scale=100, unit="%"),
                          fmt_ci(*order, scale=100, unit="%")])
-        L += _table(["prompt", "conc", "requests/pair", "pairs", "pairs dropped (errors)", "on tok/s", "off tok/s",
+        L += _table(["prompt", "conc", "requests/pair", "pairs", "pairs dropped (errors)",
+                     "pairs with on in slot A / B", "on tok/s", "off tok/s",
                      "Δ tok/s", "Δ tok/s median", "on TTFT p50 ms (median)", "off TTFT p50 ms (median)",
-                     "Δ TTFT p50", "Δ TTFT median", "Δ TTFT ms", "order: first vs second, TTFT"], rows)
+                     "Δ TTFT p50", "Δ TTFT median", "Δ TTFT ms", "slot A vs B, TTFT", "slot A vs B, tok/s",
+                     "order: first vs second, TTFT"], rows)
     return L, ab_effects
 
 

@@ -101,7 +101,8 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
             if pp.guidellm:
                 self._guidellm(pp, stack_a, model_dir, vocab)
             if pp.ab and stack_b is not None:
-                self._checksum_ab(pp, stack_a, stack_b, vocab)
+                self._checksum_ab(pp, stacks, model_dir, vocab)  # restarts both stacks: the list holds the new ones
+                stack_a = next(s for s in stacks if s.checksums)
             if pp.flood:
                 self._flood(pp, stack_a, vocab)
             if pp.sweep:
@@ -205,47 +206,99 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
         del hf
         gc.collect()
 
-    def _checksum_ab(self, pp, stack_a, stack_b, vocab) -> None:
-        """Guard cost, paired: checksums on (stack_a) against off (stack_b), the same prompts to both back to back,
-        alternating which stack goes first, pairs until the cell's time is up (AB_SECONDS, at least AB_MIN_PAIRS).
+    def _checksum_ab(self, pp, stacks: list, model_dir: str, vocab) -> None:
+        """Guard cost, paired: checksums on against off, the same prompts to both stacks back to back, alternating
+        which stack goes first, pairs until each half's share of the cell's time is up (AB_SECONDS, at least
+        AB_MIN_PAIRS in all).
+
+        Two identical stacks differ by themselves (start order, ports, where the scheduler puts their processes:
+        an A/A run put one 23 % above the other in TTFT), so the pairs run in two halves with the flags swapped
+        between the stack slots: after the first half both stacks are restarted, each with the other flag, in
+        their slots. The report takes the on/off difference as the mean of the two halves' and the slot's own
+        term as half their difference. stacks is updated in place with the restarted stacks.
 
         At concurrency 1 a pair is one request (its TTFT and tok/s); above it, one closed-loop run of
-        the cell's requests (its output tok/s). Load from outside the pair hits its two halves alike, and the
-        order alternates, so the mean paired difference resolves what run-to-run spread hides. Around each
-        stack's series, the guards' own in-process seconds (pdserve_guard_seconds) give the exact cost per
-        request and per step, the tag check included (it runs on both stacks: nothing turns it off)."""
+        the cell's requests (its output tok/s). Around each stack's series, the guards' own in-process seconds
+        (pdserve_guard_seconds) give the exact cost per request and per step, the tag check included (it runs on
+        both stacks: nothing turns it off)."""
+        budget = AB_SECONDS.get(self.plan.mode, AB_SECONDS["quick"]) / 2
+        min_pairs = -(-AB_MIN_PAIRS // 2)
+        next_pair = [0] * len(pp.ab)
+        for half in (0, 1):
+            if half:
+                self._restart_swapped(pp, stacks, model_dir, vocab)
+            for k, cell in enumerate(pp.ab):
+                next_pair[k] = self._ab_half(pp, stacks, k, cell, half, next_pair[k], budget, min_pairs, vocab)
+
+    def _ab_half(self, pp, stacks, k, cell, half, first_pair, budget, min_pairs, vocab) -> int:
+        """One half of one A/B cell; returns the next pair number."""
         from ..harness.workload import MAX_TOKENS, make_prompts, summarize
 
-        budget = AB_SECONDS.get(self.plan.mode, AB_SECONDS["quick"])
-        stacks = (stack_a, stack_b)
-        for k, cell in enumerate(pp.ab):
-            log(f"{pp.preset}: guard cost A/B (checksums on / off), prompt {cell.prompt_len} × concurrency "
-                f"{cell.concurrency}: paired {'requests' if cell.concurrency == 1 else 'runs'} for {budget:.0f} s")
-            before = [st.guard_sample() for st in stacks]
-            done: list[dict] = []
-            deadline = time.monotonic() + budget
-            i = 0
-            while i < AB_MIN_PAIRS or (time.monotonic() < deadline and i < AB_MAX_PAIRS):
-                # distinct prompts per pair: neither stack's prefix cache may answer a prompt seen before
-                prompts = make_prompts(cell.prompt_len, cell.num_requests if cell.concurrency > 1 else 1, vocab,
-                                       seed=7919 + 1000 * k + i)
-                for j, stack in enumerate(stacks if i % 2 == 0 else stacks[::-1]):
-                    label = "on" if stack.checksums else "off"
-                    if cell.concurrency == 1:
-                        recs, wall = stack.send(prompts, 1, MAX_TOKENS)
-                        s = summarize(f"pdserve checksums {label}", pp.preset, cell.prompt_len, 1, recs, wall)
-                    else:
-                        s, _ = stack.run(f"pdserve checksums {label}", pp.preset, prompts, cell.concurrency)
-                    s.extra.update(pair=i, ab_cell=k, checksums=stack.checksums, first=j == 0)
-                    done.append(asdict(s))
-                i += 1
-            for st, b in zip(stacks, before):
-                series = st.series_cost(b, st.guard_sample())
-                last = next(r for r in reversed(done) if r["extra"]["checksums"] == st.checksums)
-                last["extra"]["series"] = series
-            self.res["ab"] += done
-            errors = sum(r["num_errors"] for r in done)
-            log(f"  {i} pairs{f', {errors} failed requests' if errors else ''}")
+        roles = ", ".join(f"slot {'AB'[j]} {'on' if st.checksums else 'off'}" for j, st in enumerate(stacks))
+        log(f"{pp.preset}: guard cost A/B (checksums on / off), prompt {cell.prompt_len} × concurrency "
+            f"{cell.concurrency}, half {half + 1} of 2 ({roles}): paired "
+            f"{'requests' if cell.concurrency == 1 else 'runs'} for {budget:.0f} s")
+        before = [st.guard_sample() for st in stacks]
+        done: list[dict] = []
+        deadline = time.monotonic() + budget
+        i = 0
+        while i < min_pairs or (time.monotonic() < deadline and i < AB_MAX_PAIRS):
+            pair = first_pair + i
+            # distinct prompts per pair: neither stack's prefix cache may answer a prompt seen before
+            prompts = make_prompts(cell.prompt_len, cell.num_requests if cell.concurrency > 1 else 1, vocab,
+                                   seed=7919 + 1000 * k + pair)
+            order = (0, 1) if pair % 2 == 0 else (1, 0)
+            for j, slot in enumerate(order):
+                stack = stacks[slot]
+                label = "on" if stack.checksums else "off"
+                if cell.concurrency == 1:
+                    recs, wall = stack.send(prompts, 1, MAX_TOKENS)
+                    s = summarize(f"pdserve checksums {label}", pp.preset, cell.prompt_len, 1, recs, wall)
+                else:
+                    s, _ = stack.run(f"pdserve checksums {label}", pp.preset, prompts, cell.concurrency)
+                s.extra.update(pair=pair, ab_cell=k, checksums=stack.checksums, first=j == 0, half=half, slot=slot)
+                done.append(asdict(s))
+            i += 1
+        for st, b in zip(stacks, before):
+            series = st.series_cost(b, st.guard_sample())
+            last = next(r for r in reversed(done) if r["extra"]["checksums"] == st.checksums)
+            last["extra"]["series"] = series
+        self.res["ab"] += done
+        errors = sum(r["num_errors"] for r in done)
+        log(f"  {i} pairs{f', {errors} failed requests' if errors else ''}")
+        return first_pair + i
+
+    def _restart_swapped(self, pp, stacks: list, model_dir: str, vocab) -> None:
+        """Both stacks stopped and started again in their slots, each with the other flag, then warmed up."""
+        from ..harness.workload import make_prompts
+
+        t0 = time.monotonic()
+        flags = [not st.checksums for st in stacks]
+        with ThreadPoolExecutor(2) as ex:
+            list(ex.map(lambda st: st.close(), stacks))
+        stacks.clear()
+        with ThreadPoolExecutor(2) as ex:
+            futs = [ex.submit(self._start_stack, model_dir, f) for f in flags]
+            errs = []
+            for f in futs:  # slot order kept; the ones that started are closed by run_preset
+                try:
+                    stacks.append(f.result())
+                except Exception as e:  # noqa: BLE001 - raised below, once every start has ended
+                    errs.append(e)
+        if errs:
+            raise errs[0]
+        # every length the later steps send too: the on stack serves them after the A/B
+        for n in sorted({c.prompt_len for c in (*getattr(pp, "cells", ()), *pp.ab)}):
+            warm = make_prompts(n, 1, vocab, seed=1)
+            for st in stacks:
+                st.run("warmup", pp.preset, warm, 1)
+        log(f"{pp.preset}: stacks restarted with the flags swapped between the slots and warmed up in "
+            f"{time.monotonic() - t0:.0f} s")
+
+    def _start_stack(self, model_dir: str, checksums: bool):
+        from ..harness.stack import BenchStack
+
+        return BenchStack(model_dir, checksums, self.device)
 
 
 # time per A/B cell: pairs are taken until it is up (at least AB_MIN_PAIRS, at most AB_MAX_PAIRS)

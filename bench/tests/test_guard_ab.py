@@ -73,22 +73,29 @@ def test_series_table_charges_per_step_guards_per_step_and_ttft_guards_per_reque
 
 
 class FakeStack:
-    """Records who got which prompts in which order; counters that grow by a known amount per request."""
+    """Records who got which prompts in which order; counters that grow by a known amount per request. slow
+    stretches its times (a stack slot slower by itself), load(prompts) the machine's load when they are sent."""
 
-    def __init__(self, checksums, calls):
-        self.checksums, self.calls, self.n = checksums, calls, 0
+    def __init__(self, checksums, calls, slow=1.0, load=lambda prompts: 1.0):
+        self.checksums, self.calls, self.n, self.slow, self.load = checksums, calls, 0, slow, load
+        self.closed = False
 
     def send(self, prompts, concurrency, max_tokens):
         return self._go(prompts, concurrency)
 
     def run(self, system, preset_, prompts, concurrency):
-        recs, wall = self._go(prompts, concurrency)
+        recs, wall = self._go(prompts, concurrency, system)
         return summarize(system, preset_, len(prompts[0]), concurrency, recs, wall), recs
 
-    def _go(self, prompts, concurrency):
-        self.calls.append((self.checksums, tuple(map(tuple, prompts)), concurrency))
+    def _go(self, prompts, concurrency, system=""):
+        assert not self.closed
+        self.calls.append((self.checksums, tuple(map(tuple, prompts)), concurrency, system))
         self.n += len(prompts)
-        return [Record(0.0, token_times=[0.1, 0.2], token_ids=[3, 4]) for _ in prompts], 0.2
+        t = 0.1 * self.slow * self.load(prompts)
+        return [Record(0.0, token_times=[t, 2 * t], token_ids=[3, 4]) for _ in prompts], 2 * t
+
+    def close(self):
+        self.closed = True
 
     def guard_sample(self):
         return {"n": self.n}
@@ -96,27 +103,86 @@ class FakeStack:
     series_cost = staticmethod(lambda before, after: {"requests": after["n"] - before["n"]})
 
 
-def test_the_scenario_alternates_who_goes_first_and_never_repeats_a_prompt(monkeypatch):
+def _bench(monkeypatch, calls, slow_a=1.0, load=lambda prompts: 1.0):
+    """A quick bench whose restarted stacks are fakes; slot A (which starts on, then off) is slow_a slower."""
     monkeypatch.setitem(preset.AB_SECONDS, "quick", 0.0)  # the minimum number of pairs, then stop
     bench = preset.Bench(quick(), profile=False)
+    monkeypatch.setattr(bench, "_start_stack", lambda model_dir, checksums: FakeStack(
+        checksums, calls, slow_a if not checksums else 1.0, load))
+    stacks = [FakeStack(True, calls, slow_a, load), FakeStack(False, calls, 1.0, load)]
+    return bench, stacks
+
+
+PP = type("PP", (), {"preset": "tiny", "ab": (Cell(1024, 1, 3), Cell(128, 16, 16))})()
+
+
+def test_the_scenario_swaps_the_flags_between_the_slots_alternates_who_goes_first_and_never_repeats_a_prompt(
+        monkeypatch):
     calls = []
-    on, off = FakeStack(True, calls), FakeStack(False, calls)
-    pp = type("PP", (), {"preset": "tiny", "ab": (Cell(1024, 1, 3), Cell(128, 16, 16))})()
-    bench._checksum_ab(pp, on, off, 512)
-    k = preset.AB_MIN_PAIRS
-    assert len(calls) == 2 * 2 * k
-    single, loaded = calls[:2 * k], calls[2 * k:]
-    assert [c[0] for c in single[::2]] == [i % 2 == 0 for i in range(k)]  # on first, then off first, ...
-    for cell, size, conc in ((single, 1, 1), (loaded, 16, 16)):
-        assert all(a[1] == b[1] for a, b in zip(cell[::2], cell[1::2]))  # a pair: the same prompts to both
-        prompts = [p for c in cell[::2] for p in c[1]]
-        assert len(set(prompts)) == len(prompts) == k * size and all(c[2] == conc for c in cell)
-    ab = bench.res["ab"]
-    assert len(ab) == 4 * k
-    with_series = [r for r in ab if "series" in r["extra"]]
-    assert sorted((r["extra"]["ab_cell"], r["extra"]["checksums"], r["extra"]["series"]["requests"])
-                  for r in with_series) == [(0, False, k), (0, True, k), (1, False, 16 * k), (1, True, 16 * k)]
-    assert all(r["extra"]["first"] == ((r["extra"]["pair"] % 2 == 0) == r["extra"]["checksums"]) for r in ab)
+    bench, stacks = _bench(monkeypatch, calls)
+    old = list(stacks)
+    bench._checksum_ab(PP, stacks, "model", 512)
+    assert all(s.closed for s in old) and [s.checksums for s in stacks] == [False, True]  # slot A now off
+    k = -(-preset.AB_MIN_PAIRS // 2)  # pairs per half
+    warm = [c for c in calls if c[3] == "warmup"]
+    assert len(warm) == 4 and calls[4 * k:4 * k + 4] == warm  # restarted, both warmed at both lengths, between halves
+    ab = [r for r in calls if r[3] != "warmup"]
+    assert len(ab) == 2 * 2 * 2 * k
+    for half, flag_a, pairs in ((ab[:4 * k], True, range(k)), (ab[4 * k:], False, range(k, 2 * k))):
+        single = half[:2 * k]
+        # slot A first in even pairs, B in odd ones; slot A holds on in the first half, off in the second
+        assert [c[0] for c in single[::2]] == [(i % 2 == 0) == flag_a for i in pairs]
+    ab_rows = bench.res["ab"]
+    assert len(ab_rows) == 4 * 2 * k
+    for cell, size, conc in ((0, 1, 1), (1, 16, 16)):
+        mine = [c for c in ab if c[2] == conc]
+        assert all(a[1] == b[1] and a[0] != b[0] for a, b in zip(mine[::2], mine[1::2]))  # a pair: same prompts
+        prompts = [p for c in mine[::2] for p in c[1]]
+        assert len(set(prompts)) == len(prompts) == 2 * k * size
+        rows = [r["extra"] for r in ab_rows if r["extra"]["ab_cell"] == cell]
+        assert sorted({r["pair"] for r in rows}) == list(range(2 * k))
+        assert all(r["slot"] == (0 if r["checksums"] == (r["half"] == 0) else 1) for r in rows)
+        assert all(r["first"] == (r["pair"] % 2 == r["slot"]) for r in rows)
+    with_series = [r["extra"] for r in ab_rows if "series" in r["extra"]]
+    assert sorted((r["ab_cell"], r["half"], r["checksums"], r["series"]["requests"]) for r in with_series) == [
+        (c, h, f, k * (16 if c else 1)) for c in (0, 1) for h in (0, 1) for f in (False, True)]
+
+
+def test_a_slot_that_is_slower_by_itself_is_removed_from_on_minus_off_and_shown(monkeypatch):
+    """Checksums cost nothing here; slot A's stack is 20 % slower by itself, and the machine's load moves each
+    pair's two halves together by up to ±40 %. The protocol that never swapped the slots reported +20 %."""
+    import random
+
+    rng = random.Random(5)
+    loads = {}
+
+    def load(prompts):  # the same load for both requests of a pair: keyed by its prompts
+        return loads.setdefault(tuple(prompts[0]), rng.uniform(0.6, 1.4))
+
+    monkeypatch.setattr(preset, "AB_MIN_PAIRS", 40)
+    bench, stacks = _bench(monkeypatch, [], slow_a=1.2, load=load)
+    bench._checksum_ab(PP, stacks, "model", 512)
+    ab = [Summary(**r) for r in bench.res["ab"]]
+    lines, effects = costs.checksum_ab(ab)
+    (d_thr, d_ttft, n), (d_thr16, _, _) = effects[1], effects[16]
+    assert d_ttft[0] == pytest.approx(0.0, abs=1e-9) and d_thr[0] == pytest.approx(0.0, abs=1e-9)
+    assert d_thr16[0] == pytest.approx(0.0, abs=1e-9)
+    row = next(line for line in lines if line.startswith("| 1024 | 1 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[5] == "20 / 20" and cells[15].startswith("20.00") and cells[16].startswith("-16.67")
+    first_half = [s for s in ab if s.extra["half"] == 0]  # what the slot-bound protocol measured
+    assert costs.checksum_ab(first_half)[1][1][1][0] == pytest.approx(0.2)
+
+
+def test_the_slot_model_gives_the_halves_mean_and_a_pooled_interval():
+    xs, signs = [0.3, 0.1, 0.2, -0.2, -0.1, -0.3, -0.2], [1, 1, 1, -1, -1, -1, -1]
+    effect, h, slot, hs, adj = costs.slot_model(xs, signs)
+    assert effect == pytest.approx((0.2 + -0.2) / 2) and slot == pytest.approx(0.2)
+    pooled = (0.02 + 0.02) / 5  # squared deviations from each group's mean over n − 2
+    assert h == hs == pytest.approx(costs.t975(5) * (pooled / 4 * (1 / 3 + 1 / 4)) ** 0.5)
+    assert adj == pytest.approx([0.1, -0.1, 0.0, 0.0, 0.1, -0.1, 0.0])
+    assert costs.slot_model([0.1, 0.3], [1, 1])[:3] == (0.2, mean_ci([0.1, 0.3])[1], pytest.approx(float("nan"),
+                                                                                                     nan_ok=True))
 
 
 def test_series_cost_is_the_difference_of_two_samples():
