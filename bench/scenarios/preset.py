@@ -95,14 +95,16 @@ class Bench(DecodeStepStep, GatewaySteps, GuidellmStep, ProfileStep, SweepStep, 
                 for s in stacks:
                     s.run("warmup", pp.preset, warm, 1)
             log(f"{pp.preset}: warmed up ({torch.get_num_threads()} torch thread(s) per engine process)")
+            if pp.ab and stack_b is not None:
+                # first, while both stacks have served the warm-up alone: a stack that had served more (the
+                # matrix) would differ from the other by its history, which the swap between halves only halves
+                self._checksum_ab(pp, stacks, model_dir, vocab)  # restarts both stacks: the list holds the new ones
+                stack_a = next(s for s in stacks if s.checksums)
             self._matrix(pp, stack_a, colo, vocab)
             self._probe(pp, stacks, colo, vocab, lens)
             self._transformers(pp, model_dir, vocab, lens)
             if pp.guidellm:
                 self._guidellm(pp, stack_a, model_dir, vocab)
-            if pp.ab and stack_b is not None:
-                self._checksum_ab(pp, stacks, model_dir, vocab)  # restarts both stacks: the list holds the new ones
-                stack_a = next(s for s in stacks if s.checksums)
             if pp.flood:
                 self._flood(pp, stack_a, vocab)
             if pp.sweep:
