@@ -5,13 +5,11 @@ registered regions. Contiguous pages are coalesced into one entry (Mooncake move
 at ~1.1 GB/s on loopback, 64 KiB entries at ~0.7 GB/s).
 
 Mooncake's synchronous batch call busy-polls its batch's status on the calling thread until it ends: a core per
-writer spent waiting on the wire, beside the forward pass. Here a call's tasks are posted asynchronously by the
-writer's own thread, which then blocks, and one thread per engine (Waiter) looks at every posted call's tasks
-between sleeps that grow from 20 us: a pass of 16 prompts wakes one poller, not 16 (16 writers each polling took
-3x as long for the same bytes as one poller, GIL and wake-ups). The synchronous call's rules are kept, and with
-them the landing bound: a call gives up timeout + 1 ns per byte after its post, it is answered at its first failed
-task while the others may still run, and giving up flushes nothing. The tasks still running once a call is
-answered are kept (Inflight) and looked at until Mooncake says they ended, so Mooncake can free them.
+writer spent waiting on the wire, beside the forward pass. Here a call's tasks are posted asynchronously and the
+writer looks at them between sleeps that grow from 20 us. The synchronous call's rules are kept, and with them
+the landing bound: a call gives up timeout + 1 ns per byte after its post, it is answered at its first failed task
+while the others may still run, and giving up flushes nothing. The tasks still running once a call is answered
+are kept (Inflight) and looked at until Mooncake says they ended, so Mooncake can free them.
 """
 from __future__ import annotations
 
@@ -21,7 +19,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable
 from importlib import metadata
 
 from ..common.faults import FAULTS
@@ -196,9 +193,6 @@ class TransferEngine:
         if rc != 0:
             raise RuntimeError(f"Mooncake initialize({hostname!r}, P2PHANDSHAKE, {protocol!r}) returned {rc}")
         self._inflight = Inflight(self._engine.transfer_check_status)
-        # started here, on the caller's thread, not by the first write: a thread takes its creator's nice value,
-        # and prefill's writes run on its lowered compute threads
-        self._waiter = Waiter(self._engine, self._inflight)
         self.hostname = hostname
         self.protocol = protocol
         rpc_port = self._engine.get_rpc_port()
@@ -224,37 +218,12 @@ class TransferEngine:
         anything when the runs exceed the write unit (the declared landing bound would not cover them). A write
         that must land after this one is posted only once this has returned: calls are not ordered on the wire.
         owner: the request whose KV it is, named only in a fault point's record."""
-        return self.write_calls(session, [(runs, stage)], lambda stage: None, owner)
-
-    def write_calls(self, session: str, calls: list[tuple[list[Run], str]], before_post: Callable[[str], None],
-                    owner: bytes = b"") -> int:
-        """Writes calls [(runs, stage)] in order, each as write() does and posted only once the one before
-        completed, before_post(stage) called just before each post (it raises to post nothing more); returns
-        bytes moved. The first call is posted on this thread, every later one by the waiter the moment the one
-        before completed: the writer sleeps through the whole chain and is woken once, at its answer. Raises
-        ValueError before posting anything when a call exceeds the write unit, else as write() does for the
-        call that failed (or what before_post raised)."""
-        for runs, _ in calls:
-            if (nbytes := sum(r.nbytes for r in runs)) > self.max_write_bytes:
-                raise ValueError(f"a batch call of {len(runs)} runs ({nbytes} bytes) exceeds the write unit of "
-                                 f"{self.max_write_bytes} bytes that the landing bound is computed from")
-        pending = [(runs, stage) for runs, stage in calls if runs]
-        if not pending:
-            return 0
-        moved = sum(r.nbytes for runs, _ in pending for r in runs)
-
-        def post_next() -> _Call:
-            runs, stage = pending.pop(0)
-            before_post(stage)
-            call = self._post(session, runs, stage, owner)
-            call.then = post_next if pending else None
-            return call
-        self._waiter.wait(post_next())
-        return moved
-
-    def _post(self, session: str, runs: list[Run], stage: str, owner: bytes) -> "_Call":
-        """Posts one call's tasks; the returned call is the waiter's to look after from then on."""
         nbytes = sum(r.nbytes for r in runs)
+        if nbytes > self.max_write_bytes:
+            raise ValueError(f"a batch call of {len(runs)} runs ({nbytes} bytes) exceeds the write unit of "
+                             f"{self.max_write_bytes} bytes that the landing bound is computed from")
+        if not runs:
+            return 0
         if stage == "data" and (arg := FAULTS.fire("transfer.fail_then_land", owner)) is not None:
             # as Mooncake does: the call reports failure while a task of its batch still runs and lands later,
             # reading the source pages as they are then
@@ -277,148 +246,50 @@ class TransferEngine:
                     raise TransferError(stage, f"Mooncake refused to post run {len(ids) + 1} of {len(runs)} "
                                                f"({r.nbytes} bytes) of a write of {nbytes} bytes to {session}")
                 ids.append(bid)
-        except BaseException:
-            self._inflight.adopt(ids)  # posted before the refusal: they may run, and Mooncake must free them
-            raise
-        return _Call(ids, deadline, stage, f"Mooncake write of {len(runs)} runs ({nbytes} bytes) to {session}")
+            what = f"Mooncake write of {len(runs)} runs ({nbytes} bytes) to {session}"
+            ids = _wait(self._engine.transfer_check_status, ids, deadline, stage, what)
+        finally:
+            self._inflight.adopt(ids)  # whatever still runs once the call is answered (none when it completed)
+        return nbytes
 
     def _post_unwatched(self, session: str, runs: list[Run], stage: str) -> None:
         self._inflight.adopt([bid for r in runs if (bid := self._engine.transfer_submit_write(
             session, r.src, r.dst, r.nbytes))])
 
 
-# The waiter sleeps between looks at the tasks: briefly after a post (a page of a small model lands in tens of
-# microseconds), a quarter longer after each look that found one still running, so a call is answered at most about
-# a quarter of its length after its last task completed, and never sleeps past POLL_MAX_S.
+# A waiting writer sleeps between looks at its tasks: briefly after its post (a page of a small model lands in tens
+# of microseconds), a quarter longer after each look that found one still running, so a wait ends at most about a
+# quarter of its length after its last task completed, and never sleeps past POLL_MAX_S.
 POLL_FIRST_S = 20e-6
 POLL_GROWTH = 1.25
 POLL_MAX_S = 1e-3
 
 
-class _Answer:
-    """What a blocked writer waits for: its chain's outcome (error None: every call completed)."""
-    __slots__ = ("event", "error", "call")
-
-    def __init__(self, call: "_Call"):
-        self.event = threading.Event()
-        self.error: BaseException | None = None
-        self.call = call  # the chain's call in flight
-
-
-class _Call:
-    """One posted batch call, its tasks owned by the Waiter until it is answered. then: posts the chain's next
-    call (None: the last)."""
-    __slots__ = ("ids", "deadline", "stage", "what", "then", "answer")
-
-    def __init__(self, ids: list[int], deadline: float, stage: str, what: str):
-        self.ids, self.deadline, self.stage, self.what = ids, deadline, stage, what
-        self.then: Callable[[], _Call] | None = None
-        self.answer: _Answer | None = None
-
-
-# the waiter answers every call by its deadline; a writer gives up on it this long after (a waiter starved of CPU)
-# and answers it itself, as failed
-WAITER_GRACE_S = 1.0
-
-
-class Waiter:
-    """One thread that looks at the tasks of every call writers are blocked on, and posts each chain's next call the
-    moment the one before completed. A chain is answered (its writer woken) once its last call's tasks all
-    completed, at a call's first failed task, or at a call's deadline with tasks still running; the tasks still
-    running then go to Inflight. Every look at a task is made under the lock, so a task is looked at by one owner at
-    a time and never after Mooncake freed it."""
-
-    def __init__(self, mooncake, inflight: Inflight):
-        self._mooncake = mooncake
-        self._inflight = inflight
-        self._lock = threading.Condition()
-        self._calls: list[_Call] = []
-        self._fresh = False  # a call was posted since the last sweep: look again soon
-        threading.Thread(target=self._run, name="mooncake-waiter", daemon=True).start()
-
-    def wait(self, call: _Call) -> None:
-        """Blocks until the chain that starts with the posted call ended; raises its error."""
-        answer = call.answer = _Answer(call)
-        with self._lock:
-            self._calls.append(call)
-            self._fresh = True
-            self._lock.notify()
-        while not answer.event.wait(max(0.0, answer.call.deadline - time.monotonic()) + WAITER_GRACE_S):
-            with self._lock:
-                late = answer.call
-                if not answer.event.is_set() and time.monotonic() > late.deadline + WAITER_GRACE_S:
-                    self._answer(late, TransferError(late.stage, f"{late.what}: {len(late.ids)} tasks unanswered "
-                                                                 "past its deadline; they may land later"))
-        if answer.error is not None:
-            raise answer.error
-
-    def _answer(self, call: _Call, error: BaseException | None) -> None:
-        # under the lock
-        self._calls.remove(call)
-        self._inflight.adopt(call.ids)  # what still runs (none when every task completed)
-        call.answer.error = error
-        call.answer.event.set()
-
-    def _completed(self, call: _Call) -> None:
-        # under the lock: the chain's next call is posted now, its writer left asleep
-        if call.then is None:
-            self._answer(call, None)
-            return
-        try:
-            nxt = call.then()
-        except BaseException as e:  # noqa: BLE001  (the writer's answer: a refused post, its liveness)
-            self._answer(call, e)
-            return
-        nxt.answer, call.answer.call = call.answer, nxt
-        self._calls[self._calls.index(call)] = nxt
-        self._fresh = True
-
-    def _sweep(self, call: _Call) -> None:
-        # under the lock
-        running, failed = [], None
-        check = self._mooncake.transfer_check_status
-        for bid in call.ids:
+def _wait(check, ids: list[int], deadline: float, stage: str, what: str) -> list[int]:
+    """Sleeps until every task has ended; returns [] once all completed. Raises TransferError at the first failed
+    task, or at the deadline with tasks still running; ids is emptied of the tasks that ended as it goes, so what
+    it holds then is what still runs."""
+    sleep_s = POLL_FIRST_S
+    _fine_timer_slack()
+    while True:
+        failed, running = None, []
+        for bid in ids:
             rc = check(bid)  # 1 completed (its batch freed), -1 failed (freed), -2 timed out (kept), 0 running
             if rc == 0:
                 running.append(bid)
             elif rc != 1 and failed is None:
                 failed = rc
-        call.ids = running
+        ids[:] = running  # one pass: a call of many runs no longer pays a list.remove per ended task
         if failed is not None:
-            self._answer(call, TransferError(call.stage, f"{call.what} failed (task status {failed}); {len(running)} "
-                                                         "of its tasks still running may land later"))
-        elif not running:
-            self._completed(call)
-        elif (now := time.monotonic()) > call.deadline:
-            self._answer(call, TransferError(call.stage, f"{call.what}: {len(running)} tasks still running past its "
-                                                         f"deadline ({now - call.deadline:.3f}s over); they may land "
-                                                         "later"))
-
-    def _run(self) -> None:
-        _fine_timer_slack()
-        sleep_s = POLL_FIRST_S
-        while True:
-            with self._lock:
-                while not self._calls:
-                    self._lock.wait()
-                if self._fresh:
-                    self._fresh, sleep_s = False, POLL_FIRST_S
-                for call in list(self._calls):
-                    try:
-                        self._sweep(call)
-                    except Exception as e:  # noqa: BLE001  (one call's fault must not stop every writer's waiter)
-                        log.exception("waiter: looking after %s failed", call.what)
-                        if call in self._calls:
-                            # what its tasks are doing is unknown: not polled again (a freed batch must not be),
-                            # and the call is answered failed, its tasks posted
-                            call.ids = []
-                            self._answer(call, TransferError(call.stage, f"{call.what}: its status could not be "
-                                                                         f"read ({e}); it may land later"))
-                if not self._calls:
-                    continue
-                nearest = min(c.deadline for c in self._calls)
-            time.sleep(min(sleep_s, max(0.0, nearest - time.monotonic())))
-            sleep_s = min(POLL_MAX_S, sleep_s * POLL_GROWTH)
+            raise TransferError(stage, f"{what} failed (task status {failed}); {len(ids)} of its tasks still "
+                                       "running may land later")
+        if not ids:
+            return ids
+        if (now := time.monotonic()) > deadline:
+            raise TransferError(stage, f"{what}: {len(ids)} tasks still running past its deadline "
+                                       f"({now - deadline:.3f}s over); they may land later")
+        time.sleep(min(sleep_s, max(0.0, deadline - now)))
+        sleep_s = min(POLL_MAX_S, sleep_s * POLL_GROWTH)
 
 
 _slack_set = threading.local()
@@ -426,7 +297,7 @@ _slack_set = threading.local()
 
 def _fine_timer_slack() -> None:
     """Linux wakes a sleeping thread up to its timer slack late, 50 us by default: as long as a small write takes.
-    The waiter's sleeps are what a write is timed by, so its thread asks for 1 us (once per thread)."""
+    A waiting writer's sleeps are what it is timed by, so its thread asks for 1 us (once per thread)."""
     if getattr(_slack_set, "done", False) or sys.platform != "linux":
         return
     _slack_set.done = True
@@ -480,11 +351,9 @@ class Inflight:
                     if not self._ids:
                         self._thread = None
                         return
-            # first the sleep: a task is adopted right after its call looked at it
-            time.sleep(KEEP_POLL_S)
-            with self._lock:
                 ids = list(self._ids)
             # -2 (Mooncake's transport timed it out, its batch kept): Mooncake will not say more; let it go
             ended = {bid for bid in ids if self._check(bid) != 0}
             with self._lock:
                 self._ids = [bid for bid in self._ids if bid not in ended]
+            time.sleep(KEEP_POLL_S)

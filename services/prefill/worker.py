@@ -2,9 +2,8 @@
 
 Data first, tags second: a tag is the writer's claim that the bytes before it are complete, so it
 must never land before them. Each goes out in batch calls of at most the write unit, one after the
-other (a call completes before the next is posted), every call behind its own liveness check: the
-landing bound holds per call, from that call's post. The calls of one write are one chain that the
-transfer engine's waiter drives (kvtransfer/engine.py). No gRPC here.
+other (a call returns before the next is posted), every call behind its own liveness check: the
+landing bound holds per call, from that call's post. No gRPC here.
 """
 from __future__ import annotations
 
@@ -209,35 +208,27 @@ class PrefillWorker:
             self.pool.kv[local_pages[k]].view(torch.uint8).view(-1)[123] ^= 0x10
         src = [local_pages[i] for i in idx]
         dst = [target.leases[i][0] for i in idx]
-        data = self._calls(coalesce(src, dst, self.pool.data_ptr, target.data_base, self.pool.page_nbytes),
-                           self.pool.page_nbytes, "data")
-        tags = self._calls(coalesce(src, dst, self.pool.tag_ptr, target.tag_base, TAG_NBYTES), TAG_NBYTES, "tags")
-        if not FAULTS.enabled:
-            # one chain: the engine's waiter posts the tags the moment the data completed, and this thread, on
-            # prefill's lowered priority, is woken once instead of once a call
-            moved = self._post(target.session, data + tags, check_alive, progress, owner)
-            return Written(num_tokens, n, checksums, moved, time.perf_counter() - start)
-        # the fault points between the data and the tags act on this thread, not on the waiter every write shares
-        moved = self._post(target.session, data, check_alive, progress, owner)
+        data = coalesce(src, dst, self.pool.data_ptr, target.data_base, self.pool.page_nbytes)
+        moved = self._post(target.session, data, self.pool.page_nbytes, "data", check_alive, progress, owner)
         if (arg := FAULTS.fire("prefill.slow_transfer", owner)) is not None:
             time.sleep(int(arg or 5000) / 1000)
         if FAULTS.fire("prefill.crash_mid_transfer", owner) is not None:
             log.error("fault prefill.crash_mid_transfer: exiting between data and tag writes")
             os._exit(137)
         if FAULTS.fire("prefill.skip_tags", owner) is None:
-            moved += self._post(target.session, tags, check_alive, progress, owner)
+            tags = coalesce(src, dst, self.pool.tag_ptr, target.tag_base, TAG_NBYTES)
+            moved += self._post(target.session, tags, TAG_NBYTES, "tags", check_alive, progress, owner)
         return Written(num_tokens, n, checksums, moved, time.perf_counter() - start)
 
-    def _calls(self, runs: list[Run], stride: int, stage: str) -> list[tuple[list[Run], str]]:
-        return [(batch, stage) for batch in split_calls(runs, self.max_write_bytes, stride)]
-
-    def _post(self, session: str, calls: list[tuple[list[Run], str]], check_alive: Callable[[str], None],
+    def _post(self, session: str, runs: list[Run], stride: int, stage: str, check_alive: Callable[[str], None],
               progress: Progress | None, owner: bytes) -> int:
-        """The calls in order, each posted once the one before completed (calls are not ordered on the wire). The
-        liveness check comes before every call, not once per write: a write of many calls outlasts the landing
-        bound, but each call lands within it from its own post, and that post is inside the liveness lease."""
-        def before_post(stage: str) -> None:
+        """One batch call per write unit, in order. The liveness check comes before every call, not once per
+        write: a write of many calls outlasts the landing bound, but each call lands within it from its own post,
+        and that post is inside the liveness lease."""
+        moved = 0
+        for batch in split_calls(runs, self.max_write_bytes, stride):
             check_alive(stage)
             if progress is not None:
                 progress.posted = True
-        return self.transfer.write_calls(session, calls, before_post, owner=owner)
+            moved += self.transfer.write(session, batch, stage=stage, owner=owner)
+        return moved

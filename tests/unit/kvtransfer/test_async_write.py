@@ -6,7 +6,7 @@ import time
 import pytest
 
 from pdserve.kvtransfer import engine as E
-from pdserve.kvtransfer.engine import Inflight, Run, TransferEngine, TransferError, Waiter
+from pdserve.kvtransfer.engine import Inflight, Run, TransferEngine, TransferError
 
 
 class ScriptedMooncake:
@@ -50,7 +50,6 @@ def make_engine(mc, timeout_s=5):
     eng = TransferEngine.__new__(TransferEngine)
     eng._engine, eng.timeout_s, eng.max_write_bytes = mc, timeout_s, 1 << 20
     eng._inflight = Inflight(mc.transfer_check_status)
-    eng._waiter = Waiter(mc, eng._inflight)
     return eng
 
 
@@ -161,96 +160,3 @@ def test_the_keeper_thread_exits_when_idle(monkeypatch):
     while keep._thread is not None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert keep._thread is None and len(keep) == 0 and mc.freed == {1000}
-
-
-def test_writers_blocked_at_once_are_all_looked_after_by_one_thread():
-    """Many writers at once (a pass of prompts) wake one poller, not one each: every look comes from the waiter's
-    thread, none from a writer's, and each writer gets its own call's answer."""
-    mc = ScriptedMooncake([(20, 1)] * 7 + [(5, -1)])
-    lookers = set()
-    real_check = mc.transfer_check_status
-
-    def check(bid):
-        lookers.add(threading.get_ident())
-        return real_check(bid)
-    mc.transfer_check_status = check
-    eng = make_engine(mc)
-    results: dict[int, object] = {}
-
-    def writer(i):
-        try:
-            results[i] = eng.write("peer", [Run(64 * i, 64 * i, 64)], "data")
-        except TransferError as e:
-            results[i] = e
-    threads = [threading.Thread(target=writer, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(10)
-    assert len(lookers) == 1 and not lookers & {t.ident for t in threads}
-    failed = {i for i, r in results.items() if isinstance(r, TransferError)}
-    assert len(results) == 8 and len(failed) == 1  # the one task scripted to fail, and only its writer
-    assert all(results[i] == 64 for i in set(results) - failed)
-    assert wait_kept(eng) == 0 and mc.freed == set(range(1000, 1008))
-
-
-def test_a_chain_posts_each_call_only_after_the_one_before_completed_each_behind_its_check(sleeps):
-    """Data then tags as one chain: the waiter posts the tags the moment the data completed (a tag must never land
-    before its page), each call's check just before its post, and the writer is answered once, at the end."""
-    mc = ScriptedMooncake([(4, 1), (3, 1), (2, 1)])
-    sleeps(mc)
-    eng = make_engine(mc)
-    checks = []
-
-    def before_post(stage):
-        with mc.lock:
-            mc.log.append(("check", stage))
-        checks.append(threading.get_ident())
-    calls = [([Run(0, 0, 64)], "data"), ([Run(64, 64, 64)], "data"), ([Run(128, 128, 8)], "tags")]
-    assert eng.write_calls("peer", calls, before_post) == 136
-    log = mc.log
-    for bid in (1001, 1002):
-        posted = log.index(("post", bid))
-        done = next(i for i, x in enumerate(log) if x == ("look", bid - 1, 1))
-        assert done < posted and log[posted - 1][0] == "check"  # its check, then its post, after the one before
-    assert [x[1] for x in log if x[0] == "check"] == ["data", "data", "tags"]
-    assert checks[0] == threading.get_ident() and checks[1] != threading.get_ident()  # later calls: the waiter's
-    assert mc.freed == {1000, 1001, 1002}
-
-
-def test_a_chain_stops_at_a_failed_call_or_a_failed_check_and_posts_nothing_more(sleeps):
-    mc = ScriptedMooncake([(2, -1), (0, 1)])
-    sleeps(mc)
-    eng = make_engine(mc)
-    calls = [([Run(0, 0, 64)], "data"), ([Run(128, 128, 8)], "tags")]
-    with pytest.raises(TransferError, match="failed \\(task status -1\\)") as e:
-        eng.write_calls("peer", calls, lambda stage: None)
-    assert e.value.stage == "data" and [x for x in mc.log if x[0] == "post"] == [("post", 1000)]
-
-    mc = ScriptedMooncake([(2, 1), (0, 1)])
-    sleeps(mc)
-    eng = make_engine(mc)
-
-    def before_post(stage):
-        if stage == "tags":
-            raise TransferError("liveness", "writer w: liveness lease has 0.50s left")
-    with pytest.raises(TransferError, match="liveness lease") as e:
-        eng.write_calls("peer", calls, before_post)
-    assert e.value.stage == "liveness" and [x for x in mc.log if x[0] == "post"] == [("post", 1000)]
-    assert wait_kept(eng) == 0 and mc.freed == {1000}
-
-
-def test_a_call_whose_status_cannot_be_read_fails_alone_and_the_waiter_serves_the_next():
-    mc = ScriptedMooncake([(1, 1), (0, 1)])
-    eng = make_engine(mc)
-    real_check = mc.transfer_check_status
-
-    def check(bid):
-        if bid == 1000:
-            raise RuntimeError("binding error")
-        return real_check(bid)
-    mc.transfer_check_status = check
-    with pytest.raises(TransferError, match="its status could not be read \\(binding error\\)") as e:
-        eng.write("peer", [Run(0, 0, 64)], "data")
-    assert e.value.posted
-    assert eng.write("peer", [Run(64, 64, 64)], "tags") == 64  # the waiter still runs

@@ -43,14 +43,6 @@ class Loopback:
             raise TransferError(stage, "loopback: the batch call reported failure")
         return sum(r.nbytes for r in runs)
 
-    def write_calls(self, session, calls, before_post, owner=b""):
-        """As TransferEngine's: the calls in order, each behind before_post(stage)."""
-        moved = 0
-        for runs, stage in calls:
-            before_post(stage)
-            moved += self.write(session, runs, stage, owner)
-        return moved
-
 
 class YesLeases:
     writer_prefix, max_landing_s, liveness_margin_s, rpc_timeout_s = "prefill/p0/1", HOLD_S, 0.1, 1.0

@@ -24,14 +24,6 @@ class RecordingTransfer:
         self.calls.append((stage, runs))
         return sum(r.nbytes for r in runs)
 
-    def write_calls(self, session, calls, before_post, owner=b""):
-        """As TransferEngine's: the calls in order, each behind before_post(stage)."""
-        moved = 0
-        for runs, stage in calls:
-            before_post(stage)
-            moved += self.write(session, runs, stage, owner)
-        return moved
-
 
 @pytest.fixture(scope="module")
 def runner(model_dir):
