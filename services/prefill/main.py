@@ -10,16 +10,14 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-# Read by OpenMP (libgomp, torch's threads) once, when torch loads, so set before anything here imports it. A torch
-# thread that finds no work spins this many rounds (about 0.1 ms: libgomp reckons 100,000 a millisecond) before it
-# sleeps: a forward pass is hundreds of short parallel ops, and a thread woken from sleep for each one
-# (OMP_WAIT_POLICY=PASSIVE) made 2 threads no faster than 1. The bound keeps what spinning costs small where
-# prefill's threads share cores with decode, below its priority: libgomp's default spins 30x longer (2 threads then
-# took 3.4x the CPU of 1 for a 1,024-token forward on 2 busy cores). An operator's own setting stands.
-SPIN_COUNT = "10000"
+# Read by OpenMP (torch's threads) once, when torch loads, so set before anything here imports it. Prefill's torch
+# threads share cores with decode, at a lower priority: one that waits at a barrier for a sibling that decode has
+# preempted must sleep, not spin (spinning, 2 threads took 3.4x the CPU of 1 for a 1,024-token forward on 2 busy
+# cores; asleep, 1.1x). A bounded spin (GOMP_SPINCOUNT=10000) made a 128-token forward 8-9 ms against 14 on an
+# idle machine, but in the stack on busy cores its passes measured no faster, and slower with 16 streams decoding.
+# An operator's own setting stands.
 _OMP_ENV_BEFORE_TORCH = "torch" not in sys.modules
-if "OMP_WAIT_POLICY" not in os.environ:
-    os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from ..common import config  # noqa: E402
 from ..common.capacity import check_pool_capacity
@@ -114,8 +112,9 @@ def compute_threads(nice: int, max_workers: int = 32, name: str = "prefill-compu
     value belongs to a thread, and a thread inherits its creator's, so the torch (OpenMP) threads a forward pass
     starts run at it too). More workers than asyncio's default (cores + 4): a write now waits asleep for Mooncake,
     and 16 of them must not keep the next forward pass out of the pool. The forward passes get a pool of one thread
-    of their own (the batcher's executor): OpenMP keeps a team of torch threads per thread that runs a parallel op,
-    and once the teams outnumber the cores, libgomp stops spinning in all of them."""
+    of their own (the batcher's executor): OpenMP keeps a team of torch threads per thread that runs a parallel op, so
+    passes that hop between these workers leave a team on each (prefill held 47-50 threads after a short load, 34-38
+    with one forward thread)."""
     def lower() -> None:
         tid = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
@@ -128,8 +127,8 @@ async def serve(args) -> None:
     check_unsafe("prefill", args)  # before the model loads: a refusal is immediate
     from ..engine.runner import available_cpus
     if not _OMP_ENV_BEFORE_TORCH:
-        log.warning("torch was loaded before prefill set GOMP_SPINCOUNT=%s: its threads may spin longer while they "
-                    "wait", os.environ.get("GOMP_SPINCOUNT"))
+        log.warning("torch was loaded before prefill set OMP_WAIT_POLICY=%s: its threads may spin while they wait",
+                    os.environ["OMP_WAIT_POLICY"])
     # prefill computes on every core it may use, below decode's priority (--compute-nice); decode keeps its half
     args.threads = args.threads or available_cpus()
     asyncio.get_running_loop().set_default_executor(compute_threads(args.compute_nice))

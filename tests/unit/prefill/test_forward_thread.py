@@ -1,7 +1,6 @@
 """Prefill's forward passes run on one thread of their own, and OpenMP's wait policy is set before torch loads:
-libgomp keeps a team of torch threads per thread that starts a parallel op, and once the teams outnumber the cores
-it stops spinning in every one of them, so passes that hop between asyncio's worker threads would each start their
-team cold."""
+libgomp keeps a team of torch threads per thread that starts a parallel op, so passes that hop between asyncio's
+worker threads leave a team on each of them."""
 import asyncio
 import os
 import subprocess
@@ -59,17 +58,14 @@ def test_without_an_executor_passes_run_in_the_default_pool():
     assert first == 4 and fwd.threads and fwd.threads[0][0] != loop_tid
 
 
-def _env_after_import(env: dict) -> str:
-    code = ("import os, sys; import pdserve.prefill.main as m; "
-            "print(m._OMP_ENV_BEFORE_TORCH, os.environ.get('GOMP_SPINCOUNT'), os.environ.get('OMP_WAIT_POLICY'))")
-    keep = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+def _env_after_import(env: dict) -> list[str]:
+    code = ("import os; import pdserve.prefill.main as m; "
+            "print(m._OMP_ENV_BEFORE_TORCH, os.environ.get('OMP_WAIT_POLICY'))")
+    keep = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     return subprocess.run([sys.executable, "-c", code], env={**keep, **env}, capture_output=True, text=True,
                           check=True, timeout=120).stdout.split()
 
 
-def test_a_bounded_spin_is_set_before_torch_loads_and_an_operators_setting_stands():
-    from pdserve.prefill.main import SPIN_COUNT
-    assert _env_after_import({}) == ["True", SPIN_COUNT, "None"]
-    assert _env_after_import({"GOMP_SPINCOUNT": "500"}) == ["True", "500", "None"]
-    # an operator who names a wait policy gets libgomp's spin for it, not ours
-    assert _env_after_import({"OMP_WAIT_POLICY": "PASSIVE"}) == ["True", "None", "PASSIVE"]
+def test_the_wait_policy_is_set_before_torch_loads_and_an_operators_setting_stands():
+    assert _env_after_import({}) == ["True", "PASSIVE"]
+    assert _env_after_import({"OMP_WAIT_POLICY": "ACTIVE"}) == ["True", "ACTIVE"]
