@@ -1,5 +1,5 @@
-"""bench/gateway/http_path.py runs end to end: every request streams its tokens through the real HTTP front."""
-from bench.gateway import http_path
+"""bench/scenarios/http_path.py runs end to end: every request streams its tokens through the real HTTP front."""
+from pdserve.bench.scenarios import http_path
 
 
 def test_a_short_run_reports_ttft_and_no_errors(capsys):

@@ -3,7 +3,7 @@ front of a servicer whose first message is ready at once, so a client's time to 
 cost. The server runs in a child process (its CPU time read from /proc); the client is bench/harness/httpload.py's
 closed loop, the one the vLLM comparison uses.
 
-    python -m bench.gateway.http_path [--requests 400] [--max-tokens 32] [--prompt 128] [--profile out.prof]
+    python -m pdserve.bench.scenarios.http_path [--requests 400] [--max-tokens 32] [--prompt 128] [--profile out.prof]
 
 Prints TTFT p50/min and the server's CPU time per request."""
 from __future__ import annotations
@@ -84,7 +84,7 @@ def main(argv=None) -> None:
     p.add_argument("--profile", default=None)
     p.add_argument("--log", default="/dev/null")
     args = p.parse_args(argv)
-    from bench.harness.httpload import run_http_load
+    from ..harness.httpload import run_http_load
     q = mp.get_context("spawn").Queue()
     proc = mp.get_context("spawn").Process(target=_serve, args=(q, args.profile, args.log))
     proc.start()
