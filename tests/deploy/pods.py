@@ -281,6 +281,24 @@ class LocalPod:
             return None
 
 
+_HANDED_OUT: set[int] = set()
+
+
+def _unused_port(n: int) -> int:
+    """The first of n consecutive ports free on every address, below the kernel's ephemeral range and never handed
+    out before in this process. A port the kernel picks for bind(0) comes from that range, so between its release
+    and the pod's own bind an outgoing connection of a test running beside this one, or the next bind(0) here (two
+    pods of one test), could take it: the pod then exits "Address already in use"."""
+    rng = random.Random()
+    for _ in range(1000):
+        base = rng.randrange(20000, 32000 - n)
+        span = range(base, base + n)
+        if not _HANDED_OUT.intersection(span) and all(port_free(p) for p in span):
+            _HANDED_OUT.update(span)
+            return base
+    raise RuntimeError(f"no {n} consecutive free ports in 20000-32000 after 1000 tries")
+
+
 def give_own_ports(pod: LocalPod) -> None:
     """Free ports on this machine for each of the pod's declared ports, as its own network namespace would
     have them; Mooncake's pair consecutive and below the kernel's ephemeral range, as --transfer-port needs."""
@@ -288,13 +306,9 @@ def give_own_ports(pod: LocalPod) -> None:
     for name, number in declared.items():
         if name in FOLLOWS or name == "mooncake":
             continue
-        with socket.socket() as s:
-            s.bind((LOOPBACK, 0))
-            pod.ports_here[number] = s.getsockname()[1]
+        pod.ports_here[number] = _unused_port(1)
     if "mooncake" in declared:
-        rng = random.Random()
-        base = next(p for p in (rng.randrange(20000, 32000) for _ in range(1000)) if port_free(p) and port_free(p + 1))
-        pod.ports_here[declared["mooncake"]] = base
+        pod.ports_here[declared["mooncake"]] = _unused_port(2)
     for name, (after, offset) in FOLLOWS.items():
         if name in declared:
             pod.ports_here[declared[name]] = pod.ports_here[declared[after]] + offset
