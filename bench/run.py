@@ -78,6 +78,7 @@ def main(args=None) -> int:
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     os.chdir(ROOT)
+    from pdserve.engine.heap import keep_freed_memory
     from pdserve.engine.runner import set_threads
 
     from .scenarios import plan as plans
@@ -86,6 +87,7 @@ def main(args=None) -> int:
     plan = plans.quick() if getattr(args, "quick", False) else plans.full()
     # the same intra-op threads as each pdserve engine process (half the cores): engine against engine
     set_threads()
+    log(keep_freed_memory())  # as each engine process does: its co-located peer keeps its buffers too
     log(f"pdserve bench ({plan.mode}): {', '.join(p.preset for p in plan.presets)}; "
         f"{sum(len(p.cells) for p in plan.presets)} cells × (co-located, pdserve) + transformers + raw Mooncake")
     for s in plan.skipped:

@@ -147,12 +147,14 @@ async def load_runner(args, service: str):
     server answers health meanwhile; a pool size that cannot be served ends the start with one line."""
     import asyncio
 
+    from ..engine.heap import keep_freed_memory
     from ..engine.runner import ModelRunner, set_threads
     from ..engine.sizing import PoolSizeError
     from .hub import model_path
     check_device(service, args.device)
     path = model_path(args.model)  # a hub id not in the cache ends the start here, naming the folder looked in
     set_threads(args.threads, args.switch_interval_ms)
+    log.info("%s", keep_freed_memory())
     dtype, kv_dtype = engine_dtypes(args)
     size = pool_size(args, service)
     try:

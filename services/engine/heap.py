@@ -1,0 +1,46 @@
+"""The C heap of an engine process: freed forward-pass buffers are kept for the next pass, not handed back.
+
+A forward pass allocates and frees tensors of megabytes, op after op. glibc's defaults give such blocks back to the
+kernel when they are freed (blocks above the mmap threshold are unmapped; a heap top above the trim threshold is
+trimmed, and a worker thread's heap is trimmed eagerly), so the next pass takes them again as fresh zeroed pages,
+one page fault each: 12,203 minor faults per 1,024-token prefill of the tiny model on a worker thread, and a pass
+of 86 ms that took 72 ms once the blocks stayed (2 cores). Fixed thresholds keep them: blocks up to MMAP_THRESHOLD
+come from the heap, and up to TRIM_THRESHOLD of free heap stays mapped. What a process keeps is bounded by its
+largest pass's buffers (a request's size, never the pool's); the pool and the weights are allocated once.
+
+An operator's own setting (GLIBC_TUNABLES or a MALLOC_* variable) stands, and another C library is left alone.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
+MMAP_THRESHOLD = 32 << 20   # glibc's largest (HEAP_MAX_SIZE / 2 on 64-bit): bigger blocks are always mapped
+TRIM_THRESHOLD = 256 << 20
+_OWN_SETTINGS = ("GLIBC_TUNABLES", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_",
+                 "MALLOC_ARENA_MAX", "LD_PRELOAD")
+
+
+def keep_freed_memory() -> str:
+    """Sets the thresholds (once per process is enough; again is harmless); returns what it did, for the log."""
+    own = [k for k in _OWN_SETTINGS if os.environ.get(k)]
+    if own:
+        return f"C heap: the operator's settings stand ({', '.join(own)})"
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+        gnu = ctypes.CDLL(None).gnu_get_libc_version
+    except (OSError, AttributeError):
+        return "C heap: not glibc, its defaults stand"
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+        log.warning("mallopt refused the heap thresholds: freed forward-pass buffers go back to the kernel")
+        return "C heap: glibc refused the thresholds, its defaults stand"
+    gnu.restype = ctypes.c_char_p
+    return (f"C heap: glibc {gnu().decode()} keeps freed blocks up to {MMAP_THRESHOLD >> 20} MiB and "
+            f"{TRIM_THRESHOLD >> 20} MiB of free heap")
