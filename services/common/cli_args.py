@@ -158,7 +158,8 @@ async def load_runner(args, service: str):
     dtype, kv_dtype = engine_dtypes(args)
     size = pool_size(args, service)
     try:
-        return await asyncio.to_thread(ModelRunner, path, size, args.page_size, dtype, args.device, kv_dtype)
+        return await asyncio.to_thread(ModelRunner, path, size, args.page_size, dtype, args.device, kv_dtype,
+                                       service == "prefill")
     except PoolSizeError as e:
         raise SystemExit(f"{service}: refusing to start: {e}") from None
 

@@ -14,6 +14,7 @@ from .config import ModelConfig
 from .context import get_context
 from . import native, native_prefill
 from .moe import SparseMoeBlock
+from .packed_linear import PackedAway, PackedLinear, linear, pack
 from .paged_attention import paged_decode_attention
 from .rope import RotaryEmbedding, apply_rope
 
@@ -77,12 +78,22 @@ class LlamaAttention(nn.Module):
         fused = fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         self.qkv = fused
 
+    def pack(self) -> None:
+        """Its linears on oneDNN's packed weights (packed_linear.py), the plain ones dropped: prefill only."""
+        if self.qkv is not None:
+            self.qkv = (pack(self.qkv[0]), self.qkv[1])
+            for name in ("q_proj", "k_proj", "v_proj"):
+                setattr(self, name, PackedAway(name, "qkv"))
+        else:
+            self.q_proj, self.k_proj, self.v_proj = (PackedLinear(m) for m in (self.q_proj, self.k_proj, self.v_proj))
+        self.o_proj = PackedLinear(self.o_proj)
+
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q: [T, H, D], k: [T, kvh, D] (normed, rotated later), v: [T, kvh, D]."""
         T, H, kvh, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is None:
             return (self.q_proj(x).view(T, H, D), self.k_proj(x).view(T, kvh, D), self.v_proj(x).view(T, kvh, D))
-        qkv = F.linear(x, *self.qkv).view(T, H + 2 * kvh, D)
+        qkv = linear(x, *self.qkv).view(T, H + 2 * kvh, D)
         return qkv[:, :H], qkv[:, H:H + kvh], qkv[:, H + kvh:]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -92,7 +103,7 @@ class LlamaAttention(nn.Module):
         cache = self.kv_cache
         if ctx.fused and self.qkv is not None and not self.qk_norm:
             # decode on the CPU kernel from the projection on: rope, the K/V write and attention in one call
-            qkv = F.linear(x, *self.qkv)
+            qkv = linear(x, *self.qkv)
             o = native.decode_attention_block(qkv, cos[:, 0], sin[:, 0], cache, ctx.table, ctx.lens, self.num_heads)
             return self.o_proj(o.view(T, self.num_heads * self.head_dim))
         q, k, v = self._project(x)
@@ -146,10 +157,19 @@ class LlamaMLP(nn.Module):
     def fuse(self) -> None:
         self.gate_up = fuse_linears(self.gate_proj, self.up_proj)
 
+    def pack(self) -> None:
+        """As LlamaAttention.pack."""
+        if self.gate_up is not None:
+            self.gate_up = (pack(self.gate_up[0]), self.gate_up[1])
+            self.gate_proj, self.up_proj = PackedAway("gate_proj", "gate_up"), PackedAway("up_proj", "gate_up")
+        else:
+            self.gate_proj, self.up_proj = PackedLinear(self.gate_proj), PackedLinear(self.up_proj)
+        self.down_proj = PackedLinear(self.down_proj)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+        gate, up = linear(x, *self.gate_up).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -203,6 +223,15 @@ class CausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, (LlamaAttention, LlamaMLP)):
                 m.fuse()
+
+    def pack(self) -> None:
+        """Every projection on oneDNN's packed weights (after fuse; prefill only: decode's native step reads the
+        plain layout). A head tied to the embedding keeps its plain weight: packing it would copy the embedding."""
+        for m in list(self.modules()):
+            if isinstance(m, (LlamaAttention, LlamaMLP)):
+                m.pack()
+        if self.lm_head.weight.data_ptr() != self.model.embed_tokens.weight.data_ptr():
+            self.lm_head = PackedLinear(self.lm_head)
 
     def bind_kv_pool(self, pool: torch.Tensor) -> None:
         # pool: [num_pages, num_layers, 2, page_size, kv_heads, D]; each layer gets a view, no copy

@@ -14,7 +14,7 @@ from ..common.prefix import chain_seed, checkpoint_identity
 from .context import AttentionContext, reset_context, set_context
 from .dtypes import kv_dtype as pick_kv_dtype
 from .kv_pool import KVPool, PoolLayout
-from . import native
+from . import native, packed_linear
 from .loader import load_model, weight_nbytes
 from .paged_attention import prepare_paged_decode
 from .sizing import PoolSize, kv_bytes_per_token
@@ -133,10 +133,11 @@ class Chunk(NamedTuple):
 
 class ModelRunner:
     def __init__(self, model_dir: str, num_pages: int | PoolSize, page_size: int, dtype: str = "auto",
-                 device: torch.device | str | None = None, kv_dtype: str = "auto"):
+                 device: torch.device | str | None = None, kv_dtype: str = "auto", prefill_only: bool = False):
         """dtype: the weights' ('auto': the checkpoint's); kv_dtype: the pool's ('auto': the weights').
         num_pages: a count, or a PoolSize resolved once the weights are on the device (a memory budget, or a
-        fraction of what the device has left after them)."""
+        fraction of what the device has left after them). prefill_only: a runner that never decodes (a prefill
+        service's) packs its CPU linears for oneDNN (packed_linear.py) and builds no native decode step."""
         self.device = torch.device(device) if device is not None else pick_device()
         # the prefix chain's checkpoint term hashes every byte of the weights, beside the load that reads them; a
         # runner never exists without it, so nothing serves a prefix page before it is known
@@ -147,6 +148,15 @@ class ModelRunner:
         self.dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         self.kv_dtype = pick_kv_dtype(kv_dtype, self.dtype)
         self.weight_nbytes = weight_nbytes(self.model)
+        self.prefill_only = prefill_only
+        self.linears = "linears: F.linear"
+        if prefill_only:
+            why = packed_linear.why_not(self.model.lm_head.weight)
+            if why is None:
+                self.model.pack()
+                self.linears = "linears: oneDNN, weights packed once"
+            else:
+                self.linears = f"linears: F.linear (not packed: {why})"
         self.pool_source = f"{num_pages} pages"
         if isinstance(num_pages, PoolSize):
             self.pool_source = num_pages.source
@@ -160,7 +170,8 @@ class ModelRunner:
             self.pool.kv[:, 0], self.config.num_attention_heads, next(self.model.parameters()).dtype)
         # a whole step in one native call, where it takes the model
         self.native_step = None
-        if self.device.type == "cpu" and native.NativeDecoder.why_not(self.model, self.pool.kv) is None:
+        if self.device.type == "cpu" and not prefill_only and \
+                native.NativeDecoder.why_not(self.model, self.pool.kv) is None:
             self.native_step = native.NativeDecoder(self.model, self.pool.kv)
 
     @property
@@ -178,7 +189,7 @@ class ModelRunner:
                 f"tokens ({self.pool.num_pages} pages of {self.page_size}, {self.kv_dtype}, {per_token} bytes/token, "
                 f"{self.pool.data_nbytes / 2**20:.1f} MiB; from {self.pool_source}), pool/context "
                 f"{self.pool.num_tokens / context_length:.4g} of a {context_length}-token context; "
-                f"{self.decode_attention()}")
+                f"{self.linears}; {self.decode_attention()}")
 
     def decode_attention(self) -> str:
         """Which decode path runs, and why not the CPU kernels where it does not."""
