@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -21,6 +22,16 @@ from .holder import ServicerHolder
 from .tls import TlsConfig
 
 log = logging.getLogger(__name__)
+
+
+def freeze_startup_objects() -> int:
+    """What start-up allocated (modules, torch, the model, stubs: ~336,000 objects the collector tracks in a decode
+    process) lives as long as the process, yet every full collection walks it: one took 337 ms, a stop of every
+    stream the process serves. Once ready, a service collects what start-up left as garbage and moves the rest out
+    of the collector's reach; later collections walk only what serving allocated. Returns the objects frozen."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 RPC_SECONDS = Histogram("pdserve_rpc_seconds", "Server-side RPC latency", ["method"])
 # Keepalive on every server and channel: a dead peer on a long-lived stream (decode's revocation watch, a
@@ -187,6 +198,7 @@ class Service:
         os._exit(0)
 
     async def set_serving(self) -> None:
+        freeze_startup_objects()
         for svc in ["", *self.full_service_names]:
             await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
         # one parseable line: tests and `pdserve up` start services on port 0 and read it
