@@ -33,6 +33,7 @@ def freeze_startup_objects() -> int:
     gc.freeze()
     return gc.get_freeze_count()
 
+
 RPC_SECONDS = Histogram("pdserve_rpc_seconds", "Server-side RPC latency", ["method"])
 # Keepalive on every server and channel: a dead peer on a long-lived stream (decode's revocation watch, a
 # token stream) is noticed in about 1.5 s and the channel reconnects, instead of waiting on TCP for minutes.

@@ -8,7 +8,8 @@ of 86 ms that took 72 ms once the blocks stayed (2 cores). Fixed thresholds keep
 come from the heap, and up to TRIM_THRESHOLD of free heap stays mapped. What a process keeps is bounded by its
 largest pass's buffers (a request's size, never the pool's); the pool and the weights are allocated once.
 
-An operator's own setting (GLIBC_TUNABLES or a MALLOC_* variable) stands, and another C library is left alone.
+An operator's own setting (GLIBC_TUNABLES, a MALLOC_* variable, an allocator in LD_PRELOAD) stands, and another C
+library is left alone.
 """
 from __future__ import annotations
 
