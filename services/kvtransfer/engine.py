@@ -273,8 +273,14 @@ def _wait(check, ids: list[int], deadline: float, stage: str, what: str) -> list
     _fine_timer_slack()
     while True:
         failed, running = None, []
-        for bid in ids:
-            rc = check(bid)  # 1 completed (its batch freed), -1 failed (freed), -2 timed out (kept), 0 running
+        for i, bid in enumerate(ids):
+            try:
+                rc = check(bid)  # 1 completed (its batch freed), -1 failed (freed), -2 timed out (kept), 0 running
+            except Exception as e:
+                # that task is let go (a second look could be at a freed batch); the rest are kept
+                ids[:] = running + ids[i + 1:]
+                raise TransferError(stage, f"{what}: a task's status could not be read ({e}); {len(ids)} of its "
+                                           "tasks still running may land later") from e
             if rc == 0:
                 running.append(bid)
             elif rc != 1 and failed is None:
@@ -343,6 +349,13 @@ class Inflight:
         with self._lock:
             return len(self._ids)
 
+    def _ended(self, bid: int) -> bool:
+        try:
+            return self._check(bid) != 0
+        except Exception as e:  # noqa: BLE001  (the keeper must go on looking after the others)
+            log.warning("Mooncake batch %d: its status could not be read (%s); it is no longer looked at", bid, e)
+            return True
+
     def _run(self) -> None:
         while True:
             with self._lock:
@@ -353,7 +366,7 @@ class Inflight:
                         return
                 ids = list(self._ids)
             # -2 (Mooncake's transport timed it out, its batch kept): Mooncake will not say more; let it go
-            ended = {bid for bid in ids if self._check(bid) != 0}
+            ended = {bid for bid in ids if self._ended(bid)}
             with self._lock:
                 self._ids = [bid for bid in self._ids if bid not in ended]
             time.sleep(KEEP_POLL_S)

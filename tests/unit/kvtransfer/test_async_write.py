@@ -160,3 +160,28 @@ def test_the_keeper_thread_exits_when_idle(monkeypatch):
     while keep._thread is not None and time.monotonic() < deadline:
         time.sleep(0.01)
     assert keep._thread is None and len(keep) == 0 and mc.freed == {1000}
+
+
+def test_a_status_that_cannot_be_read_fails_the_call_and_lets_only_that_task_go(sleeps):
+    """The task whose status read raised is never looked at again (it may be freed); the others are kept until
+    they end, and the keeper thread survives such a task too."""
+    mc = ScriptedMooncake([(5, 1), (0, 1), (8, 1)])
+    sleeps(mc)
+    real = mc.transfer_check_status
+    looks_at_bad = []
+
+    def check(bid):
+        if bid == 1001:
+            looks_at_bad.append(bid)
+            raise RuntimeError("status unreadable")
+        return real(bid)
+    mc.transfer_check_status = check
+    eng = make_engine(mc)
+    eng._inflight = Inflight(check)
+    with pytest.raises(TransferError, match="status could not be read .*2 of its tasks still running") as e:
+        eng.write("peer", RUNS, "data")
+    assert e.value.stage == "data"
+    assert wait_kept(eng) == 0 and mc.freed == {1000, 1002} and looks_at_bad == [1001]
+
+    eng._inflight.adopt([1001])  # adopted anyway: the keeper lets it go and goes on
+    assert wait_kept(eng) == 0 and looks_at_bad == [1001, 1001]
