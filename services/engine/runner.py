@@ -148,7 +148,6 @@ class ModelRunner:
         self.dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         self.kv_dtype = pick_kv_dtype(kv_dtype, self.dtype)
         self.weight_nbytes = weight_nbytes(self.model)
-        self.prefill_only = prefill_only
         self.linears = "linears: F.linear"
         if prefill_only:
             why = packed_linear.why_not(self.model.lm_head.weight)
