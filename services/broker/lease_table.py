@@ -1,23 +1,28 @@
-"""The broker's lease table (DESIGN.md §3): which owner may use which page of a decode pool, at which generation.
-Plain Python, no torch and no gRPC, so the protocol is testable on its own. Every public method is one atomic
-step of the formal model; the servicer only translates messages and errors."""
+"""The broker's lease table (docs/design.md §3): which owner may use which page of a decode pool, at which
+generation. Plain Python, no torch and no gRPC, so the protocol is testable on its own. Every public method is one
+atomic step of the formal model; the servicer only translates messages and errors.
 
-import heapq
+LeaseTable owns the pools of one broker incarnation (its epoch) and orders each step; it is composed of parts that
+each own one table: every pool's pages (PoolPages, pages.py: every page transition), holders' liveness (Liveness,
+liveness.py), the reader fence (ReaderFence, reader_liveness.py) and prefix shares (PrefixShares,
+prefix_leases.py). Each part is handed what it needs; none calls back into this one."""
+
 import secrets
 import time
 from collections import Counter
 from dataclasses import replace
 from typing import Callable, Iterable, Sequence
 
+from .liveness import Liveness
 from .pages import (OWNER_NBYTES, Lease, LeaseError, Page, PageState, PoolPages, Revocation, check_owner,
                     check_prefix_args)
-from .prefix_leases import PrefixLeases
-from .reader_liveness import ReaderLiveness
+from .prefix_leases import PrefixShares
+from .reader_liveness import NOT_HELD, READER_EXPIRED, ReaderFence
 
 __all__ = ["OWNER_NBYTES", "Lease", "LeaseError", "LeaseTable", "Page", "PageState", "Revocation"]
 
 
-class LeaseTable(ReaderLiveness, PrefixLeases):
+class LeaseTable:
     """All pools of one broker incarnation; a new table is a new epoch, and nothing of an old one validates."""
 
     def __init__(self, lock_delay_s: float = 2.0, default_writer_ttl_s: float = 30.0,
@@ -33,10 +38,26 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
         self.epoch = (secrets.randbits(64) or 1) if epoch is None else epoch
         self._clock = clock
         self._pools: dict[str, PoolPages] = {}
-        self._liveness: dict[str, float] = {}  # holder id -> monotonic expiry
-        self.reader_ttl_s, self.reconcile_grace_s = reader_ttl_s, reconcile_grace_s
-        self._check_reader_bounds()
-        self.prefix_counts: Counter[str] = Counter()
+        self._liveness = Liveness(clock, default_writer_ttl_s, lock_delay_s)
+        self._fence = ReaderFence(self._liveness, clock, reader_ttl_s, reconcile_grace_s, max_ttl_s, lock_delay_s)
+        self._shares = PrefixShares(self._liveness)
+
+    @property
+    def reader_ttl_s(self) -> float:
+        return self._fence.reader_ttl_s
+
+    @property
+    def reconcile_grace_s(self) -> float:
+        return self._fence.reconcile_grace_s
+
+    @property
+    def fence_s(self) -> float:
+        return self._fence.fence_s
+
+    def take_prefix_counts(self) -> Counter[str]:
+        """The prefix cache events since the last call (hits, published, evicted_lru, evicted_corrupt,
+        cross_scope)."""
+        return self._shares.take_counts()
 
     def register_pool(self, pool_id: str, num_pages: int, quarantined: Iterable[int] = (), region=None) -> int:
         """`quarantined`: pages a decode held under an earlier epoch (the broker restarted). Writes of that
@@ -45,31 +66,30 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
         if not pool_id or num_pages <= 0:
             raise LeaseError("INVALID_ARGUMENT", "BAD_POOL", f"pool {pool_id!r} of {num_pages} pages: "
                              "needs a name and at least 1 page")
-        self.check_not_forgotten(pool_id)
+        self._fence.check_not_forgotten(pool_id)
         held = sorted(set(quarantined))
         if held and not 0 <= held[0] <= held[-1] < num_pages:
             raise LeaseError("INVALID_ARGUMENT", "PAGE_OUT_OF_RANGE",
                              f"quarantined pages must be in [0, {num_pages}), got {held[0]}..{held[-1]}")
         pool = self._pools.get(pool_id)
         if pool is None:
-            pool = self._pools[pool_id] = PoolPages(pool_id, num_pages)
-            pool.region = region
+            pool = self._pools[pool_id] = PoolPages(pool_id, num_pages, region=region)
             if held:
                 writer = f"earlier-epoch/{pool_id}"
                 # an old-epoch writer renews at most one ttl before it learns the epoch changed and stops
-                self._liveness[writer] = self._clock() + self.default_writer_ttl_s
+                self._liveness.end(writer, self._clock() + self.default_writer_ttl_s)
                 pool.hold(held, writer)
         elif pool.num_pages != num_pages:
             raise LeaseError("ALREADY_EXISTS", "POOL_SIZE_MISMATCH",
                              f"pool {pool_id} is registered with {pool.num_pages} pages; {num_pages} given")
-        elif pool.reader_expiry <= self._clock():
+        elif self._fence.is_fenced(pool, self._clock()):
             raise LeaseError("NOT_FOUND", "POOL_EXPIRED", f"pool {pool_id} is fenced here (its reader expired); "
                                                           "register a new incarnation")
         elif pool.region != region:
             # a second registration must not move where writers aim: leases already granted point there
             raise LeaseError("ALREADY_EXISTS", "POOL_REGION_MISMATCH",
                              f"pool {pool_id} is registered at another transfer session or address")
-        self.renew_reader(pool)
+        self._fence.renew(pool)
         return self.epoch
 
     def grant(self, pool_id: str, owner: bytes, num_pages: int, epoch: int) -> list[Lease]:
@@ -89,26 +109,17 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
             raise LeaseError("INVALID_ARGUMENT", "BAD_NUM_PAGES", f"num_pages {num_pages} must be > 0")
         check_prefix_args(prefix_chains, scope_tag)
         pool = self._pool(pool_id, epoch)
-        self.check_reader(pool)
+        self._fence.check(pool)
         if owner in pool.owners:
             raise LeaseError("ALREADY_EXISTS", "OWNER_HAS_LEASE",
                              f"owner {owner.hex()} holds {len(pool.owners[owner])} pages of pool {pool_id}")
-        shared = self._shared_run(pool, prefix_chains[:num_pages - 1], scope_tag)
-        self._make_room(pool, num_pages - len(shared), shared,
-                        f"{num_pages} requested ({len(shared)} of them cached)")
-        generation, pool.next_generation = pool.next_generation, pool.next_generation + 1
-        taken = [heapq.heappop(pool.free) for _ in range(num_pages - len(shared))]  # ascending: from a min-heap
-        for page_id in taken:
-            page = pool.pages[page_id]
-            page.state, page.owner, page.generation = PageState.LEASED, owner, generation
-        for page_id in shared:
-            page = pool.pages[page_id]
-            page.readers = page.readers | {owner}
-            pool.cache.mark_read(page_id)
-        pool.cache.num_reads += len(shared)
-        self.prefix_counts["hits"] += len(shared)
-        pool.owners[owner] = shared + taken
-        pool.granted_at[owner] = self._clock()
+        shared = self._shares.shared_run(pool, prefix_chains[:num_pages - 1], scope_tag)
+        self._shares.make_room(pool, num_pages - len(shared), shared,
+                               f"{num_pages} requested ({len(shared)} of them cached)")
+        generation = pool.new_generation()
+        pool.open_owner(owner, self._clock())
+        self._shares.share(pool, owner, shared)
+        taken = pool.lease(owner, num_pages - len(shared), generation)
         return ([(page_id, pool.pages[page_id].generation) for page_id in shared]
                 + [(page_id, generation) for page_id in taken],
                 len(shared), [pool.pages[page_id].checksum for page_id in shared])
@@ -120,29 +131,23 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
         owner's lease list, so Release, Revoke and reconciliation end them with the owner's other pages; an owner
         released or revoked first gets none (an Extend racing a Revoke must not lease pages to a revoked owner)."""
         pool = self._pool(pool_id, epoch)
-        self.check_reader(pool)
+        self._fence.check(pool)
         results: list[list[Lease] | LeaseError] = []
         for owner, num_pages in items:
             try:
                 check_owner(owner)
                 if num_pages <= 0:
                     raise LeaseError("INVALID_ARGUMENT", "BAD_NUM_PAGES", f"num_pages {num_pages} must be > 0")
-                held = pool.owners.get(owner)
-                if not held:
+                if not pool.owners.get(owner):
                     raise LeaseError("FAILED_PRECONDITION", "OWNER_NOT_LEASED",
                                      f"owner {owner.hex()} holds no leases in pool {pool_id} "
                                      f"({self._why_ended(pool, owner)}); {num_pages} growth pages refused")
-                self._make_room(pool, num_pages, [], f"{num_pages} growth pages requested for {owner.hex()}")
+                self._shares.make_room(pool, num_pages, [], f"{num_pages} growth pages requested for {owner.hex()}")
             except LeaseError as e:
                 results.append(e)
                 continue
-            generation, pool.next_generation = pool.next_generation, pool.next_generation + 1
-            taken = [heapq.heappop(pool.free) for _ in range(num_pages)]
-            for page_id in taken:
-                page = pool.pages[page_id]
-                page.state, page.owner, page.generation = PageState.LEASED, owner, generation
-                page.sealed_generation = generation
-            held.extend(taken)
+            generation = pool.new_generation()
+            taken = pool.lease(owner, num_pages, generation, sealed=True)
             results.append([(page_id, generation) for page_id in taken])
         return results
 
@@ -168,7 +173,7 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
                              f"lock_delay)")
         leases = list(leases)
         pool = self._pool(pool_id, epoch)
-        self.check_reader(pool)
+        self._fence.check(pool)
         pages = self._checked(pool, owner, leases)
         for (page_id, generation), page in zip(leases, pages):
             if page.sealed_generation == generation:
@@ -177,20 +182,11 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
                                  "generation is written at most once")
         if writer_ttl_s:
             self.keep_alive(writer_id, writer_ttl_s)
-        now = self._clock()
-        # an expired record counts as none: otherwise the sweeper could end this write while it runs
-        if self._liveness.get(writer_id, now) <= now:
-            self._liveness[writer_id] = now + self.default_writer_ttl_s
-        for (page_id, generation), page in zip(leases, pages):
-            page.active_writer = (writer_id, generation)
-            pool.writing.add(page_id)
-        # a Grant's generation is written once, by one prefill: every page of it is sealed now, the ones not named
-        # too (the headroom past the prompt, which decode's steps write), so no later BeginWrite can land another
-        # prompt's bytes, with tags carrying the owner's own words, on a page decode writes and reads
-        generations = {generation for _, generation in leases}
-        for page_id in pool.owners.get(owner, ()):
-            if (page := pool.pages[page_id]).generation in generations:
-                page.sealed_generation = page.generation
+        self._liveness.start(writer_id, self._clock())
+        # every page of the Grant's generation is sealed now, the ones not named too (the headroom past the prompt,
+        # which decode's steps write), so no later BeginWrite can land another prompt's bytes, with tags carrying
+        # the owner's own words, on a page decode writes and reads
+        pool.begin_write(owner, leases, writer_id)
         return pool.region
 
     def end_write(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], writer_id: str,
@@ -212,20 +208,14 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
         # task fails or its timer runs out, and flushes nothing. Its pages stay held for lock_delay from now.
         draining = None if success or nothing_posted else f"failed/{writer_id}"
         if draining is not None:
-            self._liveness[draining] = max(self._liveness.get(draining, 0.0), self._clock())
+            self._liveness.renew(draining, self._clock())
         for page_id, generation in leases:
             page = pool.pages[page_id] if 0 <= page_id < pool.num_pages else None
             if page is None or page.active_writer != (writer_id, generation):
                 continue
             if draining is not None:
-                page.active_writer = (draining, generation)
-                continue
-            page.active_writer = None
-            pool.writing.discard(page_id)
-            if success:
-                page.written_generation = generation
-            if page.state is PageState.QUARANTINED and page.generation == generation:
-                pool.free_page(page_id)
+                pool.drain_write(page_id, draining)
+            elif pool.end_write(page_id, success):
                 num_unquarantined += 1
         return num_unquarantined
 
@@ -268,11 +258,10 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
         its shares too (PoolPages.checked_pages): a shared or published page that is still its to read is no
         violation, and failing it would end a healthy request as DATA_LOSS."""
         leases = list(leases)
-        for (_, generation), page in zip(leases, self._checked(self._pool(pool_id, epoch), owner, leases,
-                                                               shares=recheck)):
+        pool = self._pool(pool_id, epoch)
+        for (page_id, generation), page in zip(leases, self._checked(pool, owner, leases, shares=recheck)):
             if page.state is PageState.LEASED:
-                # decode has checked these bytes: no writer may begin again
-                page.sealed_generation = page.written_generation = generation
+                pool.seal_checked(page_id, generation)
 
     def release(self, pool_id: str, owner: bytes, epoch: int) -> tuple[int, int]:
         if epoch != self.epoch:
@@ -285,14 +274,10 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
         """Unlike release, the holder has not let go: decode may still be mid-step, writing its own KV into
         these pages, however long that step stalls. So every page goes through quarantine, and lock_delay starts
         only once decode acknowledges that no step of the owner can still run (its KeepAlive no longer lists the
-        owner: reader_liveness.acknowledge) or its reader expired (the pool is then fenced for good)."""
+        owner: ReaderFence.acknowledge) or its reader expired (the pool is then fenced for good)."""
         pool = self._pool(pool_id)
         holder = f"revoked/{pool_id}/{owner.hex()}"
-        for page_id in pool.owners.get(owner, []):
-            page = pool.pages[page_id]
-            if page.state is PageState.LEASED and page.active_writer is None:
-                page.active_writer = (holder, page.generation)
-                pool.writing.add(page_id)
+        pool.hold_leases(owner, holder)
         held = bool(pool.owners.get(owner))
         # a cached page is never written, so it is not quarantined: only this reader's share ends. Its step may
         # still read the page, though, and what it reads must not be another request's KV by then: the holder
@@ -300,10 +285,7 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
         counts = self._end_leases(pool, owner, pin=holder)
         event = pool.revocations.append(owner, self.epoch, reason)
         if held:
-            self._liveness[holder] = float("inf")  # held until the reader's acknowledgement
-            pool.unacked[owner] = (holder, event.seq)
-            if pool.reader_expiry <= self._clock():  # a fenced pool is never granted from again
-                self.acknowledge(pool, owner, pool.reader_expiry)
+            self._fence.revoked(pool, owner, holder, event.seq)
         return counts
 
     def keep_alive_many(self, holder_ids: list[str], ttl_s: float) -> list[str]:
@@ -323,10 +305,8 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
         if not holder_id or not 0 < ttl_s <= self.max_ttl_s:
             raise LeaseError("INVALID_ARGUMENT", "BAD_KEEP_ALIVE",
                              f"holder {holder_id!r}: ttl {ttl_s}s; must be in (0, {self.max_ttl_s}]")
-        self.check_writer_renewal(holder_id)
-        # never shortened: a renewal with a small ttl must not end a live writer's lease while it writes
-        now = self._clock()
-        self._liveness[holder_id] = max(self._liveness.get(holder_id, now), now + ttl_s)
+        self._fence.check_writer(self._pools.values(), holder_id)
+        self._liveness.renew(holder_id, self._clock() + ttl_s)
 
     def sweep(self) -> int:
         """Ends writes whose writer is presumed dead; returns the pages that left quarantine."""
@@ -335,27 +315,81 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
         num_freed = 0
         for pool in self._pools.values():
             for page_id in list(pool.cache.pinned):
-                page = pool.pages[page_id]
-                page.pins = frozenset(h for h in page.pins if now < self._liveness.setdefault(
-                    h, now + self.default_writer_ttl_s) + self.lock_delay_s)
-                if not page.pins:
-                    pool.cache.pinned.discard(page_id)
-                    self._settle(pool, page_id)
+                pins = pool.pages[page_id].pins
+                if pool.unpin(page_id, frozenset(h for h in pins if self._liveness.may_land(h, now))):
+                    self._shares.settle(pool, page_id)
             for page_id in list(pool.writing):  # deadlines are not ordered by page or by time: look at all
-                page = pool.pages[page_id]
-                writer_id, _ = page.active_writer
+                writer_id, _ = pool.pages[page_id].active_writer
                 # begin_write always leaves a record; should one be missing, wait a full ttl rather than free now
-                expiry = self._liveness.setdefault(writer_id, now + self.default_writer_ttl_s)
-                if now < expiry + self.lock_delay_s:
-                    continue
-                page.active_writer = None
-                pool.writing.discard(page_id)
-                if page.state is PageState.QUARANTINED:
-                    pool.free_page(page_id)
+                if not self._liveness.may_land(writer_id, now) and pool.end_write(page_id, success=False):
                     num_freed += 1
         # a holder this far past its expiry blocks nothing any more (its writes were just ended)
-        self._liveness = {h: t for h, t in self._liveness.items() if now < t + self.lock_delay_s}
+        self._liveness.prune(now)
         return num_freed
+
+    def reader_keep_alive(self, pool_id: str, held_owners: Iterable[bytes], revocations_seen: int = 0) -> list[bytes]:
+        """Renews the pool's reader and revokes the owners it does not hold (ReaderFence.keep_alive); returns those
+        owners. revocations_seen: the seq of the last revocation decode had processed when it listed held_owners; a
+        revoked owner up to it that decode no longer holds is acknowledged (no step of it can still run)."""
+        self._fence.check_not_forgotten(pool_id)
+        pool = self._pool(pool_id)
+        held = set(held_owners)
+        stale = self._fence.keep_alive(pool, held)
+        for owner in stale:
+            pool.note_released(owner)  # decode's own word that it let go: a Release that was lost
+            self.revoke(pool_id, owner, NOT_HELD)
+        self._fence.acknowledge_absent(pool, held, revocations_seen)
+        return stale
+
+    def expire_readers(self) -> int:
+        """Revokes every lease of each pool whose reader's record has expired; returns the owners revoked."""
+        now = self._clock()
+        num_revoked = 0
+        for pool in self._pools.values():
+            if not self._fence.is_fenced(pool, now):
+                continue
+            for owner in list(pool.owners):
+                self.revoke(pool.pool_id, owner, READER_EXPIRED)
+                num_revoked += 1
+            for owner in list(pool.unacked):  # a fenced pool is never granted from again
+                self._fence.acknowledge(pool, owner, min(now, pool.reader_expiry))
+        return num_revoked
+
+    def forget_pools(self) -> list[str]:
+        """Forgets each pool fenced at least lock_delay ago that has no page leased, quarantined or under a
+        writer any more; returns their ids."""
+        gone = self._fence.forgettable(self._pools.values())
+        for pool_id in gone:
+            del self._pools[pool_id]
+            self._fence.forgotten(pool_id)
+        return gone
+
+    def last_seq(self, pool_id: str) -> int:
+        return self._pool(pool_id).revocations.last_seq
+
+    def revocations_since(self, pool_id: str, after_seq: int):
+        """(revocations with seq > after_seq, whether the log lost some of them, the pool's last seq)."""
+        log = self._pool(pool_id).revocations
+        events, gap = log.since(after_seq)
+        return events, gap, log.last_seq
+
+    def publish(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], chains: Sequence[bytes],
+                checksums: Sequence[int], scope_tag: bytes) -> list[bool]:
+        """Per page, whether it is CACHED now, its owner the first reader. Only the owner's current lease of a
+        generation a writer's successful EndWrite (or decode's Validate) covered, sealed, with no writer active,
+        and of a chain not cached yet; any other page stays the owner's own (False)."""
+        leases, chains, checksums = PrefixShares.check_publish(owner, leases, chains, checksums, scope_tag)
+        pool = self._pool(pool_id, epoch)
+        self._fence.check(pool)
+        return self._shares.publish(pool, owner, leases, chains, checksums, scope_tag)
+
+    def unpublish(self, pool_id: str, owner: bytes, epoch: int, leases: Iterable[Lease], reason: str) -> int:
+        """A reader found these cached pages bad: no later Grant finds them, and each leaves through quarantine
+        once its last reader is gone (PrefixShares.unpublish). A stale epoch is a no-op, as for Release."""
+        check_owner(owner)
+        if epoch != self.epoch:
+            return 0
+        return self._shares.unpublish(self._pool(pool_id), owner, leases, reason)
 
     def pool_state(self, pool_id: str) -> dict[str, int]:
         pool = self._pool(pool_id)
@@ -393,24 +427,12 @@ class LeaseTable(ReaderLiveness, PrefixLeases):
         """(pages freed, pages quarantined); a cached page the owner read is neither: only its share ends (pin:
         the holder that keeps the page from eviction for as long as a step of the owner may still read it)."""
         num_freed = num_quarantined = 0
-        pool.granted_at.pop(owner, None)
-        for page_id in pool.owners.pop(owner, []):
-            page = pool.pages[page_id]
-            if page.state is PageState.CACHED:
-                page.readers = page.readers - {owner}
-                pool.cache.num_reads -= 1
-                if pin is not None:
-                    page.pins = page.pins | {pin}
-                    pool.cache.pinned.add(page_id)
-                self._settle(pool, page_id)
-                continue
-            page.owner = None
-            if page.active_writer is None:
-                pool.free_page(page_id)
+        for page_id in pool.end_owner(owner):
+            if pool.pages[page_id].state is PageState.CACHED:
+                pool.end_share(page_id, owner, pin)
+                self._shares.settle(pool, page_id)
+            elif pool.end_lease(page_id, owner):
                 num_freed += 1
             else:
-                # the writer may still land bytes here: hold the page until it acks or is presumed dead
-                page.state = PageState.QUARANTINED
-                pool.quarantined.add(page_id)
                 num_quarantined += 1
         return (num_freed, num_quarantined)

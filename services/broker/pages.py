@@ -1,8 +1,14 @@
-"""Page and pool state of the broker's lease table, and the error its operations raise: data only, the
-transitions live in LeaseTable.
+"""Page and pool state of the broker's lease table (docs/design.md §3, "Leases"), and the errors its operations
+raise. PoolPages is the one owner of a pool's pages: every change of a page (its state, owner, generation, writer,
+seal, pins, readers) and of the sets kept in step with them (the free heap, `writing`, `quarantined`, the prefix
+cache, the owners' lists) is one of its methods. Each checks its precondition before it changes anything and raises
+PageStateError, a broker bug rather than a refusal, when it does not hold; which transition to make, and when, is
+decided by LeaseTable and its parts.
 
-A CACHED page (prefix reuse) has no owner: it is leased read-only to a set of readers (owners whose lease lists
-hold it), is never written again, and is found by its chain key in the pool's PrefixCache."""
+Kept in step by these methods: a page is in `free` iff it is FREE; in `quarantined` iff QUARANTINED; in `writing`
+iff it has an active writer, whose generation is the page's; a FREE or CACHED page has no writer. A CACHED page
+(prefix reuse) has no owner: it is leased read-only to a set of readers (owners whose lease lists hold it), is never
+written again, and is found by its chain key in the pool's PrefixCache."""
 
 import enum
 import heapq
@@ -18,8 +24,8 @@ OWNER_NBYTES = 16
 RELEASED_MEMORY = 16384
 Lease = tuple[int, int]  # (page, generation)
 PageState = enum.Enum("PageState", ["FREE", "LEASED", "QUARANTINED", "CACHED"])
-__all__ = ["CHAIN_NBYTES", "OWNER_NBYTES", "SCOPE_TAG_NBYTES", "Lease", "LeaseError", "Page", "PageState", "PoolPages",
-           "Revocation"]
+__all__ = ["CHAIN_NBYTES", "OWNER_NBYTES", "SCOPE_TAG_NBYTES", "Lease", "LeaseError", "Page", "PageState",
+           "PageStateError", "PoolPages", "Revocation"]
 
 
 class LeaseError(Exception):
@@ -29,6 +35,11 @@ class LeaseError(Exception):
     def __init__(self, kind: str, reason: str, message: str):
         super().__init__(message)
         self.kind, self.reason, self.message = kind, reason, message
+
+
+class PageStateError(RuntimeError):
+    """A page transition asked of a page whose state does not allow it: a bug of the broker, never a client's
+    fault. Raised before anything changes, so the call fails (closed) and the table stays as it was."""
 
 
 @dataclass(slots=True)
@@ -81,22 +92,6 @@ class PoolPages:
         if len(self.released) > RELEASED_MEMORY:
             self.released.popitem(last=False)
 
-    def free_page(self, page_id: int) -> None:
-        page = self.pages[page_id]
-        page.state, page.owner = PageState.FREE, None
-        page.readers, page.pins, page.chain, page.checksum, page.scope_tag = frozenset(), frozenset(), b"", 0, b""
-        self.quarantined.discard(page_id)
-        heapq.heappush(self.free, page_id)
-
-    def hold(self, page_ids: list[int], writer: str) -> None:
-        """Quarantines pages a writer of an earlier epoch may still reach (the broker restarted)."""
-        for page_id in page_ids:
-            page = self.pages[page_id]
-            page.state, page.active_writer = PageState.QUARANTINED, (writer, 0)
-            self.quarantined.add(page_id)
-            self.writing.add(page_id)
-        self.free = [i for i in self.free if i not in self.quarantined]
-        heapq.heapify(self.free)
 
     def checked_pages(self, owner: bytes, leases: list[Lease], writer_id: str | None = None,
                       shares: bool = False) -> list[Page]:
@@ -129,6 +124,228 @@ class PoolPages:
                 raise LeaseError("FAILED_PRECONDITION", "WRITER_ACTIVE",
                                  f"page {page_id} generation {generation} is being written by {page.active_writer}")
         return pages
+
+
+
+    def new_generation(self) -> int:
+        generation, self.next_generation = self.next_generation, self.next_generation + 1
+        return generation
+
+    def open_owner(self, owner: bytes, now: float) -> None:
+        """owner starts holding leases here (granted at now). Pre: it holds none."""
+        if owner in self.owners:
+            raise PageStateError(f"pool {self.pool_id}: owner {owner.hex()} is open already")
+        self.owners[owner] = []
+        self.granted_at[owner] = now
+
+    def share(self, owner: bytes, page_ids: list[int]) -> None:
+        """owner reads these cached pages read-only; they join its list. Pre: owner is open, each page CACHED."""
+        self._expect(page_ids, "CACHED", lambda page: page.state is PageState.CACHED)
+        held = self._held(owner)
+        for page_id in page_ids:
+            page = self.pages[page_id]
+            page.readers = page.readers | {owner}
+            self.cache.mark_read(page_id)
+        self.cache.num_reads += len(page_ids)
+        held.extend(page_ids)
+
+    def lease(self, owner: bytes, num: int, generation: int, sealed: bool = False) -> list[int]:
+        """Leases the num lowest free pages (ascending: from a min-heap) to owner at generation, and adds them to
+        its list; sealed: no BeginWrite may ever name them (growth pages, written by decode's steps alone).
+        Pre: owner is open and num pages are free."""
+        held = self._held(owner)
+        if num > len(self.free):
+            raise PageStateError(f"pool {self.pool_id}: {num} pages to lease, {len(self.free)} free")
+        taken = [heapq.heappop(self.free) for _ in range(num)]
+        if any(self.pages[page_id].state is not PageState.FREE for page_id in taken):
+            for page_id in taken:
+                heapq.heappush(self.free, page_id)
+            self._expect(taken, "FREE", lambda page: page.state is PageState.FREE)
+        for page_id in taken:
+            page = self.pages[page_id]
+            page.state, page.owner, page.generation = PageState.LEASED, owner, generation
+            if sealed:
+                page.sealed_generation = generation
+        held.extend(taken)
+        return taken
+
+    def begin_write(self, owner: bytes, leases: list[Lease], writer_id: str) -> None:
+        """writer_id's write of these leases is active on their pages, and every page of owner's at one of their
+        generations is sealed: a grant's generation is written once, by one prefill, its headroom past the prompt
+        (decode's steps write it) included. Pre: each page LEASED at that generation with no writer."""
+        self._expect([page_id for page_id, _ in leases], "LEASED with no writer",
+                     lambda page: page.state is PageState.LEASED and page.active_writer is None)
+        for page_id, generation in leases:
+            self.pages[page_id].active_writer = (writer_id, generation)
+            self.writing.add(page_id)
+        generations = {generation for _, generation in leases}
+        for page_id in self.owners.get(owner, ()):
+            if (page := self.pages[page_id]).generation in generations:
+                page.sealed_generation = page.generation
+
+    def drain_write(self, page_id: int, holder: str) -> None:
+        """The active write failed after posting: holder stands in for its writer, at its generation, until its
+        bytes can no longer land. Pre: a writer is active."""
+        self._expect([page_id], "under a writer", lambda page: page.active_writer is not None)
+        page = self.pages[page_id]
+        page.active_writer = (holder, page.active_writer[1])
+
+    def end_write(self, page_id: int, success: bool) -> bool:
+        """The active writer is done (acknowledged, or presumed dead); success: its generation counts as written.
+        A page that waited in quarantine at that generation is freed; returns whether it was. Pre: a writer is
+        active."""
+        self._expect([page_id], "under a writer", lambda page: page.active_writer is not None)
+        page = self.pages[page_id]
+        _, generation = page.active_writer
+        page.active_writer = None
+        self.writing.discard(page_id)
+        if success:
+            page.written_generation = generation
+        if page.state is PageState.QUARANTINED and page.generation == generation:
+            self._free(page_id)
+            return True
+        return False
+
+    def seal_checked(self, page_id: int, generation: int) -> None:
+        """Decode checked the page's bytes: no writer may begin on this generation again, and it counts as
+        written. Pre: LEASED at that generation."""
+        self._expect([page_id], f"LEASED at generation {generation}",
+                     lambda page: page.state is PageState.LEASED and page.generation == generation)
+        page = self.pages[page_id]
+        page.sealed_generation = page.written_generation = generation
+
+    def hold_leases(self, owner: bytes, holder: str) -> None:
+        """holder stands in as the writer of each page owner leases that has none (a revoked owner's step may
+        still write it), until the revocation is acknowledged and lock_delay has passed."""
+        for page_id in self.owners.get(owner, ()):
+            page = self.pages[page_id]
+            if page.state is PageState.LEASED and page.active_writer is None:
+                page.active_writer = (holder, page.generation)
+                self.writing.add(page_id)
+
+    def end_owner(self, owner: bytes) -> list[int]:
+        """owner holds nothing here any more; returns the pages it held, each still to end with end_lease or
+        end_share."""
+        self.granted_at.pop(owner, None)
+        return self.owners.pop(owner, [])
+
+    def end_lease(self, page_id: int, owner: bytes) -> bool:
+        """An exclusive lease of owner's ends: the page is freed, or quarantined while a writer may still land bytes
+        on it (until it acks or is presumed dead). Returns whether it was freed. Pre: LEASED to owner."""
+        self._expect([page_id], f"LEASED to {owner.hex()}",
+                     lambda page: page.state is PageState.LEASED and page.owner == owner)
+        page = self.pages[page_id]
+        page.owner = None
+        if page.active_writer is None:
+            self._free(page_id)
+            return True
+        page.state = PageState.QUARANTINED
+        self.quarantined.add(page_id)
+        return False
+
+    def end_share(self, page_id: int, owner: bytes, pin: str | None) -> None:
+        """owner reads the cached page no more; pin: a holder that keeps it from eviction while a step of owner's
+        may still read it. Settle it next. Pre: CACHED, owner among its readers."""
+        self._expect([page_id], f"CACHED and read by {owner.hex()}",
+                     lambda page: page.state is PageState.CACHED and owner in page.readers)
+        page = self.pages[page_id]
+        page.readers = page.readers - {owner}
+        self.cache.num_reads -= 1
+        if pin is not None:
+            page.pins = page.pins | {pin}
+            self.cache.pinned.add(page_id)
+
+    def unpin(self, page_id: int, pins: frozenset[str]) -> bool:
+        """The page's pins are now `pins` (those of its holders that may still read it); returns whether none is
+        left, and the page is then unpinned (settle it next). Pre: CACHED."""
+        self._expect([page_id], "CACHED", lambda page: page.state is PageState.CACHED)
+        self.pages[page_id].pins = pins
+        if pins:
+            return False
+        self.cache.pinned.discard(page_id)
+        return True
+
+    def publish(self, page_id: int, owner: bytes, generation: int, chain: bytes, checksum: int,
+                scope_tag: bytes) -> bool:
+        """Whether the page is CACHED now under chain, owner its first reader; nothing changes unless it is owner's
+        current lease at generation, written and sealed at it (a writer's successful EndWrite or decode's Validate),
+        with no writer active, and no page is cached under chain yet."""
+        page = self.pages[page_id] if 0 <= page_id < self.num_pages else None
+        if not (page is not None and page.state is PageState.LEASED and page.owner == owner
+                and page.generation == page.sealed_generation == page.written_generation == generation
+                and page.active_writer is None and self.cache.find(chain) is None):
+            return False
+        page.state, page.owner, page.readers = PageState.CACHED, None, frozenset((owner,))
+        page.chain, page.checksum, page.scope_tag = chain, checksum, scope_tag
+        self.cache.add(page_id, chain)
+        self.cache.num_reads += 1
+        return True
+
+    def unpublish(self, page_id: int, owner: bytes, generation: int) -> bool:
+        """Whether the page left the chain index now (no later Grant finds it; it leaves once unread): only a
+        CACHED page owner reads at generation, still indexed."""
+        page = self.pages[page_id] if 0 <= page_id < self.num_pages else None
+        if (page is None or page.state is not PageState.CACHED or owner not in page.readers
+                or page.generation != generation or not self.cache.is_indexed(page_id, page.chain)):
+            return False
+        self.cache.unindex(page_id, page.chain)
+        return True
+
+    def evict(self, page_id: int) -> None:
+        """An unread cached page is freed at once: never written again, no writer, nobody reads or pins it, so
+        nothing can still reach it. Pre: in the LRU (CACHED, indexed, unread, unpinned)."""
+        self._expect([page_id], "CACHED and unread",
+                     lambda page: page.state is PageState.CACHED and page_id in self.cache.lru)
+        self.cache.drop(page_id, self.pages[page_id].chain)
+        self._free(page_id)
+
+    def settle(self, page_id: int, holder: str) -> bool:
+        """A cached page nobody reads or pins any more joins the LRU (most recent end) while indexed; unpublished,
+        it goes to quarantine under holder (the corruption that got it unpublished may be a stray write still
+        landing). Returns whether it was quarantined. Pre: CACHED."""
+        self._expect([page_id], "CACHED", lambda page: page.state is PageState.CACHED)
+        page = self.pages[page_id]
+        if page.readers or page.pins:
+            return False
+        if self.cache.is_indexed(page_id, page.chain):
+            self.cache.mark_unread(page_id)
+            return False
+        self.cache.drop(page_id, page.chain)
+        page.state, page.active_writer = PageState.QUARANTINED, (holder, page.generation)
+        self.quarantined.add(page_id)
+        self.writing.add(page_id)
+        return True
+
+    def hold(self, page_ids: list[int], writer: str) -> None:
+        """Quarantines pages a writer of an earlier epoch may still reach (the broker restarted). Pre: FREE."""
+        self._expect(page_ids, "FREE", lambda page: page.state is PageState.FREE)
+        for page_id in page_ids:
+            page = self.pages[page_id]
+            page.state, page.active_writer = PageState.QUARANTINED, (writer, 0)
+            self.quarantined.add(page_id)
+            self.writing.add(page_id)
+        self.free = [i for i in self.free if i not in self.quarantined]
+        heapq.heapify(self.free)
+
+    def _free(self, page_id: int) -> None:
+        page = self.pages[page_id]
+        page.state, page.owner = PageState.FREE, None
+        page.readers, page.pins, page.chain, page.checksum, page.scope_tag = frozenset(), frozenset(), b"", 0, b""
+        self.quarantined.discard(page_id)
+        heapq.heappush(self.free, page_id)
+
+    def _held(self, owner: bytes) -> list[int]:
+        if (held := self.owners.get(owner)) is None:
+            raise PageStateError(f"pool {self.pool_id}: owner {owner.hex()} is not open")
+        return held
+
+    def _expect(self, page_ids, what: str, ok) -> None:
+        for page_id in page_ids:
+            page = self.pages[page_id]
+            if not ok(page):
+                raise PageStateError(f"pool {self.pool_id}: page {page_id} must be {what}; it is {page.state.name} "
+                                     f"at generation {page.generation}, owner "
+                                     f"{page.owner.hex() if page.owner else None}, writer {page.active_writer}")
 
 
 def check_owner(owner: bytes) -> None:
