@@ -27,9 +27,10 @@ cd "$(dirname "$0")/.."
 
 # runtime: Mooncake's engine.so links libibverbs, libnuma and libcurl even for tcp (librdmacm: its RDMA transport).
 # dev: Debian's python3 has no ensurepip without python3-venv; formal/check.sh compiles SPIN's pan.c with gcc; the tests
-# reset live TCP connections with iproute2's ss -K
+# reset live TCP connections with iproute2's ss -K; the broker's election tests start etcd-server's /usr/bin/etcd (the
+# broker itself needs only the Python client, a pip dependency)
 RUNTIME_APT=(libibverbs1 librdmacm1 libnuma1 libcurl4)
-DEV_APT=("${RUNTIME_APT[@]}" python3 python3-venv gcc libc6-dev spin prometheus iproute2)
+DEV_APT=("${RUNTIME_APT[@]}" python3 python3-venv gcc libc6-dev spin prometheus iproute2 etcd-server)
 # build: what an image's build stage needs to compile the CPU decode attention kernel (install.sh native)
 BUILD_APT=(gcc libc6-dev)
 # Mooncake's CUDA build (the cuda variant) links libmlx5.so.1 too, which the non-CUDA build does not

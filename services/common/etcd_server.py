@@ -1,0 +1,148 @@
+"""Local etcd servers as child processes: one member, or a cluster of members on localhost ports.
+
+Each member runs in its own process group with its data directory under a folder the caller owns, and is
+stopped with SIGTERM (SIGKILL after a grace). Should the process that started them die without stopping them
+(a test killed by SIGKILL), the kernel SIGKILLs them too (PR_SET_PDEATHSIG): that signal follows the *thread*
+that forked, so start them from a thread that outlives them (the main thread, as the tests do).
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+BINARY = "/usr/bin/etcd"
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _free_ports(n: int) -> list[int]:
+    # bound together so that the n ports differ; another process may still take one before etcd binds it,
+    # which start() reports as a member that never turned healthy
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass(slots=True)
+class EtcdMember:
+    name: str
+    client_port: int
+    peer_port: int
+    data_dir: Path
+    log_path: Path
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def peer_url(self) -> str:
+        return f"http://127.0.0.1:{self.peer_port}"
+
+    def is_running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def is_healthy(self, timeout: float = 0.5) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=timeout) as r:
+                return json.loads(r.read()).get("health") == "true"
+        except (OSError, ValueError):
+            return False
+
+    def signal(self, sig: int) -> None:
+        if self.is_running():
+            os.killpg(self.proc.pid, sig)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds; waits for the process either way."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGCONT)  # a stopped member cannot act on SIGTERM
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+            except ProcessLookupError:
+                self.proc.wait()
+
+
+class EtcdCluster:
+    """`size` members on 127.0.0.1 under `root`; `with EtcdCluster(root, 3) as c:` starts and stops them."""
+
+    def __init__(self, root: Path, size: int = 1, binary: str = BINARY, token: str = "pdserve-etcd") -> None:
+        if size < 1:
+            raise ValueError(f"an etcd cluster needs at least one member, got {size}")
+        if shutil.which(binary) is None:
+            raise FileNotFoundError(f"no etcd at {binary}: install Debian's etcd-server (deploy/install.sh apt dev)")
+        self.binary = binary
+        self.token = token
+        ports = _free_ports(2 * size)
+        self.members = [EtcdMember(f"m{i}", ports[2 * i], ports[2 * i + 1], Path(root) / f"m{i}.etcd",
+                                   Path(root) / f"m{i}.log") for i in range(size)]
+
+    @property
+    def endpoints(self) -> list[str]:
+        return [m.endpoint for m in self.members]
+
+    def _argv(self, m: EtcdMember) -> list[str]:
+        initial = ",".join(f"{x.name}={x.peer_url}" for x in self.members)
+        return [self.binary, "--name", m.name, "--data-dir", str(m.data_dir),
+                "--listen-client-urls", f"http://{m.endpoint}", "--advertise-client-urls", f"http://{m.endpoint}",
+                "--listen-peer-urls", m.peer_url, "--initial-advertise-peer-urls", m.peer_url,
+                "--initial-cluster", initial, "--initial-cluster-token", self.token,
+                "--initial-cluster-state", "new", "--log-level", "warn", "--logger", "zap"]
+
+    def start(self, timeout: float = 20.0) -> None:
+        """Start every member and wait until each reports healthy (a quorum exists and it has a leader)."""
+        for m in self.members:
+            m.data_dir.mkdir(parents=True, exist_ok=True)
+            with open(m.log_path, "ab") as out:
+                m.proc = subprocess.Popen(self._argv(m), stdout=out, stderr=subprocess.STDOUT,
+                                          stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=_die_with_parent)
+        deadline = time.monotonic() + timeout
+        for m in self.members:
+            while not m.is_healthy():
+                if not m.is_running() or time.monotonic() > deadline:
+                    tail = m.log_path.read_text(errors="replace")[-2000:]
+                    self.stop()
+                    raise RuntimeError(f"etcd member {m.name} ({m.endpoint}) not healthy after {timeout:.0f} s "
+                                       f"(exit {m.proc.poll()}); its log ends:\n{tail}")
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        # one by one: a leader that is SIGTERMed hands its leadership over first, which waits out its timeout
+        # when every other member is stopping at the same moment
+        for m in self.members:
+            m.stop()
+
+    def __enter__(self) -> EtcdCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
