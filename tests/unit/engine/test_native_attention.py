@@ -168,3 +168,56 @@ def test_a_sequence_gets_the_same_bits_alone_in_a_batch_and_on_other_pages():
     table2 = table[:1].clone()
     table2[0, :len(pages)] = moved
     assert torch.equal(native.paged_decode_attention(q[:1], other, table2, lens[:1])[0], alone[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+def test_every_specialised_size_against_float64(dtype, D, group):
+    """Each compiled size (head_dim 32/64/128, group 1/2/4/8, each pool dtype) on pages drawn out of order, the
+    pool's last page among them, lengths that end part-way through a page and through an eight."""
+    kvh = 2 if group < 8 else 1
+    q, cache, table, lens = _case(dtype, kvh, group, D, num_pages=64, lens=(1, 9, 16, 45, 130), seed=D + group)
+    for (b, p), page in (((4, 3), cache.shape[0] - 1), ((3, 0), cache.shape[0] - 2)):  # the pool's last pages
+        table[table == page] = table[b, p].item()  # a swap: still one sequence per page
+        table[b, p] = page
+    out = native.paged_decode_attention(q, cache, table, lens)
+    ref = _reference(q, cache, table, lens)
+    assert (out.double() - ref).abs().max().item() < 2e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ps", [64, 72, 256])
+def test_pages_longer_than_a_segment(dtype, ps):
+    """A page of more than 64 tokens is attended in several passes of at most 64, the last of them partial."""
+    q, cache, table, lens = _case(dtype, 4, 2, 32, ps=ps, num_pages=40, lens=(1, ps - 1, ps + 65, 3 * ps + 70))
+    out = native.paged_decode_attention(q, cache, table, lens)
+    ref = _reference(q, cache, table, lens)
+    assert (out.double() - ref).abs().max().item() < 2e-5 * max(1.0, ref.abs().max().item())
+
+
+def test_half_precision_pools_are_widened_exactly():
+    """bf16 and f16 rows are widened in vectors: f16 subnormals come out as the float32 torch makes of them (an
+    output made of them alone, compared at its own scale, shows a widening that gets them wrong)."""
+    q, cache, table, lens = _case(torch.float16, 2, 2, 32, lens=(40, 33))
+    g = torch.Generator().manual_seed(3)
+    tiny = torch.randint(-1023, 1024, cache[:, 1].shape, generator=g).float() * 2.0 ** -24  # every f16 subnormal
+    cache[:, 1] = tiny.half()
+    out = native.paged_decode_attention(q, cache, table, lens)
+    ref = _reference(q, cache, table, lens)
+    assert ref.abs().max().item() < 1e-4
+    assert (out.double() - ref).abs().max().item() < 1e-5 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slots_past_a_sequences_end_are_never_weighed(dtype):
+    """Pages are not cleared between requests: the slots of a last page past the sequence's length may hold
+    anything, NaN and infinities included, and change nothing."""
+    q, cache, table, lens = _case(dtype, 4, 2, 32, lens=(1, 20, 37, 70))
+    clean = native.paged_decode_attention(q, cache, table, lens)
+    for b, n in enumerate(lens.tolist()):
+        last = table[b, (n - 1) // 16]
+        cache[last, :, n % 16 or 16:] = float("nan")
+        cache[last, 1, n % 16 or 16:, 0] = float("inf")
+    out = native.paged_decode_attention(q, cache, table, lens)
+    assert torch.equal(out, clean)
