@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import time
@@ -51,10 +52,15 @@ def connect(endpoints: Sequence[str], timeout: float = 2.0) -> aetcd.Client:
         raise ValueError("no etcd endpoints")
     if len(endpoints) == 1:
         host, _, port = endpoints[0].rpartition(":")
-    else:
-        head, _, port = ",".join(endpoints).rpartition(":")
-        host = f"ipv4:{head}"
-    return aetcd.Client(host=host, port=int(port), timeout=timeout)
+        return aetcd.Client(host=host, port=int(port), timeout=timeout)
+    for e in endpoints:
+        try:
+            ipaddress.IPv4Address(e.rpartition(":")[0])
+        except ValueError:
+            raise ValueError(f"several etcd endpoints must be IPv4 address:port (one gRPC ipv4: target), got {e!r}; "
+                             "give a DNS name with several addresses as the one endpoint instead") from None
+    head, _, port = ",".join(endpoints).rpartition(":")
+    return aetcd.Client(host=f"ipv4:{head}", port=int(port), timeout=timeout)
 
 
 @dataclass(slots=True, frozen=True)
