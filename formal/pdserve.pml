@@ -35,6 +35,15 @@
  *            revocation stream may reconnect, or report a gap (a revocation notice it will never get): decode
  *            then re-checks every running request's leases with the broker (Validate with recheck: its own
  *            page LEASED to it, a shared or published one CACHED at its generation with it among the readers).
+ *   Failover (-DFAILOVER, issue 29) the leading broker loses its etcd election (killed, partitioned, paused)
+ *            and a standby takes over at a newer term, with the same lease identities (epoch,
+ *            generations). The old leader's authority ended first (A8); what it authorised lands
+ *            within its writers' liveness. Decode hands over the leases it holds (claims): they are
+ *            adopted, sealed, their old-term writer unknown; a page the old leader had free may be
+ *            free at once (the durable free set) or not; every other page waits for the old
+ *            term's writes to drain. Running requests read on; a Grant reply of the old term that
+ *            reaches decode after it handed over is refused; a write's liveness is extended only
+ *            by answers of the term that began it.
  *   Expiry   (-DEXPIRY) decode's allocation expiry (and drain), racing the reader's take:
  *            each allocation is handed out once, to the reader or to expiry, which releases it.
  *   Net      delivers one-sided writes late and in any order (data and tag of one write too);
@@ -74,6 +83,9 @@
 
 #ifndef NP
 #define NP 2            /* pages in the decode pool */
+#endif
+#if defined(FAILOVER) && (defined(PREFIX) || defined(GROWTH) || defined(HEADROOM) || defined(FOREIGN))
+#error "-DFAILOVER is modelled without prefix reuse, growth or a foreign instance"
 #endif
 #ifndef NR
 #define NR 2            /* requests (each one prompt page of two token cells) */
@@ -166,6 +178,8 @@ mtype = { free, leased, quarantined, done, failed }  /* names for the trace only
 #define REVW   (NWID+2) /* active-writer mark of a revoked reader's pages (revoke())   */
 #define FAILW  (NWID+3) /* active-writer mark of a failed write's pages until the bound */
 #define BADW   (NWID+4) /* (-DPREFIX) mark of an unpublished (bad) cached page in quarantine */
+#define ADPW   (NWID+5) /* (-DFAILOVER) mark of a lease adopted at a failover: an old-term writer, or a
+                           step of an owner the old leader revoked, may still write its page */
 #define DONE   1        /* prefill results */
 #define FAILED 2
 
@@ -200,6 +214,13 @@ bit oldwdead;                    /* + the longest writer ttl: every old-epoch wr
 bit oldcur[NR];                  /* the old table still holds r's lease, unwritten: BeginWrite there */
 bit latebegin[NR];               /* (mutant) the old broker accepted r's write after oldwdead */
 bit pwrit[NP];                   /* a write began on the page's current generation */
+#ifdef FAILOVER
+bit failedover;                  /* a new leader took over (term 1); the old one's authority had ended */
+bit nseen[NW];                   /* prefill process has seen the new term (an answer of the new leader) */
+bit wterm[NR];                   /* the term whose BeginWrite started r's write's liveness */
+bit gdel[NR];                    /* r's Grant reply has reached decode */
+bit gold[NR];                    /* r's Grant was decided by the old leader, its reply still on its way */
+#endif
 
 /* ---------------- decode's pool memory (never zeroed) ---------------- */
 byte d0[NP], d1[NP];             /* stamp of the write that last stored each token cell */
@@ -325,6 +346,12 @@ byte k;                          /* loop index inside atomic sequences only; 0 b
 #define WLIVE(r) 1
 #elif defined(MUT_WRITER_IGNORES_EPOCH)
 #define WLIVE(r) (!wexp[WID(r)])
+#elif defined(FAILOVER) && (defined(MUT_FO_LIVENESS_ANY_TERM) || defined(MUT_FO_AUTH_PAST_LEASE))
+#define WLIVE(r) (!wexp[WID(r)])                     /* an old-term write renewed past the old term's drain */
+#elif defined(FAILOVER)
+/* a write begun under the old term is renewed by that term's leader alone, which authorises nothing once its
+ * authority ended (A8): it lapses with the old term's writers (oldwdead), whatever the new leader answers */
+#define WLIVE(r) (!wexp[WID(r)] && (wterm[r] || !oldwdead))
 #else
 #define WLIVE(r) (!wexp[WID(r)] && (rep[r] == epoch || !oldwdead || latebegin[r]))
 #endif
@@ -343,7 +370,23 @@ byte k;                          /* loop index inside atomic sequences only; 0 b
 #else
 #define OLDOPEN (!oldfenced || FOLDPOOL)
 #endif
+#ifdef FAILOVER
+/* the old leader answers BeginWrite only while its authority lasts (A8: it ended before the failover), and
+ * prefill takes an answer of the old term only while it has seen no newer one */
+#ifdef MUT_FO_AUTH_PAST_LEASE
+#define FO_OLDOPEN 1                                 /* it authorises past its etcd lease */
+#else
+#define FO_OLDOPEN (!oldfenced)
+#endif
+#ifdef MUT_FO_BEGIN_IGNORES_TERM
+#define FO_TERMOK(r) 1
+#else
+#define FO_TERMOK(r) (!nseen[PROC(r)])
+#endif
+#define OLD_BEGIN_OK(r) (failedover && oldcur[r] && FO_OLDOPEN && FO_TERMOK(r))
+#else
 #define OLD_BEGIN_OK(r) (restarted && rep[r] != epoch && oldcur[r] && OLDOPEN)
+#endif
 /* decode grants from the new incarnation only after the old one must have fenced the pool, every
  * writer it renewed has lapsed, and their writes have landed: reader_ttl + max_ttl + lock_delay */
 #ifdef MUT_NO_FENCE_WAIT
@@ -856,6 +899,12 @@ inline restart() {
   k = 0
 }
 
+/* a write of the old incarnation (restart: its epoch; failover: begun under the old term) */
+#ifdef FAILOVER
+#define OLD_WRITE(k) (!wterm[k])
+#else
+#define OLD_WRITE(k) (rep[k] == 0)
+#endif
 /* the old incarnation's writer leases expired and lock_delay passed */
 inline olddrain() {
   printf("DRAINED   decode's wait since the move ended: old writers' writes landed (if their liveness lapsed)\n");
@@ -864,7 +913,7 @@ inline olddrain() {
   do
   :: k < NR ->
      if
-     :: rpage[k] != NONE && rep[k] == 0 && (pend_data[k] > 0 || pend_tag[k]) && oldwdead && !latebegin[k] ->
+     :: rpage[k] != NONE && OLD_WRITE(k) && (pend_data[k] > 0 || pend_tag[k]) && oldwdead && !latebegin[k] ->
         pend_data[k] = 0; pend_tag[k] = 0; werr[k] = 1
      :: else
      fi;
@@ -873,6 +922,64 @@ inline olddrain() {
   od;
   k = 0
 }
+
+#ifdef FAILOVER
+/* decode holds r (the leases it hands over to a new leader): it has the Grant's reply and has not ended r (with
+ * -DSTEP_WRITES, nor dropped r's allocation on a revocation) */
+#ifdef STEP_WRITES
+#define CLAIMED(r) (rpage[r] != NONE && gdel[r] && !rdone[r] && !unheld[r])
+#else
+#define CLAIMED(r) (rpage[r] != NONE && gdel[r] && !rdone[r])
+#endif
+#define ADOPTS(pp) (CLAIMED(powner[pp]) && rpage[powner[pp]] == (pp))
+/* the leader's authority ended (it could not renew its etcd lease: killed, partitioned, paused) and a standby
+ * won the election at a newer term; decode registers with it, handing over the leases it holds. The new leader
+ * knows the lease identities (epoch, generation counter) and the durable free set, not who writes what:
+ *   - a page decode claims stays its owner's, sealed (no BeginWrite), with an old-term writer (or a step of an
+ *     owner the old leader revoked) possibly still on it: ADPW, freed after the old term drained and decode's
+ *     acknowledgement;
+ *   - a page the old leader had free is free at once if it is in the durable free set, which a page leaves
+ *     (reserved) before it can be granted: either way here;
+ *   - every other page waits in quarantine until the old term's writes drained (OLDW).
+ * Write-done notices the old leader logged and decode has not received are lost (a Run waiting for one is
+ * cancelled); a Grant the old leader decided whose reply is still on its way is refused by decode (gold). */
+inline failover() {
+  printf("FAILOVER  the leader's authority ended; a standby leads at term 1 and adopts the leases decode holds\n");
+  k = 0;
+  do
+  :: k < NR ->
+     oldcur[k] = (rpage[k] != NONE && LEASE_CUR(k) && paw[rpage[k]] == 0 && !pwrit[rpage[k]]);
+     gold[k] = (rpage[k] != NONE && !gdel[k]);
+     wdq[k] = 0;
+     k++
+  :: else -> break
+  od;
+  failedover = 1; oldfenced = 1;
+  k = 0;
+  do
+  :: k < NP ->
+     if
+#ifdef MUT_FO_ADOPT_FREE
+     :: pst[k] != FREE && !ADOPTS(k) -> paw[k] = 0; setpst(k, FREE)   /* nobody claims it: free at once */
+#endif
+#if defined(MUT_FO_ADOPT_NO_WRITER)
+     :: pst[k] != FREE && ADOPTS(k) -> setpst(k, LEASED); paw[k] = 0; pwrit[k] = 1;   /* as if nobody wrote */
+#elif defined(MUT_FO_ADOPT_UNSEALED)
+     :: pst[k] != FREE && ADOPTS(k) -> setpst(k, LEASED); paw[k] = ADPW; pwrit[k] = 0; /* a BeginWrite may follow */
+#else
+     :: pst[k] != FREE && ADOPTS(k) -> setpst(k, LEASED); paw[k] = ADPW; pwrit[k] = 1;
+#endif
+        printf("ADOPT     page %d stays r%d's at g%d, sealed\n", k, powner[k], pgen[k])
+     :: pst[k] == FREE                               /* in the durable free set */
+     :: pst[k] == FREE -> setpst(k, QUAR); paw[k] = OLDW   /* reserved: the old leader may have granted it */
+     :: else -> setpst(k, QUAR); paw[k] = OLDW       /* nobody claims it: an old-term write may still land */
+     fi;
+     k++
+  :: else -> break
+  od;
+  k = 0
+}
+#endif
 
 /* writer x's liveness expired and lock_delay passed: nothing of it lands any more (it posts only
  * while live, and a post lands within L <= lock_delay: README, A1) */
@@ -967,10 +1074,11 @@ inline recheck(o) {
 #define SWEEPABLE(p) (pst[p] == QUAR && \
         ((paw[p] >= 1 && paw[p] <= NWID && wdrained[paw[p]-1]) || (paw[p] == OLDW && olddrained && !FRENEW) \
          || (paw[p] == REVW && ACKED(powner[p]) && !FRENEW) || (paw[p] == FAILW && BOUND(powner[p]) && !FRENEW) \
-         || paw[p] == BADW))
+         || paw[p] == BADW || (paw[p] == ADPW && olddrained && ACKED(powner[p]))))
 /* sweep also ends writes of presumed-dead writers, and failed writes past the bound, on LEASED pages */
 #define SWEEP_LEASED(p) (pst[p] == LEASED && \
-        ((paw[p] >= 1 && paw[p] <= NWID && wdrained[paw[p]-1]) || (paw[p] == FAILW && BOUND(powner[p]) && !FRENEW)))
+        ((paw[p] >= 1 && paw[p] <= NWID && wdrained[paw[p]-1]) || (paw[p] == FAILW && BOUND(powner[p]) && !FRENEW) \
+         || (paw[p] == ADPW && olddrained)))
 
 /* ================================ processes ================================ */
 
@@ -1007,6 +1115,9 @@ proctype Writer(byte r) {                            /* prefill: servicer._prefi
       if
       :: BEGIN_OK(r) ->
          paw[p] = WID(r)+1; pawgen[p] = rgen[r]; pwrit[p] = 1; ok = 1;
+#ifdef FAILOVER
+         wterm[r] = failedover;
+#endif
          if
          :: canpost[r] = 1;
 #ifdef MUT_NO_ENDWRITE_ON_BEGIN_FAILURE
@@ -1018,6 +1129,9 @@ proctype Writer(byte r) {                            /* prefill: servicer._prefi
          fi
       :: OLD_BEGIN_OK(r) ->                          /* its prefill still talks to the old broker */
          oldcur[r] = 0; latebegin[r] = oldwdead; ok = 1; canpost[r] = 1;
+#ifdef FAILOVER
+         wterm[r] = 0;
+#endif
 #ifdef MUT_NO_ENDWRITE_ON_BEGIN_FAILURE
          begun = 1;
 #endif
@@ -1165,6 +1279,19 @@ regrant:
 #endif
   :: atomic { rdone[r] = 1; wfin[r] = 1; goto gone } /* rejected or gave up before a grant */
   fi;
+#ifdef FAILOVER
+  if                                                 /* the Grant's reply reaches decode */
+  :: atomic { !gold[r] -> gdel[r] = 1 }
+  :: atomic { gold[r] ->                             /* decided by the old leader: its term is older than the one
+                                                        decode handed its leases over to */
+#ifdef MUT_FO_OLD_GRANT
+              gdel[r] = 1; printf("GRANT     r%d takes the old leader's reply after the hand-over\n", r) }
+#else
+              rdone[r] = 1; wfin[r] = 1; printf("GRANT     r%d: the reply is of the old term, refused\n", r);
+              goto gone }
+#endif
+  fi;
+#endif
   if
   :: atomic { run Writer(r); printf("DISPATCH  r%d to prefill\n", r) }
   :: atomic { wfin[r] = 1; printf("CANCEL    r%d before dispatch\n", r); goto PRE_OUT }
@@ -1422,8 +1549,16 @@ end:
   od
 }
 
+/* -DREVOKE_FAULTS=n: n revocations on top of the fault budget (a run with -DFAULTS=0 that explores revocations
+ * alone, where the full budget's state space is too large for the default check) */
+#ifdef REVOKE_FAULTS
+byte rbudget = REVOKE_FAULTS;
+#define RBUDGET rbudget
+#else
+#define RBUDGET budget
+#endif
 #define REVOKE(r) \
-  :: atomic { budget > 0 && HOLDS(r) -> budget--; revoke(r); \
+  :: atomic { RBUDGET > 0 && HOLDS(r) -> RBUDGET--; revoke(r); \
               printf("REVOKE    r%d's lease: page %d is now %e\n", r, rpage[r], PSTATE(pst[rpage[r]])) }
 
 #define CRASH(w) \
@@ -1442,9 +1577,16 @@ end:
  * stall, a write past its timeout; it then posts nothing more); expiry + lock_delay passes
  * (for a crashed or finished writer the expiry itself is invisible) */
 
+/* a lease adopted at a failover and then revoked by the new leader keeps its adopted mark (the old term's
+ * writes) and takes the revocation's rule too: its sweep is one step with the blind stop */
+#ifdef MUT_FO_ADOPTED_REVOKE_UNBLIND
+#define ADOPTED_REVOKED(p) 0
+#else
+#define ADOPTED_REVOKED(p) (paw[p] == ADPW)
+#endif
 #define SWEEP(p) \
   :: atomic { SWEEPABLE(p) -> \
-              if :: paw[p] == REVW && BLIND_STOPS(powner[p]) -> blind_stop() :: else fi; \
+              if :: (paw[p] == REVW || ADOPTED_REVOKED(p)) && BLIND_STOPS(powner[p]) -> blind_stop() :: else fi; \
               paw[p] = 0; setpst(p, FREE); printf("SWEEP     page %d leaves quarantine\n", p) } \
   :: atomic { SWEEP_LEASED(p) -> paw[p] = 0; printf("SWEEP     page %d: dead writer cleared\n", p) }
 
@@ -1571,7 +1713,20 @@ proctype Broker() {                           /* restart, revoke, liveness, swee
   byte p;
 end:
   do
+#ifdef FAILOVER
+  :: atomic { !failedover -> failover() }            /* the event under study: no fault budget */
+  :: atomic { failedover && oldwdead && !olddrained -> olddrain() }
+#if defined(MUT_FO_AUTH_PAST_LEASE) || defined(MUT_FO_BEGIN_IGNORES_TERM)
+  /* prefill sees the new term (an answer of the new leader): only where the old leader may still answer after
+   * the failover does it change anything (A8 rules that out), so the other runs leave it out */
+  :: atomic { failedover && !nseen[0] -> nseen[0] = 1; printf("TERM      prefill 0 sees term 1\n") }
+#if NW > 1
+  :: atomic { failedover && !nseen[1] -> nseen[1] = 1; printf("TERM      prefill 1 sees term 1\n") }
+#endif
+#endif
+#else
   :: atomic { budget > 0 && !restarted && MOVE_OK -> budget--; restart() }
+#endif
   :: atomic { restarted && !oldfenced -> oldfenced = 1;
               printf("FENCE     old broker: the pool's reader expired; it refuses BeginWrite and renewals\n") }
   :: atomic { oldfenced && !oldwdead -> oldwdead = 1;
