@@ -229,7 +229,7 @@ class Election:
                     await self._follow(follow_from)
                 backoff = 0.05
             except RETRYABLE as e:
-                log.warning("election %s: etcd: %s; again in %.2f s", self.identity, e, backoff)
+                log.warning("election %s: etcd: %r; again in %.2f s", self.identity, e, backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, self.ttl / 3)
 
@@ -303,7 +303,7 @@ class Election:
             try:
                 reply = await asyncio.wait_for(self._lease.refresh(), period)
             except RETRYABLE as e:
-                log.warning("election %s: lease renewal of term %s failed: %s", self.identity, self._term, e)
+                log.warning("election %s: lease renewal of term %s failed: %r", self.identity, self._term, e)
                 await asyncio.sleep(period / 4)
                 continue
             if reply is None or reply.TTL <= 0:
@@ -313,7 +313,7 @@ class Election:
                 try:
                     got = await self.client.get(self.key)
                 except RETRYABLE as e:
-                    log.warning("election %s: reading the key after a lapse: %s", self.identity, e)
+                    log.warning("election %s: reading the key after a lapse: %r", self.identity, e)
                     continue
                 if got is None or got.create_revision != self._term:
                     return "the election key changed while our authority had lapsed"
@@ -334,7 +334,7 @@ class Election:
                     with contextlib.suppress(*RETRYABLE):
                         await watch.cancel()
             except RETRYABLE as e:
-                log.warning("election %s: watch of own key: %s; again in %.2f s", self.identity, e, backoff)
+                log.warning("election %s: watch of own key: %r; again in %.2f s", self.identity, e, backoff)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, self.ttl / 3)
 

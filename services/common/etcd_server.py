@@ -116,14 +116,22 @@ class EtcdCluster:
                 "--initial-cluster", initial, "--initial-cluster-token", self.token,
                 "--initial-cluster-state", "new", "--log-level", "warn", "--logger", "zap"]
 
+    def _spawn(self, m: EtcdMember) -> None:
+        m.data_dir.mkdir(parents=True, exist_ok=True)
+        with open(m.log_path, "ab") as out:
+            m.proc = subprocess.Popen(self._argv(m), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                      start_new_session=True, preexec_fn=_die_with_parent)
+
+    def restart(self, m: EtcdMember) -> None:
+        """Start a member that was stopped or killed again, on its data (etcd then ignores --initial-cluster)."""
+        if m.is_running():
+            raise RuntimeError(f"etcd member {m.name} is running")
+        self._spawn(m)
+
     def start(self, timeout: float = 20.0) -> None:
         """Start every member and wait until each reports healthy (a quorum exists and it has a leader)."""
         for m in self.members:
-            m.data_dir.mkdir(parents=True, exist_ok=True)
-            with open(m.log_path, "ab") as out:
-                m.proc = subprocess.Popen(self._argv(m), stdout=out, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                          preexec_fn=_die_with_parent)
+            self._spawn(m)
         deadline = time.monotonic() + timeout
         for m in self.members:
             while not m.is_healthy():

@@ -243,6 +243,7 @@ def test_a_dead_etcd_member_does_not_end_the_election(etcd):
         await until(lambda: b.state().leader is not None, 5, "b follows")
         term = a.check()
         try:
+            talked_to = (await a.client.get(key)).header.member_id
             sampler = Sampler({"a": a, "b": b})
             cluster.members[0].signal(signal.SIGKILL)
             cluster.members[0].proc.wait(5)
@@ -252,9 +253,52 @@ def test_a_dead_etcd_member_does_not_end_the_election(etcd):
             assert sampler.overlaps() == []
             leader = a if a.authorised() else b
             assert leader.check() >= term and (await read_leader(leader.client, key)).term == leader.check()
+            # a's client talked to the member that died and now talks to another (pick_first stays put otherwise)
+            assert (await a.client.get(key)).header.member_id != talked_to
             t0 = sampler.samples[0][0]
             spans = {n: [(round(x - t0, 2), round(y - t0, 2)) for x, y in sampler.intervals(n)] for n in "ab"}
             print(f"authorised after the kill (s): {spans}; term {term} -> {leader.check()} held by {leader.identity}")
+        finally:
+            for e in (a, b):
+                await e.stop()
+                await e.client.close()
+    asyncio.run(main())
+
+
+def test_etcd_quorum_lost_ends_the_authority_and_its_return_brings_a_leader_back(etcd):
+    cluster = etcd(3)
+
+    async def main():
+        key = election_key("quorum")
+        a, b = candidate(cluster.endpoints, key, "a"), candidate(cluster.endpoints, key, "b")
+        a.start()
+        await until(a.authorised, 10, "a leads")
+        b.start()
+        await until(lambda: b.state().leader is not None, 5, "b follows")
+        term = a.check()
+        try:
+            sampler = Sampler({"a": a, "b": b})
+            lost = time.monotonic()
+            for m in cluster.members[1:]:
+                m.signal(signal.SIGKILL)
+                m.proc.wait(5)
+            # an etcd leader cut off from its quorum renews leases from memory until raft's check-quorum steps it
+            # down (within two election timeouts, 2 s); the last renewal it answered bounds a's authority
+            ended = await until(lambda: not a.authorised(), 2.0 + TTL - MARGIN + 0.5, "a's authority ends")
+            await asyncio.sleep(TTL)
+            assert not a.authorised() and not b.authorised()
+            with pytest.raises(NotLeaderError, match=f"NOT_LEADER: term {term} ended"):
+                a.check()
+            returned = time.monotonic()
+            for m in cluster.members[1:]:
+                cluster.restart(m)
+            back = await until(lambda: a.authorised() or b.authorised(), 10 * TTL, "a leader once quorum is back")
+            await sampler.close()
+            assert sampler.overlaps() == []
+            leader = a if a.authorised() else b
+            assert leader.check() >= term and (await read_leader(leader.client, key)).term == leader.check()
+            print(f"quorum lost: authority ended after {ended - lost:.2f} s; quorum back: {leader.identity} leads "
+                  f"term {leader.check()} (was {term}) {back - returned:.2f} s after the restart")
         finally:
             for e in (a, b):
                 await e.stop()
