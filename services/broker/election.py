@@ -206,8 +206,12 @@ class Election:
         self._lose("resigned")
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await self._task
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # the campaign died of a bug: it authorised nothing since; resign all the same
+                log.exception("election %s: the campaign task failed", self.identity)
             self._task = None
         if term is not None:
             tx = self.client.transactions
@@ -314,6 +318,7 @@ class Election:
                     got = await self.client.get(self.key)
                 except RETRYABLE as e:
                     log.warning("election %s: reading the key after a lapse: %r", self.identity, e)
+                    await asyncio.sleep(period / 4)
                     continue
                 if got is None or got.create_revision != self._term:
                     return "the election key changed while our authority had lapsed"
