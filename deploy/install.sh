@@ -35,8 +35,9 @@ DEV_APT=("${RUNTIME_APT[@]}" python3 python3-venv gcc libc6-dev spin prometheus 
 BUILD_APT=(gcc libc6-dev)
 # Mooncake's CUDA build (the cuda variant) links libmlx5.so.1 too, which the non-CUDA build does not
 CUDA_APT=(ibverbs-providers)
-# packages whose maintainer scripts start a daemon on a systemd host; the tests need only their binaries
-DAEMONS=(prometheus)
+# packages whose maintainer scripts start a daemon on a systemd host (package:unit); the tests need only their
+# binaries
+DAEMONS=(prometheus:prometheus etcd-server:etcd)
 # where Debian looks for the policy that holds daemons back, and how a host shows it runs systemd (sd_booted);
 # tests/unit/deploy/test_install_apt.py points both into a temporary folder
 POLICY_RC=${PDSERVE_POLICY_RC:-/usr/sbin/policy-rc.d}
@@ -105,10 +106,12 @@ cmd_apt() {
     >/dev/null
   if [ -n "$ours" ]; then as_root rm -f "$policy"; trap - EXIT; fi
   # a daemon we installed is not enabled at boot either (systemd hosts only; nothing runs it elsewhere)
-  for p in "${DAEMONS[@]}"; do
+  local d unit
+  for d in "${DAEMONS[@]}"; do
+    p=${d%%:*} unit=${d#*:}.service
     if [[ " ${missing[*]} " == *" $p "* ]] && [ -d "$SYSTEMD_DIR" ]; then
-      as_root systemctl disable --now "$p.service" >/dev/null || {
-        echo "install.sh: could not stop and disable $p.service, which its package started: stop it yourself" >&2
+      as_root systemctl disable --now "$unit" >/dev/null || {
+        echo "install.sh: could not stop and disable $unit, which package $p started: stop it yourself" >&2
         exit 1; }
     fi
   done

@@ -1,7 +1,7 @@
 """deploy/install.sh apt on a bare machine, with apt-get, dpkg, id, sudo and systemctl replaced by recorders on
 PATH (nothing is installed): root runs apt-get itself; anyone else goes through sudo and says so, or stops with
-the command to run when there is no sudo; the prometheus daemon is held back during the install (policy-rc.d
-exit 101) and disabled after on a systemd host."""
+the command to run when there is no sudo; the daemons of prometheus and etcd-server are held back during the install
+(policy-rc.d exit 101) and disabled after on a systemd host."""
 from __future__ import annotations
 
 import os
@@ -63,7 +63,7 @@ def test_root_installs_what_is_missing_with_daemons_held_back(machine):
     missing = [p for p in dev_packages() if p != "libnuma1"]
     assert log == ["apt-get update -qq [policy: exit 101]",
                    f"apt-get install -y -qq --no-install-recommends {' '.join(missing)} [policy: exit 101]",
-                   "systemctl disable --now prometheus.service"]
+                   "systemctl disable --now prometheus.service", "systemctl disable --now etcd.service"]
     assert not policy.exists()  # ours, removed after the install (by the fake rm: inside tmp_path only)
 
 
@@ -73,7 +73,7 @@ def test_non_root_goes_through_sudo_and_says_so(machine):
     assert "not root (uid 1000): apt-get runs through sudo" in out.stderr
     direct = [x for x in log if x.startswith(("apt-get", "systemctl"))]
     via_sudo = [x for x in log if x.startswith("sudo")]
-    assert len(direct) == 3 and len(via_sudo) >= len(direct)  # policy write, 2 apt-get, removal, systemctl
+    assert len(direct) == 4 and len(via_sudo) >= len(direct)  # policy write, 2 apt-get, removal, 2 systemctl
 
 
 def test_non_root_without_sudo_stops_with_the_command(machine):
@@ -83,12 +83,12 @@ def test_non_root_without_sudo_stops_with_the_command(machine):
     assert f"apt-get install --no-install-recommends {' '.join(dev_packages())}" in out.stderr
 
 
-def test_an_existing_policy_and_prometheus_are_left_alone(machine, tmp_path):
+def test_an_existing_policy_and_the_daemons_are_left_alone(machine, tmp_path):
     (tmp_path / "policy-rc.d").write_text("#!/bin/sh\nexit 0\n")
-    out, log, policy = machine(0, installed=("prometheus",), systemd=True)
+    out, log, policy = machine(0, installed=("prometheus", "etcd-server"), systemd=True)
     assert out.returncode == 0, out.stderr
     assert policy.read_text() == "#!/bin/sh\nexit 0\n"  # the host's own, untouched
-    assert not [x for x in log if x.startswith("systemctl")]  # prometheus was there before: its daemon is the host's
+    assert not [x for x in log if x.startswith("systemctl")]  # both were there before: their daemons are the host's
 
 
 def test_no_systemd_no_systemctl_and_nothing_missing_nothing_run(machine):
