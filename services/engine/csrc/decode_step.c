@@ -85,7 +85,7 @@ static const tile_fn TILE[TILE_M + 1][TILE_N + 1] = {
 /* y [M, N] = x [M, K] w^T (+ b), contiguous rows, M of any size. Weight rows are taken TILE_N at a time (a few KiB,
  * they stay in L1) and run against every row of x before the next: each weight row is read from memory once per
  * call, however many sequences share the step. */
-static void gemm(const float *x, int M, int64_t K, const float *w, const float *b, float *y, int64_t N) {
+static void gemm8(const float *x, int M, int64_t K, const float *w, const float *b, float *y, int64_t N) {
     for (int64_t n = 0; n < N; n += TILE_N) {
         const int nr = N - n < TILE_N ? (int)(N - n) : TILE_N;
         for (int m = 0; m < M; m += TILE_M) {
@@ -93,6 +93,162 @@ static void gemm(const float *x, int M, int64_t K, const float *w, const float *
             TILE[mr][nr](x + (int64_t)m * K, K, w + n * K, b ? b + n : NULL, y + (int64_t)m * N + n, N);
         }
     }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#include <immintrin.h>
+#define PD_V4 __attribute__((target("arch=x86-64-v4")))
+#define PD_HAVE_V4 1
+
+/* The same product where AVX-512 runs: 32 registers of 16 lanes. A tile is up to V4_M rows of x by V4_N weight
+ * rows: 16 accumulators, 4 weight vectors and one of x, so each weight vector loaded feeds 4 rows of the step and
+ * a tile's 16 sums are reduced together (lanes(), below) rather than one by one. Every output is the same
+ * arithmetic whatever the tile: one accumulator over k in steps of 16 (the last step's lanes past K loaded as
+ * zeros), its 16 lanes then summed in halves: lane l + lane l+8, then l + l+4, l + l+2, l + l+1. While its first
+ * rows of x run, a tile prefetches the next block of weight rows, line for line: the weights stream from memory
+ * (the KV pages the attention reads in between push them out of the caches), and the hardware prefetcher alone
+ * leaves the core waiting at the start of every few-KiB block. */
+#define V4_M 4
+#define V4_N 4
+#ifndef V4_AHEAD
+#define V4_AHEAD 4
+#endif
+
+static inline __attribute__((always_inline)) PD_V4 float lanes(__m512 a) { /* one accumulator's sum, in halves */
+    const __m256 p = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+    const __m128 q = _mm_add_ps(_mm256_castps256_ps128(p), _mm256_extractf128_ps(p, 1));
+    const __m128 r = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    return _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
+}
+
+/* lanes() of 16 accumulators at once, the same additions: a[i] is row i % 4, weight row i / 4 of a 4 x 4 tile; the
+ * result holds row m's four sums in its m-th quarter. Each step adds two vectors whose lanes are the two halves of
+ * the step before, for twice as many accumulators as the step before packed in one vector. */
+static inline __attribute__((always_inline)) PD_V4 __m512 lanes16(const __m512 a[16]) {
+    __m512 p[8], q[4], r[2];
+    for (int i = 0; i < 8; i++) /* [a2i lanes 0-7, a2i+1 lanes 0-7] + [their lanes 8-15] */
+        p[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* quarter k: a[4i + k]'s l + l+4 */
+        q[i] = _mm512_add_ps(_mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(p[2 * i], p[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++) /* quarter k: a[8i + k]'s and a[8i + 4 + k]'s l + l+2 */
+        r[i] = _mm512_add_ps(_mm512_shuffle_ps(q[2 * i], q[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(q[2 * i], q[2 * i + 1], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x88), _mm512_shuffle_ps(r[0], r[1], 0xDD));
+}
+
+static inline __attribute__((always_inline)) PD_V4 void tile16(const float *x, int64_t K, const float *w,
+                                                               const float *b, float *y, int64_t N, const float *pf,
+                                                               const int MR, const int NR, const int PF) {
+    const int64_t K16 = K & ~(int64_t)15;
+    __m512 acc[V4_M][V4_N];
+    for (int m = 0; m < MR; m++)
+        for (int j = 0; j < NR; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K16; k += 16) {
+        __m512 u[V4_N];
+        for (int j = 0; j < NR; j++) u[j] = _mm512_loadu_ps(w + j * K + k);
+        if (PF)
+            for (int j = 0; j < NR; j++) _mm_prefetch((const char *)(pf + k * NR + j * 16), _MM_HINT_T1);
+        for (int m = 0; m < MR; m++) {
+            __m512 xv = _mm512_loadu_ps(x + m * K + k);
+            __asm__("" : "+v"(xv)); /* one load of x for its NR products: gcc would fold it into each of them */
+            for (int j = 0; j < NR; j++) acc[m][j] = _mm512_fmadd_ps(xv, u[j], acc[m][j]);
+        }
+    }
+    if (K16 < K) {
+        const __mmask16 tail = (__mmask16)((1u << (K - K16)) - 1);
+        __m512 u[V4_N];
+        for (int j = 0; j < NR; j++) u[j] = _mm512_maskz_loadu_ps(tail, w + j * K + K16);
+        for (int m = 0; m < MR; m++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(tail, x + m * K + K16);
+            for (int j = 0; j < NR; j++) acc[m][j] = _mm512_fmadd_ps(xv, u[j], acc[m][j]);
+        }
+    }
+    if (MR == V4_M && NR == V4_N) {
+        __m512 a[16];
+        for (int i = 0; i < 16; i++) a[i] = acc[i % 4][i / 4];
+        __m512 s = lanes16(a);
+        if (b) s = _mm512_add_ps(s, _mm512_broadcast_f32x4(_mm_loadu_ps(b)));
+        _mm_storeu_ps(y, _mm512_extractf32x4_ps(s, 0));
+        _mm_storeu_ps(y + N, _mm512_extractf32x4_ps(s, 1));
+        _mm_storeu_ps(y + 2 * N, _mm512_extractf32x4_ps(s, 2));
+        _mm_storeu_ps(y + 3 * N, _mm512_extractf32x4_ps(s, 3));
+    } else {
+        for (int m = 0; m < MR; m++)
+            for (int j = 0; j < NR; j++) {
+                const float s = lanes(acc[m][j]);
+                y[m * N + j] = b ? s + b[j] : s;
+            }
+    }
+}
+
+/* One function per tile shape (mr, nr, prefetching or not), so that each keeps its accumulators in registers. */
+#define V4_TILE(MR, NR, PF)                                                                                      \
+    static PD_V4 void tile16_##MR##_##NR##_##PF(const float *x, int64_t K, const float *w, const float *b,       \
+                                                  float *y, int64_t N, const float *pf) {                        \
+        tile16(x, K, w, b, y, N, pf, MR, NR, PF);                                                                \
+    }
+#define V4_ROW(MR, PF) V4_TILE(MR, 1, PF) V4_TILE(MR, 2, PF) V4_TILE(MR, 3, PF) V4_TILE(MR, 4, PF)
+#define V4_ROWS(PF) V4_ROW(1, PF) V4_ROW(2, PF) V4_ROW(3, PF) V4_ROW(4, PF)
+V4_ROWS(0)
+V4_ROWS(1)
+typedef void (*tile16_fn)(const float *, int64_t, const float *, const float *, float *, int64_t, const float *);
+#define V4_ENTRY(MR, PF) {0, tile16_##MR##_1_##PF, tile16_##MR##_2_##PF, tile16_##MR##_3_##PF, tile16_##MR##_4_##PF}
+#define V4_TABLE(PF) {{0, 0, 0, 0, 0}, V4_ENTRY(1, PF), V4_ENTRY(2, PF), V4_ENTRY(3, PF), V4_ENTRY(4, PF)}
+static const tile16_fn TILE16[2][V4_M + 1][V4_N + 1] = {V4_TABLE(0), V4_TABLE(1)};
+
+static PD_V4 void gemm16(const float *x, int M, int64_t K, const float *w, const float *b, float *y, int64_t N) {
+    const int64_t ahead = V4_AHEAD * V4_N; /* weight rows */
+    for (int64_t i = 0; i < (ahead < N ? ahead : N) * K; i += 16) _mm_prefetch((const char *)(w + i), _MM_HINT_T1);
+    for (int64_t n = 0; n < N; n += V4_N) {
+        const int nr = N - n < V4_N ? (int)(N - n) : V4_N;
+        const float *next = n + ahead < N ? w + (n + ahead) * K : NULL;
+        for (int m = 0; m < M; m += V4_M) {
+            const int mr = M - m < V4_M ? M - m : V4_M;
+            const int pf = m == 0 && next != NULL;
+            TILE16[pf][mr][nr](x + (int64_t)m * K, K, w + n * K, b ? b + n : NULL, y + (int64_t)m * N + n, N,
+                               next);
+        }
+    }
+}
+#else
+#define PD_HAVE_V4 0
+#endif
+
+static int wide(void) {
+#if PD_HAVE_V4
+    return __builtin_cpu_supports("x86-64-v4") != 0;
+#else
+    return 0;
+#endif
+}
+
+static void gemm(const float *x, int M, int64_t K, const float *w, const float *b, float *y, int64_t N) {
+#if PD_HAVE_V4
+    if (wide()) {
+        gemm16(x, M, K, w, b, y, N);
+        return;
+    }
+#endif
+    gemm8(x, M, K, w, b, y, N);
+}
+
+/* gemm alone, for the tests: lanes 16 for the AVX-512 product (refused with -1 where the CPU has none), 8 for the
+ * other, whichever CPU runs it, 0 for what the step uses here. */
+int pd_gemm(const float *x, int M, int64_t K, const float *w, const float *b, float *y, int64_t N, int lanes) {
+    if (lanes == 0) lanes = wide() ? 16 : 8;
+    if (lanes == 8) {
+        gemm8(x, M, K, w, b, y, N);
+        return 0;
+    }
+#if PD_HAVE_V4
+    if (lanes == 16 && wide()) {
+        gemm16(x, M, K, w, b, y, N);
+        return 0;
+    }
+#endif
+    return -1;
 }
 
 PD_CLONES static void rms_norm(const float *x, const float *w, float eps, float *y, int M, int64_t D) {
