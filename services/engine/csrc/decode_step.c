@@ -104,15 +104,14 @@ static void gemm8(const float *x, int M, int64_t K, const float *w, const float 
  * rows: 16 accumulators, 4 weight vectors and one of x, so each weight vector loaded feeds 4 rows of the step and
  * a tile's 16 sums are reduced together (lanes(), below) rather than one by one. Every output is the same
  * arithmetic whatever the tile: one accumulator over k in steps of 16 (the last step's lanes past K loaded as
- * zeros), its 16 lanes then summed in halves: lane l + lane l+8, then l + l+4, l + l+2, l + l+1. While its first
- * rows of x run, a tile prefetches the next block of weight rows, line for line: the weights stream from memory
- * (the KV pages the attention reads in between push them out of the caches), and the hardware prefetcher alone
- * leaves the core waiting at the start of every few-KiB block. */
+ * zeros), its 16 lanes then summed in halves: lane l + lane l+8, then l + l+4, l + l+2, l + l+1.
+ * The weights stream from memory (the KV pages the attention reads in between push them out of the caches), and
+ * a tile's loads, four rows a few KiB apart at once, defeat the hardware prefetcher: read that way a model's
+ * weights take twice as long as read in address order. So while its first rows of x run, a tile prefetches into
+ * L2 the block of weight rows V4_AHEAD blocks on, in address order, and gemm16 the first blocks before it starts. */
 #define V4_M 4
 #define V4_N 4
-#ifndef V4_AHEAD
 #define V4_AHEAD 4
-#endif
 
 static inline __attribute__((always_inline)) PD_V4 float lanes(__m512 a) { /* one accumulator's sum, in halves */
     const __m256 p = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
