@@ -6,6 +6,7 @@ and is stopped by the test (SIGTERM), or by the kernel should the test process d
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -45,6 +46,22 @@ def etcd(tmp_path):
 
 def candidate(endpoints, key: bytes, identity: str, ttl: int = TTL) -> Election:
     return Election(connect(endpoints), key, identity, f"{identity}.local:50052", ttl=ttl, margin=MARGIN)
+
+
+@contextlib.asynccontextmanager
+async def a_leads_b_follows(endpoints, key: bytes, ttl: int = TTL, lead_within: float = 10):
+    """Candidates a (started first, leading) and b (following it); both resigned and closed after."""
+    a, b = candidate(endpoints, key, "a", ttl), candidate(endpoints, key, "b", ttl)
+    try:
+        a.start()
+        await until(a.authorised, lead_within, "a leads")
+        b.start()
+        await until(lambda: b.state().leader is not None, 5, "b follows")
+        yield a, b
+    finally:
+        for e in (a, b):
+            await e.stop()
+            await e.client.close()
 
 
 async def until(pred, timeout: float, what: str) -> float:
@@ -206,14 +223,8 @@ def test_resign_hands_over_at_once(etcd):
 
     async def main():
         key = election_key("resign")
-        a = candidate(cluster.endpoints, key, "a", ttl)
-        b = candidate(cluster.endpoints, key, "b", ttl)
-        a.start()
-        await until(a.authorised, 5, "a leads")
-        b.start()
-        await until(lambda: b.state().leader is not None, 5, "b follows")
-        old_term = a.check()
-        try:
+        async with a_leads_b_follows(cluster.endpoints, key, ttl, lead_within=5) as (a, b):
+            old_term = a.check()
             sampler = Sampler({"a": a, "b": b})
             resigned = time.monotonic()
             await a.stop()
@@ -223,10 +234,6 @@ def test_resign_hands_over_at_once(etcd):
             assert led - resigned < ttl / 2, led - resigned
             assert b.check() > old_term and sampler.overlaps() == []
             assert (await read_leader(b.client, key)).identity == "b"
-        finally:
-            for e in (a, b):
-                await e.stop()
-                await e.client.close()
     asyncio.run(main())
 
 
@@ -236,13 +243,8 @@ def test_a_dead_etcd_member_does_not_end_the_election(etcd):
     async def main():
         key = election_key("members")
         # the clients talk to the first endpoint (gRPC pick_first) and move to another when it goes away
-        a, b = candidate(cluster.endpoints, key, "a"), candidate(cluster.endpoints, key, "b")
-        a.start()
-        await until(a.authorised, 10, "a leads")
-        b.start()
-        await until(lambda: b.state().leader is not None, 5, "b follows")
-        term = a.check()
-        try:
+        async with a_leads_b_follows(cluster.endpoints, key) as (a, b):
+            term = a.check()
             talked_to = (await a.client.get(key)).header.member_id
             sampler = Sampler({"a": a, "b": b})
             cluster.members[0].signal(signal.SIGKILL)
@@ -258,10 +260,6 @@ def test_a_dead_etcd_member_does_not_end_the_election(etcd):
             t0 = sampler.samples[0][0]
             spans = {n: [(round(x - t0, 2), round(y - t0, 2)) for x, y in sampler.intervals(n)] for n in "ab"}
             print(f"authorised after the kill (s): {spans}; term {term} -> {leader.check()} held by {leader.identity}")
-        finally:
-            for e in (a, b):
-                await e.stop()
-                await e.client.close()
     asyncio.run(main())
 
 
@@ -270,13 +268,8 @@ def test_etcd_quorum_lost_ends_the_authority_and_its_return_brings_a_leader_back
 
     async def main():
         key = election_key("quorum")
-        a, b = candidate(cluster.endpoints, key, "a"), candidate(cluster.endpoints, key, "b")
-        a.start()
-        await until(a.authorised, 10, "a leads")
-        b.start()
-        await until(lambda: b.state().leader is not None, 5, "b follows")
-        term = a.check()
-        try:
+        async with a_leads_b_follows(cluster.endpoints, key) as (a, b):
+            term = a.check()
             sampler = Sampler({"a": a, "b": b})
             lost = time.monotonic()
             for m in cluster.members[1:]:
@@ -299,8 +292,4 @@ def test_etcd_quorum_lost_ends_the_authority_and_its_return_brings_a_leader_back
             assert leader.check() >= term and (await read_leader(leader.client, key)).term == leader.check()
             print(f"quorum lost: authority ended after {ended - lost:.2f} s; quorum back: {leader.identity} leads "
                   f"term {leader.check()} (was {term}) {back - returned:.2f} s after the restart")
-        finally:
-            for e in (a, b):
-                await e.stop()
-                await e.client.close()
     asyncio.run(main())
