@@ -150,12 +150,13 @@ def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0
                 num_prefill: int = 1, num_decode: int = 1, env: dict | None = None, echo: bool = False,
                 log_dir: str | None = None, extra: dict | None = None, tls_dir: str | None = None,
                 insecure: bool = False, devices: dict[str, list[str]] | None = None,
-                gateway_env: dict | None = None) -> dict[str, list[Proc]]:
+                gateway_env: dict | None = None, brokers: int = 1, etcd: str = "") -> dict[str, list[Proc]]:
     """Broker, prefills, decodes, gateway. base_ports=True uses the default ports (pdserve up); otherwise
     every port is 0 (picked by the OS), as tests need. Mutual TLS by default: a throwaway CA and one
     certificate per service (plus OPERATOR) go to tls_dir, else log_dir/tls, else a new temporary folder;
     insecure=True passes --insecure instead (loud, unsafe). devices: per role ("prefill", "decode"), the --device
-    of each instance in order. gateway_env: variables for the gateway alone (its API key)."""
+    of each instance in order. gateway_env: variables for the gateway alone (its API key). brokers > 1: that many
+    broker replicas electing a leader on the etcd endpoints `etcd`; prefill and decode get all their addresses."""
     from .common import config
 
     def ports(name: str, i: int) -> list[str]:
@@ -198,18 +199,25 @@ def start_stack(model: str, *, base_ports: bool = False, context_length: int = 0
         common += ["--allow-pool-smaller-than-context"]
     procs: dict[str, list[Proc]] = {"broker": [], "prefill": [], "decode": [], "gateway": []}
     try:
-        broker = start("broker", ["broker", *ports("broker", 0), *tls("broker", 0), *extra.get("broker", [])], env,
-                       echo=echo, log_path=log("broker"))
-        procs["broker"].append(broker)
+        if brokers > 1 and not etcd:
+            raise ValueError(f"{brokers} broker replicas need etcd endpoints to elect a leader on")
+        elect = ["--etcd", etcd] if brokers > 1 else []
+        for i in range(brokers):
+            name = "broker" if i == 0 else f"broker{i}"
+            procs["broker"].append(launch(name, ["broker", *ports("broker", i), *tls("broker", i), *elect,
+                                                 *extra.get("broker", [])], env, echo=echo, log_path=log(name)))
+        for p in procs["broker"]:
+            wait_ready(p)
+        broker_targets = ",".join(p.target for p in procs["broker"])
         for i in range(num_prefill):
             procs["prefill"].append(launch(f"prefill{i}", ["prefill", *ports("prefill", i), *tls("prefill", i),
-                                                          "--broker", broker.target, *device("prefill", i),
+                                                          "--broker", broker_targets, *device("prefill", i),
                                                           *common, *pool(prefill_pool_tokens),
                                                           *extra.get("prefill", [])], env, echo=echo,
                                            log_path=log(f"prefill{i}")))
         for i in range(num_decode):
             procs["decode"].append(launch(f"decode{i}", ["decode", *ports("decode", i), *tls("decode", i),
-                                                        "--broker", broker.target, *device("decode", i),
+                                                        "--broker", broker_targets, *device("decode", i),
                                                         *common, *pool(decode_pool_tokens),
                                                         *extra.get("decode", [])], env, echo=echo,
                                           log_path=log(f"decode{i}")))

@@ -1,18 +1,25 @@
-"""`pdserve broker`: the KV-page broker. Every start is a new epoch: nothing from before validates."""
+"""`pdserve broker`: the KV-page broker. Every start is a new epoch: nothing from before validates. With --etcd,
+one replica of several: it answers only while it leads its election's term, and exits once that term is over
+(docs/design.md §3, "Leader failover")."""
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
+import socket
 
 from ..common import config
 from ..common.cli_args import add_service_args
 from ..common.proto import broker_pb2, broker_pb2_grpc
 from ..common.server import Service, setup_logging
-from ..common.tls import add_tls_args, tls_from_args
+from ..common.tls import add_tls_args, own_identity, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..kvtransfer.engine import MOONCAKE_MIN_TIMEOUT_S
+from .authority import ElectedAuthority, SoleAuthority
+from .election import Election, connect, election_key
 from .lease_table import LeaseTable
+from .leadership import TERM_OVER_EXIT, LeadershipCollector, lead_one_term
 from .servicer import BrokerServicer
 
 log = logging.getLogger(__name__)
@@ -42,6 +49,17 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(a lost Grant reply, a failed Release); must be >= decode's --rpc-timeout")
     p.add_argument("--heartbeat-interval", type=float, default=0.25,
                    help="seconds between heartbeats on an idle revocation stream; keep well under decode's --max-blind")
+    ha = p.add_argument_group("leader election (several replicas)")
+    ha.add_argument("--etcd", default="", metavar="HOST:PORT[,HOST:PORT...]",
+                    help="etcd endpoints: run as one replica of several, answering only while it leads")
+    ha.add_argument("--cluster", default="pdserve", help="the election's name in etcd: replicas of one broker share it")
+    ha.add_argument("--election-ttl", type=int, default=5,
+                    help="etcd lease of the leader, whole seconds: a dead leader is replaced after at most this; "
+                         "too short for a loaded host fails over for nothing")
+    ha.add_argument("--election-margin", type=float, default=1.0,
+                    help="seconds the leader's authority ends before its etcd lease can expire (clock-rate and "
+                         "scheduling slack); must be under --election-ttl")
+    ha.add_argument("--advertise", default="", help="the address clients reach this replica at (default HOST:PORT)")
     add_tls_args(p)
 
 
@@ -55,6 +73,9 @@ def check_bounds(args) -> None:
         problems.append(f"--sweep-interval {args.sweep_interval}s must be in (0, --lock-delay {args.lock_delay}s)")
     if not 0 < args.writer_ttl <= args.max_ttl:
         problems.append(f"--writer-ttl {args.writer_ttl}s must be in (0, --max-ttl {args.max_ttl}s]")
+    if args.etcd and not 0 < args.election_margin < args.election_ttl:
+        problems.append(f"--election-margin {args.election_margin}s must be in (0, --election-ttl "
+                        f"{args.election_ttl}s)")
     if problems:
         raise SystemExit("broker: refusing to start: " + "; ".join(problems))
 
@@ -65,20 +86,54 @@ async def serve(args) -> None:
     tls = tls_from_args(args, "broker", "broker")
     table = LeaseTable(lock_delay_s=args.lock_delay, default_writer_ttl_s=args.writer_ttl, max_ttl_s=args.max_ttl,
                        reader_ttl_s=args.reader_ttl, reconcile_grace_s=args.reconcile_grace)
-    servicer = BrokerServicer(table, heartbeat_s=args.heartbeat_interval)
     svc = Service("broker", [broker_pb2.DESCRIPTOR.services_by_name["Broker"].full_name],
                   args.host, args.port, args.metrics_port, tls=tls, metrics_host=args.metrics_host)
+    election = None
+    if args.etcd:
+        identity = f"{own_identity(tls, 'broker')}@{socket.gethostname()}-{os.getpid()}"
+        election = Election(connect(args.etcd.split(",")), election_key(args.cluster), identity,
+                            args.advertise or f"{args.host}:{svc.port}", args.election_ttl, args.election_margin)
+    authority = ElectedAuthority(election) if election else SoleAuthority()
+    LeadershipCollector(authority)
+    servicer = BrokerServicer(table, heartbeat_s=args.heartbeat_interval, authority=authority)
     broker_pb2_grpc.add_BrokerServicer_to_server(servicer, svc.server)
     await svc.start()
     sweeper = asyncio.create_task(servicer.run_sweeper(args.sweep_interval))
     log.info("broker epoch %#x", table.epoch)
-    await svc.set_serving()
+    exit_status = 0
+    role = None
+    if election is None:
+        await svc.set_serving()
+    else:
+        election.start()
+        await svc.set_serving(healthy=False)  # a standby answers health, NOT_SERVING, until it leads
+
+        async def on_lead(term: int) -> None:
+            log.warning("broker leads term %d (epoch %#x); answering", term, table.epoch)
+            await svc.set_health(True)
+
+        async def on_term_over(why: str) -> None:
+            nonlocal exit_status
+            log.error("broker: %s; refusing everything and exiting (%d) for a fresh start as a follower", why,
+                      TERM_OVER_EXIT)
+            exit_status = TERM_OVER_EXIT
+            await svc.set_health(False)
+            svc.request_stop()
+        role = asyncio.create_task(lead_one_term(authority, on_lead, on_term_over))
 
     async def on_stop() -> None:  # a successor may already be serving: accept nothing new from here on
         servicer.stop_accepting()
+        if role is not None:  # a resignation is no term lost: the exit status stays 0
+            role.cancel()
+        if election is not None:  # resign: another replica leads at once instead of after the etcd lease's ttl
+            await election.stop()
 
     await svc.wait_for_termination(grace=5.0, drain=on_stop)  # the revocation streams get the grace
     sweeper.cancel()
+    if role is not None:
+        role.cancel()
+    if exit_status:
+        raise SystemExit(exit_status)
 
 
 def main(args) -> None:

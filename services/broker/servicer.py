@@ -8,6 +8,8 @@ from typing import AsyncIterator, Callable, TypeVar
 import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
+from pdserve.broker.authority import SoleAuthority, TermOverlapError
+from pdserve.broker.election import NotLeaderError
 from pdserve.broker.lease_table import LeaseError, LeaseTable
 from pdserve.broker.watch_stream import revocation_stream
 from pdserve.common.errors import PdError, abort
@@ -40,10 +42,13 @@ def _leases(msgs) -> list[tuple[int, int]]:
 
 
 class BrokerServicer(broker_pb2_grpc.BrokerServicer):
-    def __init__(self, table: LeaseTable, registry: CollectorRegistry = REGISTRY, heartbeat_s: float = 0.25):
+    def __init__(self, table: LeaseTable, registry: CollectorRegistry = REGISTRY, heartbeat_s: float = 0.25,
+                 authority=None):
+        """authority: whether this process may answer now, and its term (authority.py); alone by default."""
         if heartbeat_s <= 0:
             raise ValueError(f"heartbeat interval {heartbeat_s}s must be > 0")
         self._table = table
+        self._authority = authority or SoleAuthority()
         self._heartbeat_s = heartbeat_s
         self._watchers: dict[str, set[asyncio.Event]] = {}  # pool -> one wake-up per open stream
         self.stopping = False  # set on SIGTERM: a successor may already run, so nothing new is accepted
@@ -52,6 +57,11 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         self._violations = Counter("pdserve_lease_violations_total", "Refused lease checks",
                                    ["service", "reason"], registry=registry)
         self._grants = Counter("pdserve_broker_grants_total", "Successful page grants", registry=registry)
+        # TERM_OVERLAP: a caller had seen a newer term while this replica's own clock said it still led; the
+        # authority bound exists so that it never happens
+        self._refused = Counter("pdserve_broker_not_leader_total", "Calls refused because this replica may not "
+                                "authorise (NOT_LEADER) or a caller has seen a newer term (TERM_OVERLAP)",
+                                ["reason"], registry=registry)
         self._cache_pages = Gauge("pdserve_prefix_cache_pages", "Cached prefix pages of a decode pool: read (by "
                                   "an owner, or pinned by a revoked one) or unread", ["pool", "state"],
                                   registry=registry)
@@ -69,6 +79,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                                     "prefix scope, refused", ["service"], registry=registry)
         for reason in _VIOLATION_REASONS:
             self._violations.labels("broker", reason)
+        for reason in ("NOT_LEADER", "TERM_OVERLAP"):
+            self._refused.labels(reason)
         self._hits.labels("broker")
         self._cross_scope.labels("broker")
         for reason in _EVICTION_REASONS:
@@ -84,18 +96,18 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             await abort(context, PdError(grpc.StatusCode.INVALID_ARGUMENT, "BAD_REGION",
                                          f"pool {request.pool_id!r} names no transfer session or base address"))
         epoch = await self._call(context, self._table.register_pool, request.pool_id, request.num_pages,
-                                 list(request.quarantined_pages), region)
+                                 list(request.quarantined_pages), region, term_seen=request.term_seen)
         self._publish(request.pool_id)
         log.info("pool %s registered with %s pages in epoch %s", request.pool_id, request.num_pages, epoch)
         return broker_pb2.RegisterPoolResponse(epoch=epoch, lock_delay_ms=self._lock_delay_ms(),
-                                               fence_ms=self._fence_ms())
+                                               fence_ms=self._fence_ms(), term=self._authority.term)
 
     async def Grant(self, request: broker_pb2.GrantRequest,
                     context: grpc.aio.ServicerContext) -> broker_pb2.GrantResponse:
         await self._refuse_if_stopping(context, "Grant")
         leases, num_shared, checksums = await self._call(
             context, self._table.grant_with_prefix, request.pool_id, request.owner, request.num_pages,
-            request.epoch, list(request.prefix_chains), request.scope_tag)
+            request.epoch, list(request.prefix_chains), request.scope_tag, term_seen=request.term_seen)
         self._grants.inc()
         self._publish(request.pool_id)
         if FAULTS.fire("broker.lose_grant_reply", request.owner) is not None:
@@ -103,7 +115,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                                          f"fault point: the grant to {request.owner.hex()} happened, its reply is lost"))
         return broker_pb2.GrantResponse(
             epoch=self._table.epoch, leases=[common_pb2.PageLease(page=p, generation=g) for p, g in leases],
-            num_shared=num_shared, shared_checksums=checksums)
+            num_shared=num_shared, shared_checksums=checksums, term=self._authority.term)
 
     async def Publish(self, request: broker_pb2.PublishRequest,
                       context: grpc.aio.ServicerContext) -> broker_pb2.PublishResponse:
@@ -112,7 +124,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                                      _leases(request.leases), list(request.chains), list(request.checksums),
                                      request.scope_tag)
         self._publish(request.pool_id)
-        return broker_pb2.PublishResponse(published=published)
+        return broker_pb2.PublishResponse(published=published, term=self._authority.term)
 
     async def Unpublish(self, request: broker_pb2.UnpublishRequest,
                         context: grpc.aio.ServicerContext) -> broker_pb2.UnpublishResponse:
@@ -120,7 +132,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         num = await self._call(context, self._table.unpublish, request.pool_id, request.owner, request.epoch,
                                _leases(request.leases), request.reason)
         self._publish(request.pool_id)
-        return broker_pb2.UnpublishResponse(num_unpublished=num)
+        return broker_pb2.UnpublishResponse(num_unpublished=num, term=self._authority.term)
 
     async def Extend(self, request: broker_pb2.ExtendRequest,
                      context: grpc.aio.ServicerContext) -> broker_pb2.ExtendResponse:
@@ -129,8 +141,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
             await abort(context, PdError(grpc.StatusCode.INVALID_ARGUMENT, "BAD_EXTEND",
                                          f"{len(request.owners)} owners but {len(request.num_pages)} page counts"))
         results = await self._call(context, self._table.extend, request.pool_id, request.epoch,
-                                   list(zip(request.owners, request.num_pages)))
-        out = broker_pb2.ExtendResponse(epoch=self._table.epoch)
+                                   list(zip(request.owners, request.num_pages)), term_seen=request.term_seen)
+        out = broker_pb2.ExtendResponse(epoch=self._table.epoch, term=self._authority.term)
         for r in results:
             if isinstance(r, LeaseError):
                 out.results.add(refused=r.reason, message=r.message)
@@ -145,8 +157,9 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         await self._refuse_if_stopping(context, "BeginWrite")
         region = await self._call(context, self._table.begin_write, request.pool_id, request.owner, request.epoch,
                                   _leases(request.leases), request.writer_id, request.max_landing_ms / 1000.0,
-                                  request.writer_ttl_ms / 1000.0, checked_owner=request.owner)
-        return broker_pb2.BeginWriteResponse(region=region)
+                                  request.writer_ttl_ms / 1000.0, checked_owner=request.owner,
+                                  term_seen=request.term_seen)
+        return broker_pb2.BeginWriteResponse(region=region, term=self._authority.term)
 
     async def EndWrite(self, request: broker_pb2.EndWriteRequest,
                        context: grpc.aio.ServicerContext) -> broker_pb2.EndWriteResponse:
@@ -164,25 +177,27 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                      len(request.leases), request.pool_id,
                      "nothing posted" if request.nothing_posted else f"held for lock_delay {self._table.lock_delay_s}s")
         self._publish(request.pool_id)
-        return broker_pb2.EndWriteResponse(num_unquarantined=num)
+        return broker_pb2.EndWriteResponse(num_unquarantined=num, term=self._authority.term)
 
     async def Validate(self, request: broker_pb2.ValidateRequest,
                        context: grpc.aio.ServicerContext) -> broker_pb2.ValidateResponse:
         await self._call(context, self._table.validate, request.pool_id, request.owner, request.epoch,
-                         _leases(request.leases), request.recheck, checked_owner=request.owner)
-        return broker_pb2.ValidateResponse()
+                         _leases(request.leases), request.recheck, checked_owner=request.owner,
+                         term_seen=request.term_seen)
+        return broker_pb2.ValidateResponse(term=self._authority.term)
 
     async def Release(self, request: broker_pb2.ReleaseRequest,
                       context: grpc.aio.ServicerContext) -> broker_pb2.ReleaseResponse:
         freed, quarantined = await self._call(context, self._table.release, request.pool_id, request.owner,
                                               request.epoch)
         self._publish(request.pool_id)
-        return broker_pb2.ReleaseResponse(num_freed=freed, num_quarantined=quarantined)
+        return broker_pb2.ReleaseResponse(num_freed=freed, num_quarantined=quarantined, term=self._authority.term)
 
     async def KeepAlive(self, request: broker_pb2.KeepAliveRequest,
                         context: grpc.aio.ServicerContext) -> broker_pb2.KeepAliveResponse:
         await self._refuse_if_stopping(context, "KeepAlive")
-        await self._call(context, self._table.keep_alive, request.holder_id, request.ttl_ms / 1000.0)
+        await self._call(context, self._table.keep_alive, request.holder_id, request.ttl_ms / 1000.0,
+                         term_seen=request.term_seen)
         refused = await self._call(context, self._table.keep_alive_many, list(request.more_holder_ids),
                                    request.ttl_ms / 1000.0) if request.more_holder_ids else []
         # a pool this incarnation does not know (it restarted) or has fenced: NOT_FOUND, and decode
@@ -194,17 +209,19 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                 log.warning("pool %s: revoked %d owners its decode no longer holds", request.pool_id, len(stale))
                 self._after_revoke(request.pool_id)
         return broker_pb2.KeepAliveResponse(epoch=self._table.epoch, lock_delay_ms=self._lock_delay_ms(),
-                                            fence_ms=self._fence_ms(), refused_holder_ids=refused)
+                                            fence_ms=self._fence_ms(), refused_holder_ids=refused,
+                                            term=self._authority.term)
 
     async def WatchRevocations(self, request: broker_pb2.WatchRevocationsRequest,
                                context: grpc.aio.ServicerContext) -> AsyncIterator[broker_pb2.Revocation]:
-        await self._call(context, self._table.pool_state, request.pool_id)
+        await self._call(context, self._table.pool_state, request.pool_id, term_seen=request.term_seen)
         after_seq = request.after_seq if request.epoch == self._table.epoch else 0
         wake = asyncio.Event()
         watchers = self._watchers.setdefault(request.pool_id, set())
         watchers.add(wake)
         try:
-            async for msg in revocation_stream(self._table, request.pool_id, after_seq, wake, self._heartbeat_s):
+            async for msg in revocation_stream(self._table, request.pool_id, after_seq, wake, self._heartbeat_s,
+                                               self._authorise):
                 yield msg
         finally:
             watchers.discard(wake)
@@ -215,7 +232,7 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                      context: grpc.aio.ServicerContext) -> broker_pb2.ReleaseResponse:
         freed, quarantined = await self._call(context, self.revoke, request.pool_id, request.owner,
                                               request.reason or "OPERATOR")
-        return broker_pb2.ReleaseResponse(num_freed=freed, num_quarantined=quarantined)
+        return broker_pb2.ReleaseResponse(num_freed=freed, num_quarantined=quarantined, term=self._authority.term)
 
     async def GetPoolState(self, request: broker_pb2.GetPoolStateRequest,
                            context: grpc.aio.ServicerContext) -> broker_pb2.GetPoolStateResponse:
@@ -306,9 +323,23 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         for reason in _EVICTION_REASONS:
             self._evictions.labels(reason).inc(counts[f"evicted_{reason}"])
 
+    def _authorise(self, term_seen: int = 0) -> int:
+        """This replica's term if it may answer now, else PdError UNAVAILABLE NOT_LEADER (counted)."""
+        try:
+            return self._authority.check(term_seen)
+        except NotLeaderError as e:
+            self._refused.labels("TERM_OVERLAP" if isinstance(e, TermOverlapError) else "NOT_LEADER").inc()
+            raise PdError(grpc.StatusCode.UNAVAILABLE, "NOT_LEADER", str(e).removeprefix("NOT_LEADER: ")) from None
+
     async def _call(self, context: grpc.aio.ServicerContext, fn: Callable[..., T], *args,
-                    checked_owner: bytes | None = None) -> T:
-        """checked_owner: the call is a lease check of this owner's leases, and a refusal counts as a violation."""
+                    checked_owner: bytes | None = None, term_seen: int = 0) -> T:
+        """Runs fn on the table if this replica may answer now, with no await between the check and the act.
+        checked_owner: the call is a lease check of this owner's leases, and a refusal counts as a violation."""
+        try:
+            self._authorise(term_seen)
+        except PdError as e:
+            await abort(context, e)
+            raise
         try:
             return fn(*args)
         except LeaseError as e:

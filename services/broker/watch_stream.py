@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 import grpc
 
@@ -17,8 +17,8 @@ from .lease_table import LeaseTable
 log = logging.getLogger(__name__)
 
 
-def _pb(event) -> broker_pb2.Revocation:
-    msg = broker_pb2.Revocation(owner=event.owner, epoch=event.epoch, reason=event.reason, seq=event.seq)
+def _pb(event, term: int) -> broker_pb2.Revocation:
+    msg = broker_pb2.Revocation(owner=event.owner, epoch=event.epoch, reason=event.reason, seq=event.seq, term=term)
     if event.written is not None:
         leases, num_tokens, checksums, first_token, digest = event.written
         msg.write_done, msg.first_token, msg.prompt_digest = True, first_token, digest
@@ -29,10 +29,12 @@ def _pb(event) -> broker_pb2.Revocation:
 
 
 async def revocation_stream(table: LeaseTable, pool_id: str, after_seq: int, wake: asyncio.Event,
-                            heartbeat_s: float) -> AsyncIterator[broker_pb2.Revocation]:
+                            heartbeat_s: float, authorise: Callable[[], int] = lambda: 0
+                            ) -> AsyncIterator[broker_pb2.Revocation]:
     """`wake` is set whenever the pool's log may have grown. A heartbeat follows the replay at once (the
     watcher learns the stream is up and whether it missed revocations), then whenever heartbeat_s passed
-    without a message."""
+    without a message. `authorise` gives the term each message carries, checked before it goes (a heartbeat
+    tells decode its leases still stand); it raises once this replica may no longer answer, ending the stream."""
     loop = asyncio.get_running_loop()
     cursor, sent_at, first = after_seq, 0.0, True
     while True:
@@ -47,16 +49,15 @@ async def revocation_stream(table: LeaseTable, pool_id: str, after_seq: int, wak
             log.warning("watcher of pool %s resumed after seq %s but the log starts later (last seq %s): "
                         "telling it to re-check its leases", pool_id, cursor, last_seq)
         for event in events:
-            if event.written is not None:
-                yield _pb(event)
-                continue
-            log.info("revoked owner %s in pool %s (seq %s): %s", event.owner.hex(), pool_id, event.seq, event.reason)
-            yield _pb(event)
+            if event.written is None:
+                log.info("revoked owner %s in pool %s (seq %s): %s", event.owner.hex(), pool_id, event.seq,
+                         event.reason)
+            yield _pb(event, authorise())
         cursor = last_seq  # every seq up to it was just sent (or is the gap just reported)
         if events:
             sent_at = loop.time()
         if first or gap or loop.time() - sent_at >= heartbeat_s:
-            yield broker_pb2.Revocation(epoch=table.epoch, seq=cursor, heartbeat=True, gap=gap)
+            yield broker_pb2.Revocation(epoch=table.epoch, seq=cursor, heartbeat=True, gap=gap, term=authorise())
             sent_at, first = loop.time(), False
         try:
             # a timeout scope around the wait, not wait_for: wait_for runs the wait as a task of its own, so a

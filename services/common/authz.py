@@ -91,8 +91,9 @@ NO_ID = "no id"                # counts, epochs, pages, checksums, free text: no
 
 BROKER = "/pdserve.v1.Broker/"
 _LEASES = {"leases.page": NO_ID, "leases.generation": NO_ID}
+_TERM = {"term_seen": NO_ID}  # the newest election term the caller has seen: an ordered number, no id
 FIELDS: dict[str, dict[str, str | dict[str, str]]] = {
-    BROKER + "RegisterPool": {
+    BROKER + "RegisterPool": {**_TERM,
         "pool_id": {"decode": OWN}, "num_pages": NO_ID, "quarantined_pages": NO_ID,
         # where the pool's bytes live: an address, not an id (the broker cannot tell whose memory it is)
         **{f"region.{n}": NO_ID for n in ("transfer_session", "data_base", "tag_base")},
@@ -100,28 +101,29 @@ FIELDS: dict[str, dict[str, str | dict[str, str]]] = {
                                                   "page_nbytes", "tag_nbytes")}},
     # chain keys and a scope tag are fingerprints, not ids: they only choose among the cached pages of pool_id,
     # the caller's own pool, whose bytes its decode holds anyway
-    BROKER + "Grant": {"pool_id": {"decode": OWN}, "owner": {"decode": IN_OWN_POOL}, "num_pages": NO_ID,
+    BROKER + "Grant": {**_TERM, "pool_id": {"decode": OWN}, "owner": {"decode": IN_OWN_POOL}, "num_pages": NO_ID,
                        "epoch": NO_ID, "prefix_chains": NO_ID, "scope_tag": NO_ID},
     # as Release: a decode publishes and unpublishes pages of its own pool only, and only of owners reading them
     BROKER + "Publish": {"pool_id": {"decode": OWN}, "owner": {"decode": IN_OWN_POOL}, "epoch": NO_ID, **_LEASES,
                          "chains": NO_ID, "checksums": NO_ID, "scope_tag": NO_ID},
     BROKER + "Unpublish": {"pool_id": {"decode": OWN}, "owner": {"decode": IN_OWN_POOL}, "epoch": NO_ID, **_LEASES,
                            "reason": NO_ID},
-    BROKER + "Extend": {"pool_id": {"decode": OWN}, "owners": {"decode": IN_OWN_POOL}, "num_pages": NO_ID,
+    BROKER + "Extend": {**_TERM, "pool_id": {"decode": OWN}, "owners": {"decode": IN_OWN_POOL}, "num_pages": NO_ID,
                         "epoch": NO_ID},
-    BROKER + "BeginWrite": {"pool_id": {"prefill": BY_LEASE}, "owner": {"prefill": BY_LEASE}, "epoch": NO_ID,
-                            **_LEASES, "writer_id": {"prefill": OWN}, "max_landing_ms": NO_ID,
+    BROKER + "BeginWrite": {**_TERM, "pool_id": {"prefill": BY_LEASE}, "owner": {"prefill": BY_LEASE},
+                            "epoch": NO_ID, **_LEASES,
+                            "writer_id": {"prefill": OWN}, "max_landing_ms": NO_ID,
                             "writer_ttl_ms": NO_ID},
     BROKER + "EndWrite": {"pool_id": {"prefill": BY_LEASE}, "owner": {"prefill": BY_LEASE}, "epoch": NO_ID,
                           **_LEASES, "writer_id": {"prefill": OWN}, "success": NO_ID, "nothing_posted": NO_ID,
                           **{f"coverage.{n}": NO_ID for n in ("num_tokens", "num_pages", "checksums")},
                           "first_token": NO_ID, "prompt_digest": NO_ID},
-    BROKER + "Validate": {"pool_id": {"decode": OWN}, "owner": {"decode": IN_OWN_POOL}, "epoch": NO_ID, **_LEASES,
-                          "recheck": NO_ID},
+    BROKER + "Validate": {**_TERM, "pool_id": {"decode": OWN}, "owner": {"decode": IN_OWN_POOL}, "epoch": NO_ID,
+                          **_LEASES, "recheck": NO_ID},
     BROKER + "Release": {"pool_id": {"decode": OWN}, "owner": {"decode": IN_OWN_POOL}, "epoch": NO_ID},
     # the broker's own holders (revoked/..., failed/..., earlier-epoch/...) start with no role: no caller's own;
     # renewing one would keep its pages in quarantine for as long as the caller liked
-    BROKER + "KeepAlive": {
+    BROKER + "KeepAlive": {**_TERM,
         "holder_id": {"decode": OWN, "prefill": OWN}, "ttl_ms": NO_ID,
         # reconciliation revokes pool_id's owners missing from held_owners, and the renewal keeps pool_id from
         # being fenced: both are for the pool's own decode alone. held_owners is not checked against the leases
@@ -131,7 +133,7 @@ FIELDS: dict[str, dict[str, str | dict[str, str]]] = {
         "more_holder_ids": {"decode": EMPTY, "prefill": OWN},
         # a cursor: it acknowledges revocations of pool_id's owners only, and only with a pool_id of the caller's
         "revocations_seen": NO_ID},
-    BROKER + "WatchRevocations": {"pool_id": {"decode": OWN}, "after_seq": NO_ID, "epoch": NO_ID},
+    BROKER + "WatchRevocations": {**_TERM, "pool_id": {"decode": OWN}, "after_seq": NO_ID, "epoch": NO_ID},
     BROKER + "Revoke": {"pool_id": {"operator": ANYTHING}, "owner": {"operator": ANYTHING}, "reason": NO_ID},
     BROKER + "GetPoolState": {"pool_id": {"decode": OWN, "operator": ANYTHING}},
 }

@@ -18,6 +18,12 @@ def count_violation(service: str, reason: str, owner: bytes) -> None:
     FAULTS.counted(service, reason, owner)
 
 
+# an answer of a broker replica whose term had ended, refused by prefill or decode (a term they had already seen
+# was newer): expected around a failover, rare, and each one is a stale authorisation not acted upon
+OLD_TERM_ANSWERS = Counter("pdserve_old_term_answers_total", "Broker answers refused because their election term "
+                           "was older than one this process had already seen", ["service", "rpc"])
+OLD_TERM_RPCS = {"decode": ("RegisterPool", "KeepAlive", "WatchRevocations", "Grant", "Extend", "Validate"),
+                 "prefill": ("KeepAlive", "BeginWrite")}
 ADMISSION_REJECTIONS = Counter("pdserve_admission_rejections_total", "Requests rejected at admission",
                                ["reason"])
 TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total", "KV bytes written to decode pools (data + tags)")
@@ -167,6 +173,8 @@ def init_metrics(service: str, pools: list[str] = ()) -> None:
         PREFILL_DROPPED.labels(r)
     for o in RESUBMISSION_OUTCOMES:
         RESUBMISSIONS.labels(o)
+    for rpc in OLD_TERM_RPCS.get(service, ()):
+        OLD_TERM_ANSWERS.labels(service, rpc)
     if service == "decode":
         for o in RECHECK_OUTCOMES:
             LEASE_RECHECKS.labels(o)

@@ -198,13 +198,22 @@ class Service:
         sys.stdout.flush()
         os._exit(0)
 
-    async def set_serving(self) -> None:
+    async def set_serving(self, healthy: bool = True) -> None:
+        """Ready: prints the ready line; health SERVING unless healthy=False (a standby: set_health later)."""
         freeze_startup_objects()
-        for svc in ["", *self.full_service_names]:
-            await self.health.set(svc, health_pb2.HealthCheckResponse.SERVING)
+        await self.set_health(healthy)
         # one parseable line: tests and `pdserve up` start services on port 0 and read it
         print(f"PDSERVE_READY service={self.name} port={self.port} metrics_port={self.metrics_port}", flush=True)
         log.info("%s serving on port %d, metrics on %s:%d", self.name, self.port, self.metrics_host, self.metrics_port)
+
+    async def set_health(self, healthy: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
+        for svc in ["", *self.full_service_names]:
+            await self.health.set(svc, status)
+
+    def request_stop(self) -> None:
+        """Stops as SIGTERM does: wait_for_termination drains and returns."""
+        self._stop.set()
 
     async def wait_for_termination(self, grace: float = 1.0, drain: Callable[[], Awaitable[None]] | None = None,
                                    drain_timeout: float = 0.0) -> None:

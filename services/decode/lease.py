@@ -14,26 +14,31 @@ import grpc
 
 from ..common.errors import PdError
 from ..common.proto import broker_pb2
+from ..common.terms import Terms
 from ..common.wire import call, leases_from_pb, leases_to_pb
 
 Lease = tuple[int, int]
 
 
 class Link(Protocol):
-    """The pool incarnation the calls name (watch.BrokerWatch)."""
+    """The pool incarnation the calls name, and the newest broker term seen (watch.BrokerWatch)."""
     pool_id: str
     epoch: int
+    terms: Terms
 
 
 class LeaseClient:
     def __init__(self, broker, link: Link, rpc_timeout_s: float):
         self.broker, self.link, self.rpc_timeout_s = broker, link, rpc_timeout_s
 
-    def grant(self, pool_id: str, owner: bytes, need: int, timeout: float, lookup: list[bytes], scope_tag: bytes):
+    async def grant(self, pool_id: str, owner: bytes, need: int, timeout: float, lookup: list[bytes],
+                    scope_tag: bytes):
         """The Grant call, as an awaitable the caller may shield (a caller gone must not lose its reply)."""
-        return call(self.broker.Grant(broker_pb2.GrantRequest(
+        resp = await call(self.broker.Grant(broker_pb2.GrantRequest(
             pool_id=pool_id, owner=owner, num_pages=need, epoch=self.link.epoch, prefix_chains=lookup,
-            scope_tag=scope_tag), timeout=timeout), "broker Grant")
+            scope_tag=scope_tag, term_seen=self.link.terms.newest), timeout=timeout), "broker Grant")
+        self.link.terms.check(resp.term, "Grant")
+        return resp
 
     @staticmethod
     def bad_grant(leases: list[Lease], need: int) -> PdError | None:
@@ -48,7 +53,9 @@ class LeaseClient:
         """One Extend for many running sequences (growth.py): per item its new leases or the refusal."""
         resp = await call(self.broker.Extend(broker_pb2.ExtendRequest(
             pool_id=self.link.pool_id, epoch=self.link.epoch, owners=[o for o, _ in items],
-            num_pages=[n for _, n in items]), timeout=self.rpc_timeout_s), "broker Extend")
+            num_pages=[n for _, n in items], term_seen=self.link.terms.newest), timeout=self.rpc_timeout_s),
+            "broker Extend")
+        self.link.terms.check(resp.term, "Extend")
         epoch = self.link.epoch  # a move meanwhile makes the answer another epoch's: refused
         if len(resp.results) != len(items) or resp.epoch != epoch:
             raise PdError(grpc.StatusCode.INTERNAL, "BAD_EXTEND", f"asked the broker to grow {len(items)} sequences "
@@ -68,16 +75,18 @@ class LeaseClient:
 
     async def validate(self, owner: bytes, epoch: int, leases: list[Lease], timeout: float) -> None:
         """Before the first step: the prompt pages' leases are current and their writer is done."""
-        await call(self.broker.Validate(broker_pb2.ValidateRequest(
-            pool_id=self.link.pool_id, owner=owner, epoch=epoch, leases=leases_to_pb(leases)), timeout=timeout),
-            "broker Validate")
+        resp = await call(self.broker.Validate(broker_pb2.ValidateRequest(
+            pool_id=self.link.pool_id, owner=owner, epoch=epoch, leases=leases_to_pb(leases),
+            term_seen=self.link.terms.newest), timeout=timeout), "broker Validate")
+        self.link.terms.check(resp.term, "Validate")
 
     async def recheck(self, owner: bytes, epoch: int, leases: list[Lease]) -> None:
         """After a revocation-stream outage: exactly what the request holds, its own pages as LEASED to it and the
         cached ones with it among their readers (ValidateRequest.recheck)."""
-        await call(self.broker.Validate(broker_pb2.ValidateRequest(
-            pool_id=self.link.pool_id, owner=owner, epoch=epoch, leases=leases_to_pb(leases), recheck=True),
-            timeout=self.rpc_timeout_s), "broker Validate")
+        resp = await call(self.broker.Validate(broker_pb2.ValidateRequest(
+            pool_id=self.link.pool_id, owner=owner, epoch=epoch, leases=leases_to_pb(leases), recheck=True,
+            term_seen=self.link.terms.newest), timeout=self.rpc_timeout_s), "broker Validate")
+        self.link.terms.check(resp.term, "Validate")
 
     async def publish(self, pool_id: str, owner: bytes, epoch: int, leases: list[Lease], chains: list[bytes],
                       checksums: list[int], scope_tag: bytes) -> list[bool]:

@@ -12,9 +12,10 @@ from ..common.capacity import check_pool_capacity
 from ..common.cli_args import add_engine_args, load_runner
 from ..common.hub import model_path
 from ..common.metrics import init_metrics, track_load
-from ..common.proto import broker_pb2_grpc, decode_pb2, decode_pb2_grpc
+from ..common.proto import decode_pb2, decode_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
-from ..common.tls import own_identity, secure_channel, tls_from_args
+from ..common.broker_client import broker_stub
+from ..common.tls import own_identity, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..engine.grammar import Grammars
 from ..kvtransfer.engine import TransferEngine
@@ -114,8 +115,7 @@ async def _start(args, tls) -> DecodeServicer:
     transfer = TransferEngine(args.host, args.protocol, port=args.transfer_port)
     transfer.register(runner.pool.data_ptr, runner.pool.data_nbytes)
     transfer.register(runner.pool.tag_ptr, runner.pool.tag_nbytes)
-    channel = secure_channel(args.broker, tls, GRPC_OPTIONS)
-    servicer = DecodeServicer(runner, broker_pb2_grpc.BrokerStub(channel), pool_id, transfer.session,
+    servicer = DecodeServicer(runner, broker_stub(args.broker, tls, GRPC_OPTIONS), pool_id, transfer.session,
                               context_length, os.path.basename(os.path.normpath(args.model)), args.max_batch,
                               check_checksums=not args.no_transfer_checksum, canary=args.canary,
                               allocation_timeout_s=args.allocation_timeout, rpc_timeout_s=args.rpc_timeout,

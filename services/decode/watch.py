@@ -32,6 +32,7 @@ from ..common.errors import PdError
 from ..common.metrics import LEASE_RECHECKS, TIMEOUTS
 from ..common.proto import broker_pb2
 from ..common.tasks import spawn
+from ..common.terms import Terms
 from ..common.wire import call
 from .lease import LeaseClient
 from .requests import RequestTable
@@ -77,12 +78,15 @@ class BrokerWatch:
         self.contact_at: float | None = None  # monotonic time of the last reply of the broker
         self.fence_s = 0.0  # how long after contact_at a write it accepted may still land
         self.fenced_until = 0.0  # after a move: no grant from the new incarnation before this
+        self.terms = Terms("decode")  # the newest broker term seen: an answer of an older one is refused
         self.leases = LeaseClient(broker, self, rpc_timeout_s)  # the re-check's Validate
 
     async def register(self, quarantined: list[int] = ()) -> int:
         resp = await call(self.broker.RegisterPool(broker_pb2.RegisterPoolRequest(
             pool_id=self.pool_id, num_pages=self.num_pages, quarantined_pages=quarantined,
-            region=self.holder.region()), timeout=self.rpc_timeout_s), "broker RegisterPool")
+            region=self.holder.region(), term_seen=self.terms.newest), timeout=self.rpc_timeout_s),
+            "broker RegisterPool")
+        self.terms.check(resp.term, "RegisterPool")
         self.epoch = resp.epoch
         self.check_lock_delay(resp.lock_delay_ms)
         self.contacted(resp.fence_ms)
@@ -129,12 +133,17 @@ class BrokerWatch:
                 resp = await self.broker.KeepAlive(broker_pb2.KeepAliveRequest(
                     holder_id=self.pool_id, ttl_ms=int(ttl_s * 1000), pool_id=self.pool_id,
                     held_owners=sorted(self.holder.held_owners()),
-                    revocations_seen=seen if epoch == self.epoch else 0), timeout=self.rpc_timeout_s)
+                    revocations_seen=seen if epoch == self.epoch else 0, term_seen=self.terms.newest),
+                    timeout=self.rpc_timeout_s)
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.NOT_FOUND:
                     log.warning("broker unreachable (%s); running requests continue, new ones wait", e.code())
                     continue
                 await self.move(f"pool {self.pool_id} is fenced or unknown at the broker: {e.details()}")
+                continue
+            if not self.terms.fresh(resp.term, "KeepAlive"):
+                log.warning("a KeepAlive was answered under term %d, older than %d: ignored", resp.term,
+                            self.terms.newest)
                 continue
             self.check_lock_delay(resp.lock_delay_ms)
             if resp.epoch == self.epoch:
@@ -175,11 +184,13 @@ class BrokerWatch:
             is_new_stream = True
             pool_id = self.pool_id
             stream = self.broker.WatchRevocations(broker_pb2.WatchRevocationsRequest(
-                pool_id=pool_id, after_seq=seq, epoch=epoch))
+                pool_id=pool_id, after_seq=seq, epoch=epoch, term_seen=self.terms.newest))
             try:
                 async for msg in stream:
-                    if pool_id != self.pool_id:
-                        stream.cancel()  # the old incarnation's stream must not count as hearing the broker
+                    if pool_id != self.pool_id or not self.terms.fresh(msg.term, "WatchRevocations"):
+                        # the old incarnation's stream, or a replica whose term ended, must not count as hearing
+                        # the broker
+                        stream.cancel()
                         break
                     if msg.heartbeat:
                         await self._on_heartbeat(msg, is_new_stream)

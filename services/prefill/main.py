@@ -24,9 +24,10 @@ from ..common.capacity import check_pool_capacity
 from ..common.cli_args import add_engine_args, load_runner
 from ..common.hub import model_path
 from ..common.metrics import init_metrics, track_load
-from ..common.proto import broker_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from ..common.proto import prefill_pb2, prefill_pb2_grpc
 from ..common.server import GRPC_OPTIONS, Service, setup_logging
-from ..common.tls import own_identity, secure_channel, tls_from_args
+from ..common.broker_client import broker_stub
+from ..common.tls import own_identity, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..check import prefill_plan, read_model_config
 from ..engine.grammar import Grammars
@@ -163,8 +164,7 @@ async def _start(args, tls) -> PrefillServicer:
     max_prompt = check_pool_capacity("prefill", pool_name, num_pages * args.page_size, context_length,
                                      args.allow_pool_smaller_than_context)
     log.info("prefill pool: %s", "; ".join(f"{k} {v}" for k, v in plan.facts))
-    channel = secure_channel(args.broker, tls, GRPC_OPTIONS)
-    broker = broker_pb2_grpc.BrokerStub(channel)
+    broker = broker_stub(args.broker, tls, GRPC_OPTIONS)
     # the broker lets a prefill name only writer ids under its own identity
     writer_prefix = f"{own_identity(tls, 'prefill')}/{os.getpid()}-{secrets.token_hex(4)}"
     # the largest batch call is one write unit, whatever the pool's size (worker.py cuts every write into them)

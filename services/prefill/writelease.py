@@ -14,6 +14,7 @@ from ..common.errors import PdError
 from ..common.faults import FAULTS
 from ..common.metrics import GUARD_SECONDS, TRANSFER_FAILURES, count_violation
 from ..common.proto import broker_pb2
+from ..common.terms import Terms
 from ..common.wire import call
 
 log = logging.getLogger(__name__)
@@ -73,13 +74,16 @@ class WriteLeases:
         self.rpc_timeout_s = rpc_timeout_s
         self.writer_ttl_s = writer_ttl_s
         self.liveness_margin_s = liveness_margin_s
+        self.terms = Terms("prefill")  # the newest broker term seen: an answer of an older one is refused
         self.renewals = Renewals(self)
 
     async def check_bounds(self) -> float:
         """At start-up: L <= lock_delay (the class docstring says why), in the whole milliseconds every BeginWrite
         declares; returns lock_delay. Raises TimingBoundError with both numbers."""
         resp = await call(self.broker.KeepAlive(broker_pb2.KeepAliveRequest(
-            holder_id=f"{self.writer_prefix}/startup", ttl_ms=1000), timeout=self.rpc_timeout_s), "broker KeepAlive")
+            holder_id=f"{self.writer_prefix}/startup", ttl_ms=1000, term_seen=self.terms.newest),
+            timeout=self.rpc_timeout_s), "broker KeepAlive")
+        self.terms.check(resp.term, "KeepAlive")
         if (err := landing_bound_error(self.max_landing_s, resp.lock_delay_ms, self.landing_terms)) is not None:
             raise TimingBoundError(err)
         return resp.lock_delay_ms / 1000
@@ -95,9 +99,11 @@ class WriteLeases:
             with GUARD_SECONDS.labels("begin_write_rpc").time():
                 resp = await call(self.broker.BeginWrite(broker_pb2.BeginWriteRequest(
                     pool_id=pool_id, owner=owner, epoch=epoch, leases=leases_pb, writer_id=writer_id,
-                    max_landing_ms=self.max_landing_ms, writer_ttl_ms=int(self.writer_ttl_s * 1000)),
+                    max_landing_ms=self.max_landing_ms, writer_ttl_ms=int(self.writer_ttl_s * 1000),
+                    term_seen=self.terms.newest),
                     timeout=timeout_within(deadline, self.rpc_timeout_s, "before the broker's BeginWrite")),
                     "broker BeginWrite")
+            self.terms.check(resp.term, "BeginWrite")  # before any post: an old term's authorisation is none
         except PdError as e:
             TRANSFER_FAILURES.labels("begin_write").inc()
             if e.reason in ("LEASE_NOT_CURRENT", "WRITER_ACTIVE", "LEASE_ALREADY_WRITTEN"):
@@ -156,8 +162,9 @@ class Renewals:
             sent = time.monotonic()
             try:
                 resp = await call(self.leases.broker.KeepAlive(broker_pb2.KeepAliveRequest(
-                    holder_id=ids[0], more_holder_ids=ids[1:], ttl_ms=int(self.leases.writer_ttl_s * 1000)),
-                    timeout=self.leases.rpc_timeout_s), "broker KeepAlive")
+                    holder_id=ids[0], more_holder_ids=ids[1:], ttl_ms=int(self.leases.writer_ttl_s * 1000),
+                    term_seen=self.leases.terms.newest), timeout=self.leases.rpc_timeout_s), "broker KeepAlive")
+                self.leases.terms.check(resp.term, "KeepAlive")  # an old term's renewal extends nothing
             except PdError as e:
                 log.warning("KeepAlive of %d writes failed: %s", len(ids), e)
                 continue

@@ -121,3 +121,13 @@ def reset_connections(port: int) -> int:
         raise AssertionError(f"`ss -K` could not reset connections to port {port} (rc {out.returncode}): "
                              f"{out.stderr.strip()}")
     return sum(1 for line in out.stdout.splitlines() if line.strip())
+
+
+def refusal(call) -> tuple[grpc.StatusCode, str]:
+    """The (code, reason) a call that must be refused was refused with; raises if it was answered."""
+    try:
+        call()
+    except grpc.RpcError as e:
+        err = from_rpc_error(e)
+        return err.code, err.reason
+    raise AssertionError("answered")

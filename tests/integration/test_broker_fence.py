@@ -8,10 +8,9 @@ import time
 import grpc
 
 from pdserve import launcher
-from pdserve.common.errors import from_rpc_error
 from pdserve.common.pki import make_pki
 from pdserve.common.proto import broker_pb2, broker_pb2_grpc
-from tests.integration.helpers import allocate, generate_when_served, prompt
+from tests.integration.helpers import refusal, allocate, generate_when_served, prompt
 from tests.integration.proxy import TcpProxy
 from tests.integration.stack import Stack
 
@@ -25,15 +24,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def refusal(call) -> tuple[grpc.StatusCode, str]:
-    try:
-        call()
-    except grpc.RpcError as e:
-        err = from_rpc_error(e)
-        return err.code, err.reason
-    raise AssertionError("served")
 
 
 def test_two_brokers_never_both_accept_writes_and_the_old_pool_is_forgotten(model_dir, oracle):

@@ -29,10 +29,10 @@ class FakeClock:
 
 
 @contextlib.asynccontextmanager
-async def serving(table: LeaseTable | None = None):
+async def serving(table: LeaseTable | None = None, authority=None):
     registry = CollectorRegistry()
-    servicer = BrokerServicer(table or LeaseTable(), registry=registry)
-    server = grpc.aio.server()
+    servicer = BrokerServicer(table or LeaseTable(), registry=registry, authority=authority)
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])  # a stream's PdError becomes its status
     broker_pb2_grpc.add_BrokerServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()

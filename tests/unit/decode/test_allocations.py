@@ -48,7 +48,7 @@ class Broker:
     async def _answer(refuse: bool):
         if refuse:
             raise PdError(grpc.StatusCode.FAILED_PRECONDITION, "LEASE_NOT_CURRENT", "page 3 is FREE")
-        return SimpleNamespace()
+        return SimpleNamespace(term=0)
 
 
 class Holder:

@@ -52,21 +52,21 @@ class Broker:
         async def answer():
             if self.validate_error is not None:
                 raise self.validate_error
-            return SimpleNamespace()
+            return SimpleNamespace(term=0)
         return answer()
 
     def Release(self, req, timeout):
         self.calls.append(("Release", req.owner))
 
         async def answer():
-            return SimpleNamespace()
+            return SimpleNamespace(term=0)
         return answer()
 
     def RegisterPool(self, req, timeout):
         self.calls.append(("RegisterPool", req.pool_id))
 
         async def answer():
-            return SimpleNamespace(epoch=EPOCH, lock_delay_ms=2_000_000, fence_ms=0)  # > 2 x max_blind
+            return SimpleNamespace(epoch=EPOCH, lock_delay_ms=2_000_000, fence_ms=0, term=0)  # > 2 x max_blind
         return answer()
 
     def named(self, method: str) -> list:

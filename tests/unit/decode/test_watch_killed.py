@@ -108,14 +108,15 @@ class Broker:
             self.keep_alive = None  # the new incarnation is known here
 
         async def answer():
-            return SimpleNamespace(epoch=self.epoch, lock_delay_ms=4000, fence_ms=FENCE_MS)
+            return SimpleNamespace(epoch=self.epoch, lock_delay_ms=4000, fence_ms=FENCE_MS, term=0)
         return answer()
 
     def KeepAlive(self, req, timeout):
         async def answer():
             if isinstance(self.keep_alive, Exception):
                 raise self.keep_alive
-            return SimpleNamespace(epoch=self.keep_alive or self.epoch, lock_delay_ms=4000, fence_ms=FENCE_MS)
+            return SimpleNamespace(epoch=self.keep_alive or self.epoch, lock_delay_ms=4000, fence_ms=FENCE_MS,
+                                   term=0)
         return answer()
 
     def Validate(self, req, timeout):
@@ -124,7 +125,7 @@ class Broker:
         async def answer():
             if req.owner in self.refuse:
                 raise self.refuse[req.owner]
-            return SimpleNamespace()
+            return SimpleNamespace(term=0)
         return answer()
 
     def WatchRevocations(self, req):

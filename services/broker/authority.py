@@ -1,0 +1,52 @@
+"""Whether this broker process may authorise now, and under which term (docs/design.md §3, "Leader failover").
+
+A broker run alone is its own authority, under term 0. A replica run with an election authorises only while it
+leads, within the authority bound of `election.py`, and under **one term in its life**: the lease table it built
+in that term may name pages another leader has granted since, so once the term ends nothing it holds is answered
+from again. `main.py` then stops the process and its supervisor starts a fresh one, which follows with an empty
+table until it wins a term of its own.
+
+Every call is checked here, synchronously, just before the table acts on it; a caller's `term_seen` newer than
+the term this replica holds means another leader already answered that caller while this one still believed it
+led, which the authority bound exists to prevent: refused, and counted as an overlap (an alert that must never
+fire)."""
+from __future__ import annotations
+
+from .election import Election, NotLeaderError
+
+
+class TermOverlapError(NotLeaderError):
+    """A caller has seen a newer term than the one this replica still holds by its own clock."""
+
+
+class SoleAuthority:
+    """A broker without election: always authorised, term 0."""
+    term = 0
+    elected = False
+
+    def check(self, term_seen: int = 0) -> int:
+        return 0
+
+
+class ElectedAuthority:
+    def __init__(self, election: Election) -> None:
+        self.election = election
+        self.term = 0  # the one term this process leads, once it has won it
+        self.elected = True
+
+    def check(self, term_seen: int = 0) -> int:
+        """The term under which this replica may authorise now; NotLeaderError (with the numbers) otherwise."""
+        term = self.election.check()
+        if self.term == 0:
+            self.term = term
+        elif term != self.term:
+            raise NotLeaderError(f"NOT_LEADER: this replica led term {self.term}, which ended; it won term {term} "
+                                 f"since, but answers nothing from the table of an earlier term (it restarts)")
+        if term_seen > term:
+            raise TermOverlapError(f"NOT_LEADER: the caller has seen term {term_seen}, newer than this replica's "
+                                   f"term {term}, which it still held by its own clock: refused")
+        return term
+
+    def lost(self) -> bool:
+        """True once the term this process led is over (it never leads another)."""
+        return self.term != 0 and not (self.election.authorised() and self.election.state().term == self.term)

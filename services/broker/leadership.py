@@ -1,0 +1,66 @@
+"""A broker replica's role over its life: follow (NOT_SERVING, every call refused), lead one term (SERVING), then
+stop once that term is over (authority.py says why a replica never leads twice). Also its metrics."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from .authority import ElectedAuthority, SoleAuthority
+from .election import NotLeaderError
+
+log = logging.getLogger(__name__)
+
+# the exit status of a replica whose term ended: its supervisor starts a fresh one (EX_TEMPFAIL)
+TERM_OVER_EXIT = 75
+
+
+class LeadershipCollector:
+    """Read at each scrape: whether this replica leads, the term it leads or knows of, how long its authority has
+    left, and the terms it won. A broker without election reports itself leading term 0, so the no-leader alert
+    reads the same for both."""
+
+    def __init__(self, authority: ElectedAuthority | SoleAuthority, registry: CollectorRegistry = REGISTRY):
+        self.authority = authority
+        registry.register(self)
+
+    def collect(self):
+        if not self.authority.elected:
+            leading, term, left, won = True, 0, float("inf"), 0
+        else:
+            state = self.authority.election.state()
+            leading = state.is_leader and not self.authority.lost()
+            term, left, won = state.term, state.authority_left_s, state.terms_won
+        yield GaugeMetricFamily("pdserve_broker_leader", "1 while this broker replica may authorise", value=leading)
+        yield GaugeMetricFamily("pdserve_broker_term", "The election term this replica leads, else the newest it "
+                                "knows a leader of (0: no election)", value=term)
+        yield GaugeMetricFamily("pdserve_broker_authority_left_seconds", "How long this replica's authority lasts "
+                                "without another etcd lease renewal (0 while it follows)", value=left if leading else 0)
+        yield CounterMetricFamily("pdserve_broker_terms_won", "Election terms this replica has won", value=won)
+
+
+async def lead_one_term(authority: ElectedAuthority, on_lead, on_term_over, poll_s: float = 0.05) -> None:
+    """Waits to win a term, calls on_lead(term), waits for that term to end, calls on_term_over(why).
+    The authority bound lapses by the clock alone, so the wait polls as well as listening for changes."""
+    election = authority.election
+    while True:
+        while not election.authorised():
+            await _changed_or(election, 1.0)
+        try:
+            term = authority.check()
+            break
+        except NotLeaderError:  # lapsed between the two reads
+            continue
+    await on_lead(term)
+    while not authority.lost():
+        await _changed_or(election, poll_s)
+    await on_term_over(f"term {term} is over (authority left {election.state().authority_left_s:.2f}s)")
+
+
+async def _changed_or(election, timeout_s: float) -> None:
+    try:
+        await asyncio.wait_for(election.wait_changed(), timeout_s)
+    except asyncio.TimeoutError:
+        pass

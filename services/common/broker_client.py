@@ -1,0 +1,91 @@
+"""The Broker stub of prefill and decode. One address: the plain stub. Several (the replicas of an elected broker,
+docs/design.md §3, "Leader failover"): a stub that follows the leader. A call is sent to the replica believed to
+lead; when it fails in a way that says this replica cannot answer (it does not lead, it is stopping, it is
+unreachable or silent), the next calls go to the next replica. The failed call itself still fails: whether to
+retry is its caller's decision (a Grant is not idempotent), exactly as with one broker that restarted."""
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from .errors import from_rpc_error
+from .proto import broker_pb2_grpc
+from .tls import TlsConfig, secure_channel
+
+log = logging.getLogger(__name__)
+
+# answered by a replica that cannot serve: look for the leader elsewhere
+_MOVE_ON = {"NOT_LEADER", "BROKER_STOPPING"}
+_UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+
+
+def addresses(text: str) -> list[str]:
+    """`--broker` as a list: one address, or the replicas' addresses joined by commas."""
+    out = [a.strip() for a in text.split(",") if a.strip()]
+    if not out:
+        raise ValueError(f"no broker address in {text!r}")
+    return out
+
+
+def broker_stub(text: str, tls: TlsConfig | None, options) -> object:
+    """A Broker stub over the address(es) in `text` (--broker)."""
+    targets = addresses(text)
+    stubs = [broker_pb2_grpc.BrokerStub(secure_channel(t, tls, options)) for t in targets]
+    return stubs[0] if len(stubs) == 1 else LeaderStub(targets, stubs)
+
+
+class LeaderStub:
+    """Calls go to `stubs[current]`; a failure that says that replica cannot answer moves `current` on."""
+
+    def __init__(self, targets: list[str], stubs: list) -> None:
+        self.targets, self.stubs = targets, stubs
+        self.current = 0
+        self.moves = 0
+
+    def __getattr__(self, method: str):
+        if method.startswith("_"):
+            raise AttributeError(method)
+        if method == "WatchRevocations":
+            return lambda *a, **kw: _Stream(self, self.current, self.stubs[self.current].WatchRevocations(*a, **kw))
+
+        async def unary(*args, **kwargs):
+            i = self.current
+            try:
+                return await getattr(self.stubs[i], method)(*args, **kwargs)
+            except grpc.RpcError as e:
+                self.failed(i, e)
+                raise
+        return unary
+
+    def failed(self, i: int, e: grpc.RpcError) -> None:
+        """Moves on from replica i once, however many calls to it fail together."""
+        code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
+        if code not in _UNREACHABLE or i != self.current:
+            return
+        reason = from_rpc_error(e).reason
+        # UNAVAILABLE with a reason of the leader's own (FAULT_..., POOL_...) is an answer, not a replica gone
+        if code == grpc.StatusCode.UNAVAILABLE and reason not in _MOVE_ON and reason != "UNKNOWN":
+            return
+        self.current = (i + 1) % len(self.stubs)
+        self.moves += 1
+        log.warning("broker replica %s cannot answer (%s %s); trying %s", self.targets[i], code.name, reason,
+                    self.targets[self.current])
+
+
+class _Stream:
+    """A WatchRevocations call that reports its failure to the LeaderStub; iterate it, or cancel it."""
+
+    def __init__(self, owner: LeaderStub, i: int, call) -> None:
+        self._owner, self._i, self._call = owner, i, call
+
+    def cancel(self) -> bool:
+        return self._call.cancel()
+
+    async def __aiter__(self):
+        try:
+            async for msg in self._call:
+                yield msg
+        except grpc.RpcError as e:
+            self._owner.failed(self._i, e)
+            raise

@@ -1,0 +1,173 @@
+"""Two broker replicas electing a leader on a real etcd, under a real stack (docs/design.md §3, "Leader failover"):
+only the leader answers (the standby refuses NOT_LEADER and reports NOT_SERVING), every answer carries its term,
+prefill and decode follow the leader through the list of replicas. A kill -9 of the leader: the standby leads
+within the etcd lease's ttl + 1 s, no stream ends with foreign or wrong tokens (those running end UNAVAILABLE,
+retryable, until running streams are handed over), the pool drains at the new leader. A leader paused past its
+lease wakes refusing everything and exits for a fresh start."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from pdserve.common.etcd_server import EtcdCluster
+from pdserve.common.proto import broker_pb2, broker_pb2_grpc
+from tests.integration.helpers import refusal, generate_when_served, prompt, wait_for
+from tests.integration.stack import Stack
+
+TTL, MARGIN = 2, 0.5
+LOCK_DELAY, READER_TTL, MAX_TTL = 5.5, 3.0, 5.0
+FENCE = READER_TTL + MAX_TTL + LOCK_DELAY
+BROKER = ["--lock-delay", str(LOCK_DELAY), "--reader-ttl", str(READER_TTL), "--max-ttl", str(MAX_TTL),
+          "--writer-ttl", "2.0", "--sweep-interval", "0.2", "--reconcile-grace", "3",
+          "--election-ttl", str(TTL), "--election-margin", str(MARGIN)]
+
+
+def scrape(proc) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=5).read().decode()
+
+
+def value(text: str, name: str) -> float:
+    m = re.search(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    if m is None:
+        raise KeyError(name)
+    return float(m.group(1))
+
+
+def leading(proc) -> bool:
+    try:
+        return proc.alive() and value(scrape(proc), "pdserve_broker_leader") == 1
+    except OSError:
+        return False
+
+
+@pytest.fixture
+def ha_stack(model_dir, tmp_path):
+    etcd = EtcdCluster(tmp_path / "etcd", 1)
+    etcd.start()
+    stack = None
+    try:
+        stack = Stack(model_dir, brokers=2, etcd=etcd.endpoints[0],
+                      extra={"broker": BROKER,
+                             "prefill": ["--writer-ttl", "2.0", "--landing-slack", "0.3"],
+                             "decode": ["--max-blind", "2.0", "--rpc-timeout", "3"]})
+        yield stack, etcd
+    finally:
+        if stack is not None:
+            stack.close()
+        etcd.stop()
+
+
+def leader_and_standby(stack):
+    wait_for(lambda: sum(leading(p) for p in stack.procs["broker"]) == 1, 15, "one broker replica leads")
+    lead = next(p for p in stack.procs["broker"] if leading(p))
+    return lead, next(p for p in stack.procs["broker"] if p is not lead)
+
+
+def stub(stack, proc):
+    return broker_pb2_grpc.BrokerStub(stack._ch(proc.target))
+
+
+def test_only_the_leader_answers_and_its_term_travels(ha_stack, oracle):
+    stack, _ = ha_stack
+    lead, standby = leader_and_standby(stack)
+    p = prompt(40, 31)
+    out = generate_when_served(stack, p, 8)
+    assert "error" not in out, (out, stack.logs()[-3000:])
+    oracle.check(p, out["token_ids"])
+    pool = stack.pool_ids()[0]
+    state = stub(stack, lead).GetPoolState(broker_pb2.GetPoolStateRequest(pool_id=pool), timeout=5)
+    assert state.num_pages > 0
+    # the standby refuses even a read of state: its table is empty and it may not answer
+    assert refusal(lambda: stub(stack, standby).GetPoolState(
+        broker_pb2.GetPoolStateRequest(pool_id=pool), timeout=5)) == (grpc.StatusCode.UNAVAILABLE, "NOT_LEADER")
+    term = value(scrape(lead), "pdserve_broker_term")
+    assert term > 0 and value(scrape(standby), "pdserve_broker_term") == term
+    assert value(scrape(standby), "pdserve_broker_not_leader_total") >= 1
+    # a decode KeepAlive answered by the leader carries its term
+    ka = broker_pb2_grpc.BrokerStub(stack._ch(lead.target, "decode/decode0")).KeepAlive(
+        broker_pb2.KeepAliveRequest(holder_id=pool, ttl_ms=5000, pool_id=pool), timeout=5)
+    assert ka.term == term
+    # a caller that has seen a newer term than the leader's own is refused and counted: it must never happen
+    assert refusal(lambda: broker_pb2_grpc.BrokerStub(stack._ch(lead.target, "decode/decode0")).KeepAlive(
+        broker_pb2.KeepAliveRequest(holder_id=pool, ttl_ms=5000, pool_id=pool, term_seen=int(term) + 1),
+        timeout=5)) == (grpc.StatusCode.UNAVAILABLE, "NOT_LEADER")
+    assert 'pdserve_broker_not_leader_total{reason="TERM_OVERLAP"} 1.0' in scrape(lead)
+
+
+def test_kill_the_leader_the_standby_takes_over_and_nothing_foreign_is_served(ha_stack, oracle):
+    stack, _ = ha_stack
+    lead, standby = leader_and_standby(stack)
+    first = prompt(30, 41)
+    out = generate_when_served(stack, first, 4)
+    assert "error" not in out, (out, stack.logs()[-3000:])
+    old_pool = stack.pool_ids()[0]
+    prompts = [prompt(30 + 7 * i, 50 + i) for i in range(4)]
+    results: dict[int, dict] = {}
+
+    def run(i):
+        results[i] = stack.generate(prompt_token_ids=prompts[i], max_tokens=120, ignore_eos=True)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # the streams run
+    os.killpg(lead.popen.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    took = wait_for(lambda: leading(standby), TTL + 5, "the standby leads")
+    assert time.monotonic() - killed <= TTL + 1.0, f"standby led {took:.2f}s after the kill (ttl {TTL}s)"
+    for t in threads:
+        t.join(120)
+    for i, out in results.items():
+        if "error" in out:  # running streams end retryable, never DATA_LOSS, never with tokens of another prompt
+            assert out["error"]["code"] == "UNAVAILABLE", out
+        else:
+            oracle.check(prompts[i], out["token_ids"])
+    # new requests are served again from a new pool incarnation registered with the new leader, after the fence
+    q = prompt(45, 61)
+    out = generate_when_served(stack, q, 6, timeout=FENCE + 20, refused_code="UNAVAILABLE")
+    assert "error" not in out, (out, stack.logs()[-4000:])
+    oracle.check(q, out["token_ids"])
+    new_pool = stack.pool_ids()[0]
+    assert new_pool != old_pool
+    new = stub(stack, standby)
+
+    def idle() -> bool:
+        s = new.GetPoolState(broker_pb2.GetPoolStateRequest(pool_id=new_pool), timeout=5)
+        return s.num_leased == 0 and s.num_quarantined == 0 and s.num_free + s.num_cached == s.num_pages
+    wait_for(idle, 20, "the new leader's pool drains")
+    assert stack.metric("decode", "pdserve_lease_violations_total") == 0
+    assert stack.metric("prefill", "pdserve_lease_violations_total") == 0
+
+
+def test_a_paused_leader_wakes_refusing_everything_and_exits(ha_stack, oracle):
+    stack, _ = ha_stack
+    lead, standby = leader_and_standby(stack)
+    p = prompt(35, 71)
+    out = generate_when_served(stack, p, 4)
+    assert "error" not in out, out
+    pool = stack.pool_ids()[0]
+    os.killpg(lead.popen.pid, signal.SIGSTOP)
+    try:
+        wait_for(lambda: leading(standby), TTL + 5, "the standby leads while the leader is paused")
+        # a call queued at the paused leader: answered only after it wakes
+        answer: list = []
+        threading.Thread(target=lambda: answer.append(refusal(lambda: stub(stack, lead).GetPoolState(
+            broker_pb2.GetPoolStateRequest(pool_id=pool), timeout=20)))).start()
+        time.sleep(0.5)
+    finally:
+        os.killpg(lead.popen.pid, signal.SIGCONT)
+    wait_for(lambda: answer, 20, "the woken leader answers the queued call")
+    # refused: by its authority check (NOT_LEADER), or by its server already stopping for the exit
+    assert answer[0][0] == grpc.StatusCode.UNAVAILABLE, answer
+    assert lead.popen.wait(20) == 75, stack.logs()[-3000:]
+    q = prompt(40, 72)
+    out = generate_when_served(stack, q, 6, timeout=FENCE + 20, refused_code="UNAVAILABLE")
+    assert "error" not in out, (out, stack.logs()[-4000:])
+    oracle.check(q, out["token_ids"])
+    assert stack.metric("decode", "pdserve_lease_violations_total") == 0

@@ -1,0 +1,60 @@
+"""services/broker/authority.py with a scripted election: a replica answers under one term in its life, refuses
+once that term is over (even when it wins another), and refuses a caller that has seen a newer term."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from pdserve.broker.authority import ElectedAuthority, SoleAuthority, TermOverlapError
+from pdserve.broker.election import NotLeaderError
+
+
+class Scripted:
+    """The part of Election the authority reads: check() gives `term` while `leads`."""
+
+    def __init__(self) -> None:
+        self.term, self.leads = 0, False
+
+    def check(self) -> int:
+        if not self.leads:
+            raise NotLeaderError("NOT_LEADER: scripted: not leading")
+        return self.term
+
+    def authorised(self) -> bool:
+        return self.leads
+
+    def state(self):
+        return SimpleNamespace(term=self.term)
+
+
+def test_a_sole_broker_always_answers_under_term_0():
+    a = SoleAuthority()
+    assert a.check() == 0 and a.check(term_seen=0) == 0 and a.term == 0 and not a.elected
+
+
+def test_one_term_in_a_life():
+    e = Scripted()
+    a = ElectedAuthority(e)
+    with pytest.raises(NotLeaderError, match="not leading"):
+        a.check()
+    assert a.term == 0 and not a.lost()  # a follower has lost nothing
+    e.term, e.leads = 12, True
+    assert a.check() == 12 and a.term == 12 and not a.lost()
+    e.leads = False
+    assert a.lost()
+    with pytest.raises(NotLeaderError):
+        a.check()
+    e.term, e.leads = 40, True  # won again before the process stopped: its table is of term 12
+    with pytest.raises(NotLeaderError, match="led term 12, which ended; it won term 40"):
+        a.check()
+    assert a.lost() and a.term == 12
+
+
+def test_a_caller_that_saw_a_newer_term_is_refused_as_an_overlap():
+    e = Scripted()
+    e.term, e.leads = 12, True
+    a = ElectedAuthority(e)
+    assert a.check(term_seen=12) == 12 and a.check(term_seen=3) == 12
+    with pytest.raises(TermOverlapError, match="seen term 13, newer than this replica's term 12"):
+        a.check(term_seen=13)

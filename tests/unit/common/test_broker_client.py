@@ -1,0 +1,120 @@
+"""services/common/broker_client.py with scripted stubs: calls go to one replica until it says it cannot answer
+(NOT_LEADER, stopping, unreachable, silent); an answer of the leader's own, even UNAVAILABLE, keeps them there;
+many calls failing together move on once; the revocation stream reports its failure too."""
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from pdserve.common.broker_client import LeaderStub, addresses
+from pdserve.common.errors import PdError, to_status
+
+
+class Failed(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, reason: str | None) -> None:
+        self._code = code
+        self._status = to_status(PdError(code, reason, "scripted")) if reason else None
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return "scripted"
+
+    def trailing_metadata(self):
+        return self._status.trailing_metadata if self._status else ()
+
+
+class Replica:
+    def __init__(self, name: str) -> None:
+        self.name, self.fail, self.calls = name, None, 0
+
+    def Grant(self, req, timeout=None):
+        self.calls += 1
+
+        async def answer():
+            await asyncio.sleep(0)
+            if self.fail is not None:
+                raise self.fail
+            return self.name
+        return answer()
+
+    def WatchRevocations(self, req):
+        replica = self
+
+        class Call:
+            def cancel(self):
+                return True
+
+            async def __aiter__(self):
+                yield replica.name
+                if replica.fail is not None:
+                    raise replica.fail
+        return Call()
+
+
+def stub():
+    a, b, c = Replica("a"), Replica("b"), Replica("c")
+    return LeaderStub(["a:1", "b:1", "c:1"], [a, b, c]), a, b, c
+
+
+def test_addresses():
+    assert addresses("a:1") == ["a:1"] and addresses(" a:1, b:2 ,") == ["a:1", "b:2"]
+    with pytest.raises(ValueError, match="no broker address"):
+        addresses(" , ")
+
+
+@pytest.mark.parametrize("code,reason,moves", [
+    (grpc.StatusCode.UNAVAILABLE, "NOT_LEADER", True),
+    (grpc.StatusCode.UNAVAILABLE, "BROKER_STOPPING", True),
+    (grpc.StatusCode.UNAVAILABLE, None, True),  # connection refused: no reason attached
+    (grpc.StatusCode.DEADLINE_EXCEEDED, None, True),  # a paused replica
+    (grpc.StatusCode.UNAVAILABLE, "POOL_FENCED", False),  # the leader's own answer
+    (grpc.StatusCode.FAILED_PRECONDITION, "LEASE_NOT_CURRENT", False),
+    (grpc.StatusCode.NOT_FOUND, "UNKNOWN_POOL", False)])
+def test_which_failures_move_on(code, reason, moves):
+    async def main():
+        s, a, b, _ = stub()
+        assert await s.Grant(None) == "a"
+        a.fail = Failed(code, reason)
+        with pytest.raises(grpc.RpcError):
+            await s.Grant(None)  # the failed call fails: retrying is its caller's decision
+        if moves:
+            assert await s.Grant(None) == "b"
+        else:
+            with pytest.raises(grpc.RpcError):
+                await s.Grant(None)
+        assert (s.current, s.moves, b.calls > 0) == ((1, 1, True) if moves else (0, 0, False))
+    asyncio.run(main())
+
+
+def test_calls_failing_together_move_on_once_and_wrap_around():
+    async def main():
+        s, a, b, c = stub()
+        a.fail = Failed(grpc.StatusCode.UNAVAILABLE, None)
+        results = await asyncio.gather(*(s.Grant(None) for _ in range(5)), return_exceptions=True)
+        assert all(isinstance(r, grpc.RpcError) for r in results) and a.calls == 5
+        assert s.current == 1 and s.moves == 1
+        b.fail = c.fail = Failed(grpc.StatusCode.UNAVAILABLE, "NOT_LEADER")
+        a.fail = None
+        for _ in range(2):
+            with pytest.raises(grpc.RpcError):
+                await s.Grant(None)
+        assert s.current == 0 and await s.Grant(None) == "a"
+    asyncio.run(main())
+
+
+def test_a_failed_stream_moves_on():
+    async def main():
+        s, a, b, _ = stub()
+        a.fail = Failed(grpc.StatusCode.UNAVAILABLE, "NOT_LEADER")
+        got = []
+        with pytest.raises(grpc.RpcError):
+            async for msg in s.WatchRevocations(None):
+                got.append(msg)
+        assert got == ["a"] and s.current == 1
+        got = [msg async for msg in s.WatchRevocations(None)]
+        assert got == ["b"]
+    asyncio.run(main())

@@ -1,0 +1,28 @@
+"""services/common/terms.py: the newest broker term a process has seen only grows; an older answer is refused,
+counted per rpc, and leaves the newest unchanged."""
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pdserve.common.errors import PdError
+from pdserve.common.metrics import OLD_TERM_ANSWERS
+from pdserve.common.terms import Terms
+
+
+def count(rpc: str) -> float:
+    return OLD_TERM_ANSWERS.labels("decode", rpc)._value.get()
+
+
+def test_older_answers_are_refused_and_counted():
+    t = Terms("decode")
+    t.check(0, "KeepAlive")  # a broker without election
+    t.check(7, "KeepAlive")
+    t.check(7, "Grant")
+    before = count("Grant")
+    with pytest.raises(PdError) as e:
+        t.check(5, "Grant")
+    assert (e.value.code, e.value.reason) == (grpc.StatusCode.UNAVAILABLE, "OLD_TERM")
+    assert "term 5, older than term 7" in e.value.message
+    assert count("Grant") == before + 1 and t.newest == 7
+    assert not t.fresh(0, "WatchRevocations") and t.fresh(9, "WatchRevocations") and t.newest == 9
