@@ -31,15 +31,21 @@ class SoleAuthority:
 class ElectedAuthority:
     def __init__(self, election: Election) -> None:
         self.election = election
-        self.term = 0  # the one term this process leads, once it has won it
+        self.term = 0  # the one term this process leads, from begin() on
         self.elected = True
+
+    def begin(self, term: int) -> None:
+        """The replica won `term` and took over (the lease identity is loaded): it answers from now on."""
+        if self.term:
+            raise RuntimeError(f"this replica led term {self.term} already; it cannot begin term {term}")
+        self.term = term
 
     def check(self, term_seen: int = 0) -> int:
         """The term under which this replica may authorise now; NotLeaderError (with the numbers) otherwise."""
         term = self.election.check()
-        if self.term == 0:
-            self.term = term
-        elif term != self.term:
+        if term != self.term:
+            if self.term == 0:
+                raise NotLeaderError(f"NOT_LEADER: this replica won term {term} and is still taking over")
             raise NotLeaderError(f"NOT_LEADER: this replica led term {self.term}, which ended; it won term {term} "
                                  f"since, but answers nothing from the table of an earlier term (it restarts)")
         if term_seen > term:

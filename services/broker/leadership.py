@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 
 from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from .authority import ElectedAuthority, SoleAuthority
-from .election import NotLeaderError
+from .election import RETRYABLE, Election, NotLeaderError
 
 log = logging.getLogger(__name__)
 
@@ -41,22 +42,39 @@ class LeadershipCollector:
         yield CounterMetricFamily("pdserve_broker_terms_won", "Election terms this replica has won", value=won)
 
 
-async def lead_one_term(authority: ElectedAuthority, on_lead, on_term_over, poll_s: float = 0.05) -> None:
-    """Waits to win a term, calls on_lead(term), waits for that term to end, calls on_term_over(why).
-    The authority bound lapses by the clock alone, so the wait polls as well as listening for changes."""
+async def lead_one_term(authority: ElectedAuthority, take_over, on_lead, on_term_over, poll_s: float = 0.05) -> None:
+    """Waits to win a term; `take_over(term)` loads what the term needs (the lease identity), then the replica
+    answers (authority.begin, then `on_lead(term)`) until the term ends; then `on_term_over(why)`. The authority bound lapses by the
+    clock alone, so the waits poll as well as listening for changes."""
     election = authority.election
     while True:
         while not election.authorised():
             await _changed_or(election, 1.0)
         try:
-            term = authority.check()
-            break
-        except NotLeaderError:  # lapsed between the two reads
+            term = election.check()
+            await take_over(term)
+        except (NotLeaderError, *RETRYABLE) as e:  # lapsed, or lost while taking over: nothing answered yet
+            log.warning("broker: taking over failed: %r; campaigning on", e)
+            await asyncio.sleep(0.1)
             continue
+        break
+    authority.begin(term)
     await on_lead(term)
     while not authority.lost():
         await _changed_or(election, poll_s)
-    await on_term_over(f"term {term} is over (authority left {election.state().authority_left_s:.2f}s)")
+    await on_term_over(f"term {authority.term} is over (authority left {election.state().authority_left_s:.2f}s)")
+
+
+async def shared_epoch(election: Election, cluster: str) -> int:
+    """The lease identity every leader of `cluster` answers under (docs/design.md §3, "Leader failover"): drawn
+    by the first leader, stored once in etcd by a transaction fenced on its term, read by every later one, so a
+    failover changes no tag and no lease. Raises NotLeaderError (StaleTermError) when the term is not current."""
+    key = f"/pdserve/{cluster}/broker/epoch".encode()
+    tx = election.client.transactions
+    drawn = str(secrets.randbits(64) or 1).encode()
+    _, responses = await election.fenced_txn(compare=[tx.version(key) == 0], success=[tx.put(key, drawn), tx.get(key)],
+                                             failure=[tx.get(key)])
+    return int(responses[-1].response_range.kvs[0].value)
 
 
 async def _changed_or(election, timeout_s: float) -> None:

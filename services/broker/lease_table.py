@@ -41,6 +41,18 @@ class LeaseTable:
         self._liveness = Liveness(clock, default_writer_ttl_s, lock_delay_s)
         self._fence = ReaderFence(self._liveness, clock, reader_ttl_s, reconcile_grace_s, max_ttl_s, lock_delay_s)
         self._shares = PrefixShares(self._liveness)
+        self.term = 0
+        self._generations = (1, 2**63)  # [first, limit) of the generations this table grants
+
+    def take_identity(self, epoch: int, term: int) -> None:
+        """A replica that won `term` answers under the cluster's one epoch, and grants generations from term << 32
+        up, above every earlier term's (docs/design.md §3, "Leader failover"). Only before any pool is known."""
+        if self._pools:
+            raise RuntimeError(f"the lease identity is taken before any pool is registered; {len(self._pools)} are")
+        if not 0 < epoch < 2**64 or not 0 < term < 2**31:
+            raise ValueError(f"epoch {epoch} must be in [1, 2**64) and term {term} in [1, 2**31)")
+        self.epoch, self.term = epoch, term
+        self._generations = (term << 32, (term + 1) << 32)
 
     @property
     def reader_ttl_s(self) -> float:
@@ -73,7 +85,9 @@ class LeaseTable:
                              f"quarantined pages must be in [0, {num_pages}), got {held[0]}..{held[-1]}")
         pool = self._pools.get(pool_id)
         if pool is None:
-            pool = self._pools[pool_id] = PoolPages(pool_id, num_pages, region=region)
+            pool = self._pools[pool_id] = PoolPages(pool_id, num_pages, region=region,
+                                                    next_generation=self._generations[0],
+                                                    generation_limit=self._generations[1])
             if held:
                 writer = f"earlier-epoch/{pool_id}"
                 # an old-epoch writer renews at most one ttl before it learns the epoch changed and stops
@@ -89,6 +103,40 @@ class LeaseTable:
             # a second registration must not move where writers aim: leases already granted point there
             raise LeaseError("ALREADY_EXISTS", "POOL_REGION_MISMATCH",
                              f"pool {pool_id} is registered at another transfer session or address")
+        self._fence.renew(pool)
+        return self.epoch
+
+    def adopt_pool(self, pool_id: str, num_pages: int, region, epoch: int, term_seen: int, revocations_seen: int,
+                   claims: list[tuple[bytes, list[Lease], list[bool]]]) -> int:
+        """A pool a leader of an earlier term knew, handed over by its decode (docs/design.md §3, "Leader
+        failover"): what decode claims stays as it was (PoolPages.adopt), every other page waits until the earlier
+        term's writes have drained. Those writers' liveness ended by this term's start at the latest (its leader's
+        authority had ended, and it renewed no writer beyond max_ttl), so the stand-in holder expires max_ttl after
+        now and the pages leave quarantine lock_delay after that. The pool's revocations continue after decode's
+        cursor. Refused (FAILED_PRECONDITION) where this leader cannot adopt: decode then registers anew."""
+        if not self.term:
+            raise LeaseError("FAILED_PRECONDITION", "NOT_ELECTED", f"this broker runs without election: pool "
+                                                                   f"{pool_id} is registered anew, not adopted")
+        if epoch != self.epoch:
+            raise LeaseError("FAILED_PRECONDITION", "EPOCH_MISMATCH", f"the claim's epoch {epoch:#x} is not this "
+                                                                      f"cluster's {self.epoch:#x}")
+        if not 0 < term_seen < self.term:
+            raise LeaseError("FAILED_PRECONDITION", "NOT_AN_EARLIER_TERM",
+                             f"pool {pool_id} was last answered under term {term_seen}; this leader's term is "
+                             f"{self.term}: only a pool of an earlier term is adopted")
+        if not pool_id or num_pages <= 0:
+            raise LeaseError("INVALID_ARGUMENT", "BAD_POOL", f"pool {pool_id!r} of {num_pages} pages")
+        self._fence.check_not_forgotten(pool_id)
+        if pool_id in self._pools:
+            raise LeaseError("FAILED_PRECONDITION", "POOL_KNOWN", f"pool {pool_id} is known to this leader already")
+        pool = PoolPages(pool_id, num_pages, region=region, next_generation=self._generations[0],
+                         generation_limit=self._generations[1])
+        holder = f"earlier-term/{pool_id}"
+        now = self._clock()
+        pool.adopt(claims, holder, now)
+        self._liveness.end(holder, now + self.max_ttl_s)
+        pool.revocations.continue_after(revocations_seen)
+        self._pools[pool_id] = pool
         self._fence.renew(pool)
         return self.epoch
 

@@ -19,7 +19,7 @@ from ..kvtransfer.engine import MOONCAKE_MIN_TIMEOUT_S
 from .authority import ElectedAuthority, SoleAuthority
 from .election import Election, connect, election_key
 from .lease_table import LeaseTable
-from .leadership import TERM_OVER_EXIT, LeadershipCollector, lead_one_term
+from .leadership import TERM_OVER_EXIT, LeadershipCollector, lead_one_term, shared_epoch
 from .servicer import BrokerServicer
 
 log = logging.getLogger(__name__)
@@ -108,6 +108,9 @@ async def serve(args) -> None:
         election.start()
         await svc.set_serving(healthy=False)  # a standby answers health, NOT_SERVING, until it leads
 
+        async def take_over(term: int) -> None:
+            table.take_identity(await shared_epoch(election, args.cluster), term)
+
         async def on_lead(term: int) -> None:
             log.warning("broker leads term %d (epoch %#x); answering", term, table.epoch)
             await svc.set_health(True)
@@ -119,7 +122,7 @@ async def serve(args) -> None:
             exit_status = TERM_OVER_EXIT
             await svc.set_health(False)
             svc.request_stop()
-        role = asyncio.create_task(lead_one_term(authority, on_lead, on_term_over))
+        role = asyncio.create_task(lead_one_term(authority, take_over, on_lead, on_term_over))
 
     async def on_stop() -> None:  # a successor may already be serving: accept nothing new from here on
         servicer.stop_accepting()

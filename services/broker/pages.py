@@ -73,6 +73,7 @@ class PoolPages:
     quarantined: set[int] = field(default_factory=set)
     writing: set[int] = field(default_factory=set)
     next_generation: int = 1  # 0 is proto3's "unset" and never names a lease
+    generation_limit: int = 2**63  # the first generation this table may not grant (the next term's first)
     revocations: RevocationLog = field(default_factory=RevocationLog)
     granted_at: dict[bytes, float] = field(default_factory=dict)  # owner -> clock at its grant
     reader_expiry: float = float("inf")  # the pool's decode renews it; set at registration
@@ -128,6 +129,9 @@ class PoolPages:
 
 
     def new_generation(self) -> int:
+        if self.next_generation >= self.generation_limit:
+            raise PageStateError(f"pool {self.pool_id}: generations of this term are used up at "
+                                 f"{self.generation_limit}; the next term's begin there")
         generation, self.next_generation = self.next_generation, self.next_generation + 1
         return generation
 
@@ -327,6 +331,57 @@ class PoolPages:
         self.free = [i for i in self.free if i not in self.quarantined]
         heapq.heapify(self.free)
 
+    def adopt(self, claims: list[tuple[bytes, list[Lease], list[bool]]], holder: str, now: float) -> None:
+        """A pool handed over at a failover (LeaseTable.adopt_pool): each claimed exclusive lease is LEASED to its
+        owner at its generation, sealed and written (decode verified it; no BeginWrite names it again); each page
+        claimed as cached is CACHED at its generation, read by its claimants, unindexed (no later Grant shares it);
+        every other page is QUARANTINED under holder, as an earlier term's write may still land on it. A claim that
+        contradicts itself is refused whole (LeaseError) before anything changes. Pre: a fresh pool."""
+        if self.owners or len(self.free) != self.num_pages:
+            raise PageStateError(f"pool {self.pool_id}: only a fresh pool is adopted")
+        own: dict[int, tuple[bytes, int]] = {}
+        cached: dict[int, tuple[int, frozenset[bytes]]] = {}
+        lists: dict[bytes, list[int]] = {}
+        for owner, leases, flags in claims:
+            check_owner(owner)
+            if owner in lists or len(flags) != len(leases) or not leases:
+                raise _bad_claim(f"owner {owner.hex()} is claimed twice, or with {len(leases)} leases and "
+                                 f"{len(flags)} cached flags")
+            lists[owner] = []
+            for (page_id, generation), is_cached in zip(leases, flags):
+                if not 0 <= page_id < self.num_pages or not 0 < generation < self.next_generation:
+                    raise _bad_claim(f"page {page_id} generation {generation} of {owner.hex()}: pages are in "
+                                     f"[0, {self.num_pages}), earlier terms' generations in [1, {self.next_generation})")
+                seen = cached.get(page_id, (generation, frozenset()))
+                if page_id in own or (page_id in cached and (not is_cached or seen[0] != generation)) \
+                        or owner in seen[1]:
+                    raise _bad_claim(f"page {page_id} is claimed by {owner.hex()} at generation {generation} "
+                                     f"({'cached' if is_cached else 'its own'}) and by another claim")
+                if is_cached:
+                    cached[page_id] = (generation, seen[1] | {owner})
+                else:
+                    own[page_id] = (owner, generation)
+                lists[owner].append(page_id)
+        self.owners = lists
+        for owner in lists:
+            self.granted_at[owner] = now
+        for page_id, (owner, generation) in own.items():
+            page = self.pages[page_id]
+            page.state, page.owner, page.generation = PageState.LEASED, owner, generation
+            page.sealed_generation = page.written_generation = generation
+        for page_id, (generation, readers) in cached.items():
+            page = self.pages[page_id]
+            page.state, page.generation, page.readers = PageState.CACHED, generation, readers
+            page.sealed_generation = page.written_generation = generation
+            self.cache.cached.add(page_id)
+            self.cache.num_reads += len(readers)
+        for page_id, page in enumerate(self.pages):
+            if page.state is PageState.FREE:
+                page.state, page.active_writer = PageState.QUARANTINED, (holder, 0)
+                self.quarantined.add(page_id)
+                self.writing.add(page_id)
+        self.free = []
+
     def _free(self, page_id: int) -> None:
         page = self.pages[page_id]
         page.state, page.owner = PageState.FREE, None
@@ -346,6 +401,10 @@ class PoolPages:
                 raise PageStateError(f"pool {self.pool_id}: page {page_id} must be {what}; it is {page.state.name} "
                                      f"at generation {page.generation}, owner "
                                      f"{page.owner.hex() if page.owner else None}, writer {page.active_writer}")
+
+
+def _bad_claim(message: str) -> LeaseError:
+    return LeaseError("FAILED_PRECONDITION", "BAD_CLAIM", message)
 
 
 def check_owner(owner: bytes) -> None:

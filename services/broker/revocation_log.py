@@ -28,6 +28,13 @@ class RevocationLog:
         self._events: deque[Revocation] = deque(maxlen=capacity)
         self.last_seq = 0
 
+    def continue_after(self, seq: int) -> None:
+        """A log taken over from an earlier leader: its next event is seq + 1, so a watcher whose cursor is seq
+        resumes without a gap. Pre: nothing logged yet."""
+        if self._events or self.last_seq:
+            raise RuntimeError(f"a log continues an earlier one only while empty; it is at seq {self.last_seq}")
+        self.last_seq = seq
+
     def append(self, owner: bytes, epoch: int, reason: str, written: tuple | None = None) -> Revocation:
         self.last_seq += 1
         event = Revocation(owner, epoch, reason, self.last_seq, written)

@@ -79,6 +79,11 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                                     "prefix scope, refused", ["service"], registry=registry)
         for reason in _VIOLATION_REASONS:
             self._violations.labels("broker", reason)
+        self._adopted = Counter("pdserve_broker_leases_adopted_total", "Page leases kept across a failover: decode "
+                                "handed them over to this leader", registry=registry)
+        self._drained_at_handover = Counter("pdserve_broker_handover_quarantined_pages_total", "Pages nobody claimed "
+                                            "at a failover, quarantined until the earlier term's writes drained",
+                                            registry=registry)
         for reason in ("NOT_LEADER", "TERM_OVERLAP"):
             self._refused.labels(reason)
         self._hits.labels("broker")
@@ -99,6 +104,32 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
                                  list(request.quarantined_pages), region, term_seen=request.term_seen)
         self._publish(request.pool_id)
         log.info("pool %s registered with %s pages in epoch %s", request.pool_id, request.num_pages, epoch)
+        return broker_pb2.RegisterPoolResponse(epoch=epoch, lock_delay_ms=self._lock_delay_ms(),
+                                               fence_ms=self._fence_ms(), term=self._authority.term)
+
+    async def ClaimPool(self, request: broker_pb2.ClaimPoolRequest,
+                        context: grpc.aio.ServicerContext) -> broker_pb2.RegisterPoolResponse:
+        await self._refuse_if_stopping(context, "ClaimPool")
+        if sum(request.num_leases) != len(request.leases) or len(request.cached) != len(request.leases) \
+                or len(request.num_leases) != len(request.owners):
+            await abort(context, PdError(grpc.StatusCode.INVALID_ARGUMENT, "BAD_CLAIM",
+                                         f"{len(request.owners)} owners, {len(request.num_leases)} lease counts "
+                                         f"summing to {sum(request.num_leases)}, {len(request.leases)} leases, "
+                                         f"{len(request.cached)} cached flags"))
+        claims, at = [], 0
+        for owner, n in zip(request.owners, request.num_leases):
+            claims.append((owner, _leases(request.leases[at:at + n]), list(request.cached[at:at + n])))
+            at += n
+        epoch = await self._call(context, self._table.adopt_pool, request.pool_id, request.num_pages,
+                                 request.region, request.epoch, request.term_seen, request.revocations_seen, claims,
+                                 term_seen=request.term_seen)
+        self._adopted.inc(len(request.leases))
+        self._publish(request.pool_id)
+        state = self._table.pool_state(request.pool_id)
+        self._drained_at_handover.inc(state["num_quarantined"])
+        log.warning("pool %s adopted from term %d: %d owners, %d leases kept; %d pages wait for the earlier term's "
+                    "writes to drain", request.pool_id, request.term_seen, len(claims), len(request.leases),
+                    state["num_quarantined"])
         return broker_pb2.RegisterPoolResponse(epoch=epoch, lock_delay_ms=self._lock_delay_ms(),
                                                fence_ms=self._fence_ms(), term=self._authority.term)
 

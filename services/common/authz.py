@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 ANY = frozenset(("broker", "prefill", "decode", "gateway", "operator"))
 POLICY: dict[str, frozenset[str]] = {
     "/pdserve.v1.Broker/RegisterPool": frozenset({"decode"}),
+    "/pdserve.v1.Broker/ClaimPool": frozenset({"decode"}),
     "/pdserve.v1.Broker/Grant": frozenset({"decode"}),
     "/pdserve.v1.Broker/Extend": frozenset({"decode"}),
     "/pdserve.v1.Broker/Publish": frozenset({"decode"}),
@@ -91,14 +92,19 @@ NO_ID = "no id"                # counts, epochs, pages, checksums, free text: no
 
 BROKER = "/pdserve.v1.Broker/"
 _LEASES = {"leases.page": NO_ID, "leases.generation": NO_ID}
+# where a pool's bytes live: an address, not an id (the broker cannot tell whose memory it is)
+_REGION = {**{f"region.{n}": NO_ID for n in ("transfer_session", "data_base", "tag_base")},
+           **{f"region.layout.{n}": NO_ID for n in ("num_layers", "num_kv_heads", "head_dim", "page_size", "dtype",
+                                                     "page_nbytes", "tag_nbytes")}}
 _TERM = {"term_seen": NO_ID}  # the newest election term the caller has seen: an ordered number, no id
 FIELDS: dict[str, dict[str, str | dict[str, str]]] = {
     BROKER + "RegisterPool": {**_TERM,
         "pool_id": {"decode": OWN}, "num_pages": NO_ID, "quarantined_pages": NO_ID,
-        # where the pool's bytes live: an address, not an id (the broker cannot tell whose memory it is)
-        **{f"region.{n}": NO_ID for n in ("transfer_session", "data_base", "tag_base")},
-        **{f"region.layout.{n}": NO_ID for n in ("num_layers", "num_kv_heads", "head_dim", "page_size", "dtype",
-                                                  "page_nbytes", "tag_nbytes")}},
+        **_REGION},
+    # a decode hands over its own pool only, and the owners it names live in that pool
+    BROKER + "ClaimPool": {**_TERM, **_LEASES, "pool_id": {"decode": OWN}, "num_pages": NO_ID, "epoch": NO_ID,
+                           "revocations_seen": NO_ID, "owners": {"decode": IN_OWN_POOL}, "num_leases": NO_ID,
+                           "cached": NO_ID, **_REGION},
     # chain keys and a scope tag are fingerprints, not ids: they only choose among the cached pages of pool_id,
     # the caller's own pool, whose bytes its decode holds anyway
     BROKER + "Grant": {**_TERM, "pool_id": {"decode": OWN}, "owner": {"decode": IN_OWN_POOL}, "num_pages": NO_ID,

@@ -24,6 +24,13 @@ OLD_TERM_ANSWERS = Counter("pdserve_old_term_answers_total", "Broker answers ref
                            "was older than one this process had already seen", ["service", "rpc"])
 OLD_TERM_RPCS = {"decode": ("RegisterPool", "KeepAlive", "WatchRevocations", "Grant", "Extend", "Validate"),
                  "prefill": ("KeepAlive", "BeginWrite")}
+# decode's hand-overs of its pool to a new broker leader: kept (adopted, running requests go on) or refused (decode
+# registered a new incarnation, as after a broker restart)
+HANDOVERS = Counter("pdserve_decode_handovers_total", "Hand-overs of this decode's pool to a new broker leader",
+                    ["outcome"])
+HANDOVER_OUTCOMES = ("kept", "refused")
+HANDOVER_REQUESTS = Counter("pdserve_decode_handover_requests_total", "Running requests a hand-over to a new broker "
+                            "leader kept running")
 ADMISSION_REJECTIONS = Counter("pdserve_admission_rejections_total", "Requests rejected at admission",
                                ["reason"])
 TRANSFER_BYTES = Counter("pdserve_kv_transfer_bytes_total", "KV bytes written to decode pools (data + tags)")
@@ -176,6 +183,8 @@ def init_metrics(service: str, pools: list[str] = ()) -> None:
     for rpc in OLD_TERM_RPCS.get(service, ()):
         OLD_TERM_ANSWERS.labels(service, rpc)
     if service == "decode":
+        for o in HANDOVER_OUTCOMES:
+            HANDOVERS.labels(o)
         for o in RECHECK_OUTCOMES:
             LEASE_RECHECKS.labels(o)
         for r in PREFIX_RESULTS:

@@ -143,6 +143,17 @@ class RequestTable:
         """Every running and joining request's Sequence (running first, in stepping order)."""
         return [*self._running.values(), *self._joining.values()]
 
+    def claims(self) -> list[tuple[bytes, list[tuple[int, int]], list[bool]]]:
+        """What decode hands over to a new leader (watch.py): every RUNNING request not marked to end, with its
+        leases and, per lease, whether it is a cached page it reads. Only these: a request not yet running may still
+        have its prompt written under the old term."""
+        out = []
+        for owner, seq in self._running.items():
+            if not (seq.cancelled or seq.done):
+                readonly = self._requests[owner].readonly
+                out.append((owner, list(seq.leases), [page in readonly for page, _ in seq.leases]))
+        return out
+
     def readonly(self, owner: bytes) -> frozenset[int]:
         r = self._requests.get(owner)
         return frozenset(r.readonly) if r is not None else frozenset()

@@ -28,12 +28,12 @@ from typing import Protocol
 
 import grpc
 
-from ..common.errors import PdError
-from ..common.metrics import LEASE_RECHECKS, TIMEOUTS
+from ..common.errors import PdError, from_rpc_error
+from ..common.metrics import HANDOVER_REQUESTS, HANDOVERS, LEASE_RECHECKS, TIMEOUTS
 from ..common.proto import broker_pb2
 from ..common.tasks import spawn
 from ..common.terms import Terms
-from ..common.wire import call
+from ..common.wire import call, leases_to_pb
 from .lease import LeaseClient
 from .requests import RequestTable
 from .run import GrantQueue, Notices
@@ -139,7 +139,10 @@ class BrokerWatch:
                 if e.code() != grpc.StatusCode.NOT_FOUND:
                     log.warning("broker unreachable (%s); running requests continue, new ones wait", e.code())
                     continue
-                await self.move(f"pool {self.pool_id} is fenced or unknown at the broker: {e.details()}")
+                why = f"pool {self.pool_id} is fenced or unknown at the broker: {e.details()}"
+                if from_rpc_error(e).reason == "UNKNOWN_POOL" and await self.hand_over(why):
+                    continue
+                await self.move(why)
                 continue
             if not self.terms.fresh(resp.term, "KeepAlive"):
                 log.warning("a KeepAlive was answered under term %d, older than %d: ignored", resp.term,
@@ -150,6 +153,49 @@ class BrokerWatch:
                 self.contacted(resp.fence_ms)
                 continue
             await self.move(f"the broker restarted or changed (epoch {self.epoch:#x} -> {resp.epoch:#x})")
+
+    async def hand_over(self, why: str) -> bool:
+        """The broker answering does not know the pool: if it is a new leader of the same epoch (a failover), hand
+        the pool over with the requests that run, which go on (docs/design.md §3, "Leader failover"). Requests not
+        yet running end (UNAVAILABLE, retryable): their prompt may still be written under the old term, and a
+        write-done notice of it is lost. Returns False when the broker refuses (no election, another epoch): the
+        caller moves to a new incarnation instead."""
+        old_term = self.terms.newer_only()  # from here on, no answer of the old term changes what decode holds
+        if old_term == 0:  # a broker without election restarted: nothing to hand over
+            self.terms.any_term()
+            return False
+        requests = self.holder.requests
+        err = PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_FAILOVER",
+                      f"{why}: the broker's leader changed before this request started decoding (its prompt may "
+                      f"still be written under term {old_term}); retry")
+        for owner, alloc in requests.end_allocations(err):
+            spawn(self.holder.release(owner, alloc.epoch, alloc.leases))
+        for seq in list(requests.joining.values()):
+            requests.fail(seq.owner, err)
+        self.holder.notices.lost(f"{why}: write-done notices of term {old_term} may be lost")
+        claims = requests.claims()
+        epoch, seen = self.watch_cursor
+        try:
+            resp = await call(self.broker.ClaimPool(broker_pb2.ClaimPoolRequest(
+                pool_id=self.pool_id, num_pages=self.num_pages, region=self.holder.region(), epoch=self.epoch,
+                term_seen=old_term, revocations_seen=seen if epoch == self.epoch else 0,
+                owners=[o for o, _, _ in claims], num_leases=[len(leases) for _, leases, _ in claims],
+                leases=leases_to_pb([lease for _, leases, _ in claims for lease in leases]),
+                cached=[c for _, _, flags in claims for c in flags]), timeout=self.rpc_timeout_s), "broker ClaimPool")
+            self.terms.check(resp.term, "ClaimPool")
+        except PdError as e:
+            HANDOVERS.labels("refused").inc()
+            log.error("handing pool %s over from term %d failed: %s; registering a new incarnation", self.pool_id,
+                      old_term, e)
+            self.terms.any_term()
+            return False
+        HANDOVERS.labels("kept").inc()
+        HANDOVER_REQUESTS.inc(len(claims))
+        self.check_lock_delay(resp.lock_delay_ms)
+        self.contacted(resp.fence_ms)
+        log.warning("pool %s handed over from term %d to term %d: %d running requests go on", self.pool_id, old_term,
+                    resp.term, len(claims))
+        return True
 
     async def move(self, why: str) -> None:
         """Fails what runs (UNAVAILABLE, retryable) and registers a new pool incarnation, grantable only once

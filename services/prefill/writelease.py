@@ -113,7 +113,7 @@ class WriteLeases:
                 raise PdError(grpc.StatusCode.UNAVAILABLE, e.reason, e.message) from None
             raise
         expires = [sent + self.writer_ttl_s]
-        return expires, self.renewals.add(writer_id, epoch, expires), resp.region
+        return expires, self.renewals.add(writer_id, epoch, resp.term, expires), resp.region
 
     async def end(self, pool_id, owner, epoch, leases_pb, writer_id: str, ok: bool, nothing_posted: bool,
                   coverage=None, first_token: int = 0, prompt_digest: bytes = b"") -> None:
@@ -143,11 +143,13 @@ class Renewals:
 
     def __init__(self, leases: WriteLeases):
         self.leases = leases
-        self.writes: dict[str, tuple[int, list[float]]] = {}  # writer id -> (epoch, [expiry])
+        # writer id -> (epoch, term of its BeginWrite, [expiry]): a write's liveness belongs to the term that began it,
+        # so only a renewal answered under that term extends it (docs/design.md §3, "Leader failover")
+        self.writes: dict[str, tuple[int, int, list[float]]] = {}
         self._task: asyncio.Task | None = None
 
-    def add(self, writer_id: str, epoch: int, expires: list[float]) -> "Renewal":
-        self.writes[writer_id] = (epoch, expires)
+    def add(self, writer_id: str, epoch: int, term: int, expires: list[float]) -> "Renewal":
+        self.writes[writer_id] = (epoch, term, expires)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run())
         return Renewal(self, writer_id)
@@ -169,8 +171,11 @@ class Renewals:
                 log.warning("KeepAlive of %d writes failed: %s", len(ids), e)
                 continue
             refused = set(resp.refused_holder_ids)
-            for writer_id, (epoch, expires) in batch.items():
-                if resp.epoch != epoch:
+            for writer_id, (epoch, term, expires) in batch.items():
+                if resp.term != term:
+                    log.warning("writer %s: began under broker term %d, renewed under %d: not extended (it lapses "
+                                "with its term's writers)", writer_id, term, resp.term)
+                elif resp.epoch != epoch:
                     expires[0] = 0.0  # a new broker epoch: check_alive now refuses every further post
                     log.warning("writer %s: broker epoch is %#x, its leases are of %#x", writer_id, resp.epoch, epoch)
                 elif writer_id in refused:

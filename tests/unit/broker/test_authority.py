@@ -1,5 +1,6 @@
-"""services/broker/authority.py with a scripted election: a replica answers under one term in its life, refuses
-once that term is over (even when it wins another), and refuses a caller that has seen a newer term."""
+"""services/broker/authority.py with a scripted election: a replica answers under one term in its life, from the end
+of its take-over on, refuses once that term is over (even when it wins another), and refuses a caller that has
+seen a newer term."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -40,7 +41,12 @@ def test_one_term_in_a_life():
         a.check()
     assert a.term == 0 and not a.lost()  # a follower has lost nothing
     e.term, e.leads = 12, True
+    with pytest.raises(NotLeaderError, match="won term 12 and is still taking over"):
+        a.check()
+    a.begin(12)
     assert a.check() == 12 and a.term == 12 and not a.lost()
+    with pytest.raises(RuntimeError, match="led term 12 already"):
+        a.begin(13)
     e.leads = False
     assert a.lost()
     with pytest.raises(NotLeaderError):
@@ -55,6 +61,7 @@ def test_a_caller_that_saw_a_newer_term_is_refused_as_an_overlap():
     e = Scripted()
     e.term, e.leads = 12, True
     a = ElectedAuthority(e)
+    a.begin(12)
     assert a.check(term_seen=12) == 12 and a.check(term_seen=3) == 12
     with pytest.raises(TermOverlapError, match="seen term 13, newer than this replica's term 12"):
         a.check(term_seen=13)

@@ -25,7 +25,9 @@ def test_answers_carry_the_term_and_end_with_it():
         election = Scripted()
         election.term, election.leads = 17, True
         table = LeaseTable()
-        async with serving(table, ElectedAuthority(election)) as (servicer, stub, registry):
+        authority = ElectedAuthority(election)
+        authority.begin(17)
+        async with serving(table, authority) as (servicer, stub, registry):
             reg = await stub.RegisterPool(pb.RegisterPoolRequest(pool_id="p", num_pages=4, region=REGION))
             grant = await stub.Grant(pb.GrantRequest(pool_id="p", owner=OWNER, num_pages=2, epoch=reg.epoch))
             ka = await stub.KeepAlive(pb.KeepAliveRequest(holder_id="p", ttl_ms=5000, pool_id="p", term_seen=17))

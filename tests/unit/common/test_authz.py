@@ -102,6 +102,8 @@ POOL = "decode/d0/127.0.0.1-1-2-ab"
 # string and bytes fields judged to name no pool, holder, writer or owner: anything added here needs a reason
 NOT_IDS = {("RegisterPool", "region.transfer_session"),  # an address; prefill writes only where it was registered
            ("RegisterPool", "region.layout.dtype"), ("EndWrite", "prompt_digest"), ("Revoke", "reason"),
+           # the same region, handed over to a new leader by the pool's own decode
+           ("ClaimPool", "region.transfer_session"), ("ClaimPool", "region.layout.dtype"),
            # fingerprints: they only choose among the cached pages of the caller's own pool
            ("Grant", "prefix_chains"), ("Grant", "scope_tag"), ("Publish", "chains"), ("Publish", "scope_tag"),
            ("Unpublish", "reason")}
@@ -172,6 +174,7 @@ def test_a_message_that_contains_itself_is_walked_to_the_repeat():
 OWN, EMPTY, IN_POOL, LEASE_, ANYTHING = "own", "empty", "in own pool", "by lease", "anything"
 EXPECTED_IDS = {
     ("RegisterPool", "pool_id"): {"decode": OWN},
+    ("ClaimPool", "pool_id"): {"decode": OWN}, ("ClaimPool", "owners"): {"decode": IN_POOL},
     ("Grant", "pool_id"): {"decode": OWN}, ("Grant", "owner"): {"decode": IN_POOL},
     ("Extend", "pool_id"): {"decode": OWN}, ("Extend", "owners"): {"decode": IN_POOL},
     ("Validate", "pool_id"): {"decode": OWN}, ("Validate", "owner"): {"decode": IN_POOL},
@@ -216,6 +219,8 @@ HONEST = [
     ("Release", D0, pb.ReleaseRequest(pool_id=POOL, owner=OWNER, epoch=5)),
     ("WatchRevocations", D0, pb.WatchRevocationsRequest(pool_id=POOL, after_seq=3, epoch=5)),
     ("GetPoolState", D0, pb.GetPoolStateRequest(pool_id=POOL)),
+    ("ClaimPool", D0, pb.ClaimPoolRequest(pool_id=POOL, num_pages=4, epoch=5, term_seen=3, owners=[OWNER],
+                                          num_leases=[1], leases=LEASE, cached=[False])),
     ("KeepAlive", D0, pb.KeepAliveRequest(holder_id=POOL, ttl_ms=1000, pool_id=POOL, held_owners=[OWNER, b"o" * 16])),
     ("KeepAlive", D0, pb.KeepAliveRequest(holder_id=POOL, ttl_ms=1000, pool_id=POOL)),  # holds nothing: all revoked
     ("KeepAlive", P0, pb.KeepAliveRequest(holder_id="prefill/p0/9-ab/00", ttl_ms=1000,

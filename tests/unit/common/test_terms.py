@@ -23,6 +23,20 @@ def test_older_answers_are_refused_and_counted():
     with pytest.raises(PdError) as e:
         t.check(5, "Grant")
     assert (e.value.code, e.value.reason) == (grpc.StatusCode.UNAVAILABLE, "OLD_TERM")
-    assert "term 5, older than term 7" in e.value.message
+    assert "under term 5; this decode takes answers of term 7 or newer only" in e.value.message
     assert count("Grant") == before + 1 and t.newest == 7
     assert not t.fresh(0, "WatchRevocations") and t.fresh(9, "WatchRevocations") and t.newest == 9
+
+
+def test_a_hand_over_takes_only_a_newer_terms_answers():
+    t = Terms("decode")
+    t.check(4, "KeepAlive")
+    assert t.newer_only() == 4
+    assert not t.fresh(4, "Extend")  # the term handed over: an Extend reply of it must not add pages now
+    t.check(6, "ClaimPool")
+    assert t.newest == 6 and not t.fresh(5, "Grant")
+    t2 = Terms("decode")
+    t2.check(4, "KeepAlive")
+    t2.newer_only()
+    t2.any_term()  # refused: decode registers anew, wherever the answers come from
+    assert t2.fresh(4, "RegisterPool")
