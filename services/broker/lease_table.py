@@ -107,10 +107,10 @@ class LeaseTable:
         return self.epoch
 
     def adopt_pool(self, pool_id: str, num_pages: int, region, epoch: int, term_seen: int, revocations_seen: int,
-                   claims: list[tuple[bytes, list[Lease], list[bool]]]) -> int:
+                   claims: list[tuple[bytes, list[Lease], list[bool]]], parked: Iterable[int] = ()) -> int:
         """A pool a leader of an earlier term knew, handed over by its decode (docs/design.md §3, "Leader
-        failover"): what decode claims stays as it was (PoolPages.adopt), every other page waits until the earlier
-        term's writes have drained. Those writers' liveness ended by this term's start at the latest (its leader's
+        failover"): what decode claims stays as it was, the pages of the durable free set (`parked`, read from
+        etcd) are free (PoolPages.adopt), every other page waits until the earlier term's writes have drained. Those writers' liveness ended by this term's start at the latest (its leader's
         authority had ended, and it renewed no writer beyond max_ttl), so the stand-in holder expires max_ttl after
         now and the pages leave quarantine lock_delay after that. The pool's revocations continue after decode's
         cursor. Refused (FAILED_PRECONDITION) where this leader cannot adopt: decode then registers anew."""
@@ -133,12 +133,25 @@ class LeaseTable:
                          generation_limit=self._generations[1])
         holder = f"earlier-term/{pool_id}"
         now = self._clock()
-        pool.adopt(claims, holder, now)
+        pool.adopt(claims, holder, now, set(parked))
         self._liveness.end(holder, now + self.max_ttl_s)
         pool.revocations.continue_after(revocations_seen)
         self._pools[pool_id] = pool
         self._fence.renew(pool)
         return self.epoch
+
+    # the durable free set's bookkeeping (free_set.py writes it to etcd between these steps)
+    def park(self, pool_id: str, num: int) -> list[int]:
+        return self._pool(pool_id).park(num)
+
+    def unpark(self, pool_id: str, page_ids: list[int]) -> None:
+        self._pool(pool_id).unpark(page_ids)
+
+    def parked(self, pool_id: str) -> frozenset[int]:
+        return frozenset(self._pool(pool_id).parked)
+
+    def num_grantable(self, pool_id: str) -> int:
+        return len(self._pool(pool_id).free)
 
     def grant(self, pool_id: str, owner: bytes, num_pages: int, epoch: int) -> list[Lease]:
         """An exclusive grant (no prefix reuse): grant_with_prefix's leases alone."""
@@ -442,7 +455,8 @@ class LeaseTable:
     def pool_state(self, pool_id: str) -> dict[str, int]:
         pool = self._pool(pool_id)
         num_reads = pool.cache.num_reads
-        return {"epoch": self.epoch, "num_pages": pool.num_pages, "num_free": len(pool.free),
+        return {"epoch": self.epoch, "num_pages": pool.num_pages, "num_free": len(pool.free) + len(pool.parked),
+                "num_parked": len(pool.parked),
                 # an owner's list holds its shared pages too, one entry per reader's share
                 "num_leased": sum(len(p) for p in pool.owners.values()) - num_reads,
                 "num_quarantined": len(pool.quarantined), "num_writing": len(pool.writing),

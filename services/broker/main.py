@@ -18,6 +18,7 @@ from ..common.unsafe import check_unsafe
 from ..kvtransfer.engine import MOONCAKE_MIN_TIMEOUT_S
 from .authority import ElectedAuthority, SoleAuthority
 from .election import Election, connect, election_key
+from .free_set import DurableFreeSet
 from .lease_table import LeaseTable
 from .leadership import TERM_OVER_EXIT, LeadershipCollector, lead_one_term, shared_epoch
 from .servicer import BrokerServicer
@@ -95,7 +96,8 @@ async def serve(args) -> None:
                             args.advertise or f"{args.host}:{svc.port}", args.election_ttl, args.election_margin)
     authority = ElectedAuthority(election) if election else SoleAuthority()
     LeadershipCollector(authority)
-    servicer = BrokerServicer(table, heartbeat_s=args.heartbeat_interval, authority=authority)
+    free_set = DurableFreeSet(election, args.cluster, table) if election else None
+    servicer = BrokerServicer(table, heartbeat_s=args.heartbeat_interval, authority=authority, free_set=free_set)
     broker_pb2_grpc.add_BrokerServicer_to_server(servicer, svc.server)
     await svc.start()
     sweeper = asyncio.create_task(servicer.run_sweeper(args.sweep_interval))

@@ -5,7 +5,8 @@ cache, the owners' lists) is one of its methods. Each checks its precondition be
 PageStateError, a broker bug rather than a refusal, when it does not hold; which transition to make, and when, is
 decided by LeaseTable and its parts.
 
-Kept in step by these methods: a page is in `free` iff it is FREE; in `quarantined` iff QUARANTINED; in `writing`
+Kept in step by these methods: a page is FREE iff it is in `free` (grantable) or in `parked` (in the leader's
+durable free set in etcd: never granted until unparked, free_set.py); in `quarantined` iff QUARANTINED; in `writing`
 iff it has an active writer, whose generation is the page's; a FREE or CACHED page has no writer. A CACHED page
 (prefix reuse) has no owner: it is leased read-only to a set of readers (owners whose lease lists hold it), is never
 written again, and is found by its chain key in the pool's PrefixCache."""
@@ -69,6 +70,7 @@ class PoolPages:
     num_pages: int
     pages: list[Page] = field(init=False)
     free: list[int] = field(init=False)  # min-heap, so grants come out contiguous whenever the pool allows it
+    parked: set[int] = field(default_factory=set)  # FREE pages in the durable free set: not grantable
     owners: dict[bytes, list[int]] = field(default_factory=dict)
     quarantined: set[int] = field(default_factory=set)
     writing: set[int] = field(default_factory=set)
@@ -331,14 +333,40 @@ class PoolPages:
         self.free = [i for i in self.free if i not in self.quarantined]
         heapq.heapify(self.free)
 
-    def adopt(self, claims: list[tuple[bytes, list[Lease], list[bool]]], holder: str, now: float) -> None:
+    def park(self, num: int) -> list[int]:
+        """Up to num grantable pages, the highest first, leave the heap for the durable free set (written next).
+        Pre: none. They are FREE and never granted while parked."""
+        num = min(num, len(self.free))
+        taken = heapq.nlargest(num, self.free)
+        gone = set(taken)
+        self.free = [i for i in self.free if i not in gone]
+        heapq.heapify(self.free)
+        self.parked |= gone
+        return taken
+
+    def unpark(self, page_ids: list[int]) -> None:
+        """Parked pages a write of the durable free set no longer holds become grantable. Pre: parked."""
+        self._expect(page_ids, "parked", lambda page: page.state is PageState.FREE)
+        if missing := [i for i in page_ids if i not in self.parked]:
+            raise PageStateError(f"pool {self.pool_id}: pages {missing[:4]} are not parked")
+        self.parked -= set(page_ids)
+        for page_id in page_ids:
+            heapq.heappush(self.free, page_id)
+
+    def adopt(self, claims: list[tuple[bytes, list[Lease], list[bool]]], holder: str, now: float,
+              parked: set[int] = frozenset()) -> None:
         """A pool handed over at a failover (LeaseTable.adopt_pool): each claimed exclusive lease is LEASED to its
         owner at its generation, sealed and written (decode verified it; no BeginWrite names it again); each page
         claimed as cached is CACHED at its generation, read by its claimants, unindexed (no later Grant shares it);
-        every other page is QUARANTINED under holder, as an earlier term's write may still land on it. A claim that
-        contradicts itself is refused whole (LeaseError) before anything changes. Pre: a fresh pool."""
+        a page of the durable free set (`parked`: no earlier leader could grant it) stays FREE and parked; every
+        other page is QUARANTINED under holder, as an earlier term's write may still land on it. A claim that
+        contradicts itself, or the free set, is refused whole (LeaseError) before anything changes. Pre: a fresh
+        pool."""
         if self.owners or len(self.free) != self.num_pages:
             raise PageStateError(f"pool {self.pool_id}: only a fresh pool is adopted")
+        if bad := [i for i in parked if not 0 <= i < self.num_pages]:
+            raise _bad_claim(f"the durable free set of pool {self.pool_id} names pages {sorted(bad)[:4]} outside "
+                             f"its {self.num_pages}")
         own: dict[int, tuple[bytes, int]] = {}
         cached: dict[int, tuple[int, frozenset[bytes]]] = {}
         lists: dict[bytes, list[int]] = {}
@@ -353,6 +381,8 @@ class PoolPages:
                     raise _bad_claim(f"page {page_id} generation {generation} of {owner.hex()}: pages are in "
                                      f"[0, {self.num_pages}), earlier terms' generations in [1, {self.next_generation})")
                 seen = cached.get(page_id, (generation, frozenset()))
+                if page_id in parked:
+                    raise _bad_claim(f"page {page_id} is claimed by {owner.hex()} but is in the durable free set")
                 if page_id in own or (page_id in cached and (not is_cached or seen[0] != generation)) \
                         or owner in seen[1]:
                     raise _bad_claim(f"page {page_id} is claimed by {owner.hex()} at generation {generation} "
@@ -375,8 +405,9 @@ class PoolPages:
             page.sealed_generation = page.written_generation = generation
             self.cache.cached.add(page_id)
             self.cache.num_reads += len(readers)
+        self.parked = set(parked)
         for page_id, page in enumerate(self.pages):
-            if page.state is PageState.FREE:
+            if page.state is PageState.FREE and page_id not in self.parked:
                 page.state, page.active_writer = PageState.QUARANTINED, (holder, 0)
                 self.quarantined.add(page_id)
                 self.writing.add(page_id)

@@ -9,12 +9,13 @@ import grpc
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from pdserve.broker.authority import SoleAuthority, TermOverlapError
-from pdserve.broker.election import NotLeaderError
+from pdserve.broker.election import RETRYABLE, NotLeaderError
 from pdserve.broker.lease_table import LeaseError, LeaseTable
 from pdserve.broker.watch_stream import revocation_stream
 from pdserve.common.errors import PdError, abort
 from pdserve.common.faults import FAULTS
 from pdserve.common.proto import broker_pb2, broker_pb2_grpc, common_pb2
+from pdserve.common.tasks import spawn
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -43,12 +44,14 @@ def _leases(msgs) -> list[tuple[int, int]]:
 
 class BrokerServicer(broker_pb2_grpc.BrokerServicer):
     def __init__(self, table: LeaseTable, registry: CollectorRegistry = REGISTRY, heartbeat_s: float = 0.25,
-                 authority=None):
-        """authority: whether this process may answer now, and its term (authority.py); alone by default."""
+                 authority=None, free_set=None):
+        """authority: whether this process may answer now, and its term (authority.py); alone by default.
+        free_set: a replica under election keeps its pools' durable free sets in etcd (free_set.py)."""
         if heartbeat_s <= 0:
             raise ValueError(f"heartbeat interval {heartbeat_s}s must be > 0")
         self._table = table
         self._authority = authority or SoleAuthority()
+        self._free_set = free_set
         self._heartbeat_s = heartbeat_s
         self._watchers: dict[str, set[asyncio.Event]] = {}  # pool -> one wake-up per open stream
         self.stopping = False  # set on SIGTERM: a successor may already run, so nothing new is accepted
@@ -120,9 +123,18 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         for owner, n in zip(request.owners, request.num_leases):
             claims.append((owner, _leases(request.leases[at:at + n]), list(request.cached[at:at + n])))
             at += n
+        parked: set[int] = set()
+        if self._free_set is not None:
+            try:
+                parked = await self._free_set.load(request.pool_id, request.num_pages)
+            except ValueError as e:
+                await abort(context, PdError(grpc.StatusCode.FAILED_PRECONDITION, "BAD_CLAIM", str(e)))
+            except RETRYABLE as e:
+                await abort(context, PdError(grpc.StatusCode.UNAVAILABLE, "ETCD_UNAVAILABLE",
+                                             f"reading the durable free set of pool {request.pool_id}: {e!r}"))
         epoch = await self._call(context, self._table.adopt_pool, request.pool_id, request.num_pages,
                                  request.region, request.epoch, request.term_seen, request.revocations_seen, claims,
-                                 term_seen=request.term_seen)
+                                 parked, term_seen=request.term_seen)
         self._adopted.inc(len(request.leases))
         self._publish(request.pool_id)
         state = self._table.pool_state(request.pool_id)
@@ -136,6 +148,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
     async def Grant(self, request: broker_pb2.GrantRequest,
                     context: grpc.aio.ServicerContext) -> broker_pb2.GrantResponse:
         await self._refuse_if_stopping(context, "Grant")
+        if self._free_set is not None:
+            await self._free_set.ensure(request.pool_id, request.num_pages)
         leases, num_shared, checksums = await self._call(
             context, self._table.grant_with_prefix, request.pool_id, request.owner, request.num_pages,
             request.epoch, list(request.prefix_chains), request.scope_tag, term_seen=request.term_seen)
@@ -171,6 +185,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         if len(request.owners) != len(request.num_pages):
             await abort(context, PdError(grpc.StatusCode.INVALID_ARGUMENT, "BAD_EXTEND",
                                          f"{len(request.owners)} owners but {len(request.num_pages)} page counts"))
+        if self._free_set is not None:
+            await self._free_set.ensure(request.pool_id, sum(request.num_pages))
         results = await self._call(context, self._table.extend, request.pool_id, request.epoch,
                                    list(zip(request.owners, request.num_pages)), term_seen=request.term_seen)
         out = broker_pb2.ExtendResponse(epoch=self._table.epoch, term=self._authority.term)
@@ -295,6 +311,8 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         """Drops fenced, drained pools and their metric series (one set per decode incarnation otherwise)."""
         gone = self._table.forget_pools()
         for pool_id in gone:
+            if self._free_set is not None:
+                spawn(self._free_set.forget(pool_id))
             for gauge, labels in [*((self._pages, (pool_id, n)) for n in _PAGE_STATES),
                                   *((self._cache_pages, (pool_id, n)) for n in _CACHE_STATES),
                                   (self._shared_reads, (pool_id,))]:
@@ -336,8 +354,11 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         return round(self._table.lock_delay_s * 1000)
 
     def _publish(self, pool_id: str) -> None:
+        """After a call that may have changed the pool: its metrics, and the balance of its durable free set."""
         if pool_id not in self._table.pool_ids():
             return  # a stale call naming a pool of an earlier incarnation: nothing here to publish
+        if self._free_set is not None:
+            self._free_set.poke(pool_id)
         state = self._table.pool_state(pool_id)
         for name in _PAGE_STATES:
             self._pages.labels(pool_id, name).set(state[f"num_{name}"])

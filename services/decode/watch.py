@@ -138,6 +138,9 @@ class BrokerWatch:
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.NOT_FOUND:
                     log.warning("broker unreachable (%s); running requests continue, new ones wait", e.code())
+                    # soon again rather than at the next tick: with replicas, the next one may lead already
+                    await asyncio.sleep(min(interval_s, 0.1))
+                    self.epoch_changed.set()
                     continue
                 why = f"pool {self.pool_id} is fenced or unknown at the broker: {e.details()}"
                 if from_rpc_error(e).reason == "UNKNOWN_POOL" and await self.hand_over(why):

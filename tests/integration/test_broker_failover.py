@@ -136,6 +136,12 @@ def test_kill_the_leader_and_every_running_stream_completes(ha_stack, oracle):
     killed = time.monotonic()
     wait_for(lambda: leading(standby), TTL + 5, "the standby leads")
     assert time.monotonic() - killed <= TTL + 1.0, f"the standby led {time.monotonic() - killed:.2f}s after the kill"
+    # new requests are admitted again from the durable free set, without waiting for the unclaimed pages to drain
+    q = prompt(45, 61)
+    out = served_again(stack, q, 6, DRAIN + 20)
+    admitted = time.monotonic() - killed
+    assert "error" not in out, (out, stack.logs()[-4000:])
+    oracle.check(q, out["token_ids"])
     for t in threads:
         t.join(120)
     for i, out in results.items():  # every stream that ran through the failover completes, token for token
@@ -144,11 +150,8 @@ def test_kill_the_leader_and_every_running_stream_completes(ha_stack, oracle):
     assert stack.metric("decode", "pdserve_decode_handovers_total", {"outcome": "kept"}) == 1
     assert stack.metric("decode", "pdserve_decode_handover_requests_total") == len(prompts)
     assert stack.pool_ids()[0] == pool  # the same incarnation, adopted
-    # new requests are served again once the pages nobody claimed have drained
-    q = prompt(45, 61)
-    out = served_again(stack, q, 6, DRAIN + 20)
-    assert "error" not in out, (out, stack.logs()[-4000:])
-    oracle.check(q, out["token_ids"])
+    # the bound is ttl + 1 s (1.9-2.3 s measured here, idle); CI's two loaded cores get half a second more
+    assert admitted <= TTL + 1.5, f"a new request was served {admitted:.2f}s after the kill (ttl {TTL}s)"
     new = stub(stack, standby)
 
     def idle() -> bool:

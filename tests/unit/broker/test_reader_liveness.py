@@ -43,7 +43,7 @@ def test_an_unheld_owner_is_revoked_only_after_the_grace_and_through_quarantine(
     table.sweep()
     assert table.pool_state("p") == {"epoch": 7, "num_pages": 8, "num_free": 4, "num_leased": 4,
                                      "num_quarantined": 0, "num_writing": 0, "num_cached": 0, "num_shared_reads": 0,
-                                     "num_evictable": 0}
+                                     "num_evictable": 0, "num_parked": 0}
 
 
 def test_a_released_and_regranted_owner_gets_a_fresh_grace():
@@ -82,7 +82,7 @@ def test_reader_expiry_revokes_every_lease_through_quarantine_and_the_pool_drain
     table.sweep()
     assert table.pool_state("p") == {"epoch": 7, "num_pages": 8, "num_free": 8, "num_leased": 0,
                                      "num_quarantined": 0, "num_writing": 0, "num_cached": 0, "num_shared_reads": 0,
-                                     "num_evictable": 0}
+                                     "num_evictable": 0, "num_parked": 0}
 
 
 def test_registration_starts_the_reader_record():
