@@ -1,10 +1,10 @@
 """Whether this broker process may authorise now, and under which term (docs/design.md §3, "Leader failover").
 
 A broker run alone is its own authority, under term 0. A replica run with an election authorises only while it
-leads, within the authority bound of `election.py`, and under **one term in its life**: the lease table it built
-in that term may name pages another leader has granted since, so once the term ends nothing it holds is answered
-from again. `main.py` then stops the process and its supervisor starts a fresh one, which follows with an empty
-table until it wins a term of its own.
+leads, within the authority bound of `election.py`, and each authority (with its lease table) serves **one term**:
+the table built in a term may name pages another leader has granted since, so once the term ends nothing in it is
+answered from again. `main.py` then gives the servicer a fresh table and a fresh authority, which follow until the
+replica wins a term of its own.
 
 Every call is checked here, synchronously, just before the table acts on it; a caller's `term_seen` newer than
 the term this replica holds means another leader already answered that caller while this one still believed it
@@ -46,13 +46,13 @@ class ElectedAuthority:
         if term != self.term:
             if self.term == 0:
                 raise NotLeaderError(f"NOT_LEADER: this replica won term {term} and is still taking over")
-            raise NotLeaderError(f"NOT_LEADER: this replica led term {self.term}, which ended; it won term {term} "
-                                 f"since, but answers nothing from the table of an earlier term (it restarts)")
+            raise NotLeaderError(f"NOT_LEADER: this table served term {self.term}, which ended; the replica won term "
+                                 f"{term} since, but answers nothing from the table of an earlier term")
         if term_seen > term:
             raise TermOverlapError(f"NOT_LEADER: the caller has seen term {term_seen}, newer than this replica's "
                                    f"term {term}, which it still held by its own clock: refused")
         return term
 
     def lost(self) -> bool:
-        """True once the term this process led is over (it never leads another)."""
+        """True once the term this authority served is over (it never serves another)."""
         return self.term != 0 and not (self.election.authorised() and self.election.state().term == self.term)

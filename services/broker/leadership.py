@@ -1,5 +1,5 @@
-"""A broker replica's role over its life: follow (NOT_SERVING, every call refused), lead one term (SERVING), then
-stop once that term is over (authority.py says why a replica never leads twice). Also its metrics."""
+"""A broker replica's role in one term: follow (NOT_SERVING, every call refused), take over, lead (SERVING), until
+the term is over (authority.py says why a table serves one term only). Also the replica's metrics."""
 from __future__ import annotations
 
 import asyncio
@@ -13,10 +13,6 @@ from .authority import ElectedAuthority, SoleAuthority
 from .election import RETRYABLE, Election, NotLeaderError
 
 log = logging.getLogger(__name__)
-
-# the exit status of a replica whose term ended: its supervisor starts a fresh one (EX_TEMPFAIL)
-TERM_OVER_EXIT = 75
-
 
 class LeadershipCollector:
     """Read at each scrape: whether this replica leads, the term it leads or knows of, how long its authority has

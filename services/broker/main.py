@@ -1,6 +1,6 @@
 """`pdserve broker`: the KV-page broker. Every start is a new epoch: nothing from before validates. With --etcd,
-one replica of several: it answers only while it leads its election's term, and exits once that term is over
-(docs/design.md §3, "Leader failover")."""
+one replica of several: it answers only while it leads its election's term, from a lease table of that term alone
+(docs/design.md §3, "Leader failover"); once the term is over it drops the table and follows with a fresh one."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +20,7 @@ from .authority import ElectedAuthority, SoleAuthority
 from .election import Election, connect, election_key
 from .free_set import DurableFreeSet
 from .lease_table import LeaseTable
-from .leadership import TERM_OVER_EXIT, LeadershipCollector, lead_one_term, shared_epoch
+from .leadership import LeadershipCollector, lead_one_term, shared_epoch
 from .servicer import BrokerServicer
 
 log = logging.getLogger(__name__)
@@ -85,8 +85,10 @@ async def serve(args) -> None:
     check_unsafe("broker", args)
     check_bounds(args)
     tls = tls_from_args(args, "broker", "broker")
-    table = LeaseTable(lock_delay_s=args.lock_delay, default_writer_ttl_s=args.writer_ttl, max_ttl_s=args.max_ttl,
-                       reader_ttl_s=args.reader_ttl, reconcile_grace_s=args.reconcile_grace)
+    def new_table() -> LeaseTable:
+        return LeaseTable(lock_delay_s=args.lock_delay, default_writer_ttl_s=args.writer_ttl, max_ttl_s=args.max_ttl,
+                          reader_ttl_s=args.reader_ttl, reconcile_grace_s=args.reconcile_grace)
+    table = new_table()
     svc = Service("broker", [broker_pb2.DESCRIPTOR.services_by_name["Broker"].full_name],
                   args.host, args.port, args.metrics_port, tls=tls, metrics_host=args.metrics_host)
     election = None
@@ -95,40 +97,25 @@ async def serve(args) -> None:
         election = Election(connect(args.etcd.split(",")), election_key(args.cluster), identity,
                             args.advertise or f"{args.host}:{svc.port}", args.election_ttl, args.election_margin)
     authority = ElectedAuthority(election) if election else SoleAuthority()
-    LeadershipCollector(authority)
+    collector = LeadershipCollector(authority)
     free_set = DurableFreeSet(election, args.cluster, table) if election else None
     servicer = BrokerServicer(table, heartbeat_s=args.heartbeat_interval, authority=authority, free_set=free_set)
     broker_pb2_grpc.add_BrokerServicer_to_server(servicer, svc.server)
     await svc.start()
     sweeper = asyncio.create_task(servicer.run_sweeper(args.sweep_interval))
     log.info("broker epoch %#x", table.epoch)
-    exit_status = 0
     role = None
     if election is None:
         await svc.set_serving()
     else:
         election.start()
         await svc.set_serving(healthy=False)  # a standby answers health, NOT_SERVING, until it leads
-
-        async def take_over(term: int) -> None:
-            table.take_identity(await shared_epoch(election, args.cluster), term)
-
-        async def on_lead(term: int) -> None:
-            log.warning("broker leads term %d (epoch %#x); answering", term, table.epoch)
-            await svc.set_health(True)
-
-        async def on_term_over(why: str) -> None:
-            nonlocal exit_status
-            log.error("broker: %s; refusing everything and exiting (%d) for a fresh start as a follower", why,
-                      TERM_OVER_EXIT)
-            exit_status = TERM_OVER_EXIT
-            await svc.set_health(False)
-            svc.request_stop()
-        role = asyncio.create_task(lead_one_term(authority, take_over, on_lead, on_term_over))
+        role = asyncio.create_task(replica_life(args, svc, election, servicer, collector, new_table,
+                                                (table, authority, free_set)))
 
     async def on_stop() -> None:  # a successor may already be serving: accept nothing new from here on
         servicer.stop_accepting()
-        if role is not None:  # a resignation is no term lost: the exit status stays 0
+        if role is not None:
             role.cancel()
         if election is not None:  # resign: another replica leads at once instead of after the etcd lease's ttl
             await election.stop()
@@ -137,8 +124,30 @@ async def serve(args) -> None:
     sweeper.cancel()
     if role is not None:
         role.cancel()
-    if exit_status:
-        raise SystemExit(exit_status)
+
+
+async def replica_life(args, svc: Service, election: Election, servicer: BrokerServicer,
+                       collector: LeadershipCollector, new_table, first) -> None:
+    """Term after term: follow, take over (the cluster's epoch), lead, and once the term is over answer nothing
+    more from its table: a fresh one, with a fresh authority, waits for the next term this replica wins."""
+    table, authority, free_set = first
+    while True:
+        async def take_over(term: int, table=table) -> None:
+            table.take_identity(await shared_epoch(election, args.cluster), term)
+
+        async def on_lead(term: int, table=table) -> None:
+            log.warning("broker leads term %d (epoch %#x); answering", term, table.epoch)
+            await svc.set_health(True)
+
+        async def on_term_over(why: str) -> None:
+            log.error("broker: %s; answering nothing from its table any more; following with a fresh one", why)
+            await svc.set_health(False)
+
+        await lead_one_term(authority, take_over, on_lead, on_term_over)
+        table = new_table()
+        authority, free_set = ElectedAuthority(election), DurableFreeSet(election, args.cluster, table)
+        collector.authority = authority
+        servicer.reset(table, authority, free_set)
 
 
 def main(args) -> None:

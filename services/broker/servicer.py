@@ -313,18 +313,33 @@ class BrokerServicer(broker_pb2_grpc.BrokerServicer):
         for pool_id in gone:
             if self._free_set is not None:
                 spawn(self._free_set.forget(pool_id))
-            for gauge, labels in [*((self._pages, (pool_id, n)) for n in _PAGE_STATES),
-                                  *((self._cache_pages, (pool_id, n)) for n in _CACHE_STATES),
-                                  (self._shared_reads, (pool_id,))]:
-                try:
-                    gauge.remove(*labels)
-                except KeyError:
-                    pass
+            self._drop_series(pool_id)
             for wake in self._watchers.get(pool_id, ()):
                 wake.set()  # its streams end with NOT_FOUND
             log.info("pool %s forgotten: its decode stopped renewing it %.1fs+ ago and no page is held",
                      pool_id, self._table.reader_ttl_s + self._table.lock_delay_s)
         return gone
+
+    def reset(self, table: LeaseTable, authority, free_set=None) -> None:
+        """A term this replica led is over: every call from now on goes to a fresh table and authority (which
+        follow until the next term won), the old pools' series go, and their streams wake to end (the old
+        authority refuses their next message)."""
+        old = self._table.pool_ids()
+        self._table, self._authority, self._free_set = table, authority, free_set
+        for pool_id in old:
+            self._drop_series(pool_id)
+        for wakes in list(self._watchers.values()):
+            for wake in wakes:
+                wake.set()
+
+    def _drop_series(self, pool_id: str) -> None:
+        for gauge, labels in [*((self._pages, (pool_id, n)) for n in _PAGE_STATES),
+                              *((self._cache_pages, (pool_id, n)) for n in _CACHE_STATES),
+                              (self._shared_reads, (pool_id,))]:
+            try:
+                gauge.remove(*labels)
+            except KeyError:
+                pass
 
     def stop_accepting(self) -> None:
         self.stopping = True

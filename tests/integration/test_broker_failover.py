@@ -3,7 +3,8 @@ only the leader answers (the standby refuses NOT_LEADER and reports NOT_SERVING)
 prefill and decode follow the leader through the list of replicas. A kill -9 of the leader: the standby leads
 within the etcd lease's ttl + 1 s, decode hands its pool over, every running stream completes with the oracle's
 tokens, new requests are served again once the pages nobody claimed drained, and the pool drains at the new
-leader. A leader paused past its lease wakes refusing everything and exits for a fresh start."""
+leader. A leader paused past its lease wakes refusing everything, drops its table and stands by with a fresh one,
+which leads again, adopting the pool a second time, when the other replica dies."""
 from __future__ import annotations
 
 import os
@@ -162,7 +163,7 @@ def test_kill_the_leader_and_every_running_stream_completes(ha_stack, oracle):
     assert stack.metric("prefill", "pdserve_lease_violations_total") == 0
 
 
-def test_a_paused_leader_wakes_refusing_everything_and_exits(ha_stack, oracle):
+def test_a_paused_leader_wakes_refusing_everything_and_stands_by_again(ha_stack, oracle):
     stack, _ = ha_stack
     lead, standby = leader_and_standby(stack)
     p = prompt(35, 71)
@@ -180,11 +181,26 @@ def test_a_paused_leader_wakes_refusing_everything_and_exits(ha_stack, oracle):
     finally:
         os.killpg(lead.popen.pid, signal.SIGCONT)
     wait_for(lambda: answer, 20, "the woken leader answers the queued call")
-    # refused: by its authority check (NOT_LEADER), or by its server already stopping for the exit
-    assert answer[0][0] == grpc.StatusCode.UNAVAILABLE, answer
-    assert lead.popen.wait(20) == 75, stack.logs()[-3000:]
+    assert answer[0] == (grpc.StatusCode.UNAVAILABLE, "NOT_LEADER"), answer
+    assert lead.alive() and not leading(lead)
+    wait_for(lambda: value(scrape(lead), "pdserve_broker_term") == value(scrape(standby), "pdserve_broker_term"), 10,
+             "the woken replica follows the new term")
     q = prompt(40, 72)
-    out = generate_when_served(stack, q, 6, timeout=FENCE + 20, refused_code="UNAVAILABLE")
+    out = served_again(stack, q, 6, DRAIN + 20)
     assert "error" not in out, (out, stack.logs()[-4000:])
     oracle.check(q, out["token_ids"])
+    # the other way round: the woken replica, with its fresh table, leads again and adopts the pool again
+    long = prompt(33, 73)
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(stack.generate(prompt_token_ids=long, max_tokens=1500,
+                                                                       ignore_eos=True)))
+    t.start()
+    wait_for(lambda: stack.metric("decode", "pdserve_requests_running") >= 1, 20, "the stream runs")
+    os.killpg(standby.popen.pid, signal.SIGKILL)
+    wait_for(lambda: leading(lead), TTL + 5, "the woken replica leads again")
+    t.join(120)
+    assert "error" not in result[0], (result, stack.logs()[-4000:])
+    oracle.check(long, result[0]["token_ids"])
+    assert stack.metric("decode", "pdserve_decode_handovers_total", {"outcome": "kept"}) == 2
+    assert stack.pool_ids()[0] == pool
     assert stack.metric("decode", "pdserve_lease_violations_total") == 0
