@@ -52,7 +52,7 @@ def test_one_term_in_a_life():
     with pytest.raises(NotLeaderError):
         a.check()
     e.term, e.leads = 40, True  # won again before the process stopped: its table is of term 12
-    with pytest.raises(NotLeaderError, match="led term 12, which ended; it won term 40"):
+    with pytest.raises(NotLeaderError, match="served term 12, which ended; the replica won term 40"):
         a.check()
     assert a.lost() and a.term == 12
 
