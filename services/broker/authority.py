@@ -54,5 +54,7 @@ class ElectedAuthority:
         return term
 
     def lost(self) -> bool:
-        """True once the term this authority served is over (it never serves another)."""
-        return self.term != 0 and not (self.election.authorised() and self.election.state().term == self.term)
+        """True once the term this authority served is over (it never serves another). A lapse of its authority
+        is not the end: while the replica still holds the key of that term nobody else can have led, and answers
+        resume from the same table once etcd renews the lease again."""
+        return self.term != 0 and self.election.held_term != self.term

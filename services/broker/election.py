@@ -158,6 +158,12 @@ class Election:
 
     # --- what callers ask -------------------------------------------------------------------------------------
 
+    @property
+    def held_term(self) -> int | None:
+        """The term this replica holds the key for, its authority current or lapsed (a lapse with the key still its
+        own may resume: nobody else can have led meanwhile); None once the term is over."""
+        return self._term
+
     def authorised(self) -> bool:
         return self._term is not None and self._clock() < self._authority_until
 

@@ -38,9 +38,11 @@ class LeadershipCollector:
         yield CounterMetricFamily("pdserve_broker_terms_won", "Election terms this replica has won", value=won)
 
 
-async def lead_one_term(authority: ElectedAuthority, take_over, on_lead, on_term_over, poll_s: float = 0.05) -> None:
+async def lead_one_term(authority: ElectedAuthority, take_over, on_lead, on_lapse, on_term_over,
+                        poll_s: float = 0.05) -> None:
     """Waits to win a term; `take_over(term)` loads what the term needs (the lease identity), then the replica
-    answers (authority.begin, then `on_lead(term)`) until the term ends; then `on_term_over(why)`. The authority bound lapses by the
+    answers (authority.begin, then `on_lead(term)`) until the term ends; then `on_term_over(why)`. Meanwhile
+    `on_lapse(answering)` tells when its authority lapses and when it resumes within the same term. The authority bound lapses by the
     clock alone, so the waits poll as well as listening for changes."""
     election = authority.election
     while True:
@@ -56,8 +58,12 @@ async def lead_one_term(authority: ElectedAuthority, take_over, on_lead, on_term
         break
     authority.begin(term)
     await on_lead(term)
+    answering = True
     while not authority.lost():
         await _changed_or(election, poll_s)
+        if election.authorised() != answering:  # a lapse (etcd unreachable, no quorum) or its end
+            answering = not answering
+            await on_lapse(answering)
     await on_term_over(f"term {authority.term} is over (authority left {election.state().authority_left_s:.2f}s)")
 
 

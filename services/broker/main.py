@@ -139,11 +139,16 @@ async def replica_life(args, svc: Service, election: Election, servicer: BrokerS
             log.warning("broker leads term %d (epoch %#x); answering", term, table.epoch)
             await svc.set_health(True)
 
+        async def on_lapse(answering: bool) -> None:
+            log.warning("broker: authority %s", "resumed: answering again" if answering else
+                        "lapsed (no etcd renewal within the bound): answering nothing until it resumes")
+            await svc.set_health(answering)
+
         async def on_term_over(why: str) -> None:
             log.error("broker: %s; answering nothing from its table any more; following with a fresh one", why)
             await svc.set_health(False)
 
-        await lead_one_term(authority, take_over, on_lead, on_term_over)
+        await lead_one_term(authority, take_over, on_lead, on_lapse, on_term_over)
         table = new_table()
         authority, free_set = ElectedAuthority(election), DurableFreeSet(election, args.cluster, table)
         collector.authority = authority

@@ -15,7 +15,7 @@ class Scripted:
     """The part of Election the authority reads: check() gives `term` while `leads`."""
 
     def __init__(self) -> None:
-        self.term, self.leads = 0, False
+        self.term, self.leads, self.holds = 0, False, True
 
     def check(self) -> int:
         if not self.leads:
@@ -24,6 +24,10 @@ class Scripted:
 
     def authorised(self) -> bool:
         return self.leads
+
+    @property
+    def held_term(self):
+        return self.term if self.holds else None
 
     def state(self):
         return SimpleNamespace(term=self.term)
@@ -47,11 +51,15 @@ def test_one_term_in_a_life():
     assert a.check() == 12 and a.term == 12 and not a.lost()
     with pytest.raises(RuntimeError, match="led term 12 already"):
         a.begin(13)
-    e.leads = False
-    assert a.lost()
+    e.leads = False  # a lapse: refused, not over
+    assert not a.lost()
     with pytest.raises(NotLeaderError):
         a.check()
-    e.term, e.leads = 40, True  # won again before the process stopped: its table is of term 12
+    e.leads = True  # etcd renewed the same term's lease again: the same table answers
+    assert a.check() == 12
+    e.holds = False  # the term is over
+    assert a.lost()
+    e.term, e.leads, e.holds = 40, True, True  # won again before the process stopped: its table is of term 12
     with pytest.raises(NotLeaderError, match="served term 12, which ended; the replica won term 40"):
         a.check()
     assert a.lost() and a.term == 12
