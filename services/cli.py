@@ -29,7 +29,16 @@ def _up_extra(args) -> dict[str, list[str]]:
         gateway += ["--http-port", str(args.http_port)]
     if args.served_model_name:
         gateway += ["--served-model-name", *args.served_model_name]
-    return {"prefill": engine, "decode": engine, "gateway": gateway}
+    out = {"prefill": engine, "decode": engine, "gateway": gateway}
+    if args.ha:  # decode stays un-blind through a failover: the standby leads within the ttl, well under max-blind
+        out["broker"] = ["--election-ttl", str(HA_ELECTION_TTL)]
+        out["decode"] = [*engine, "--max-blind", str(HA_MAX_BLIND)]
+    return out
+
+
+# `up --ha`: a dead leader is replaced within the ttl; decode, blind meanwhile, keeps its running requests as long as
+# it hears from the new leader within --max-blind (at most half the broker's lock_delay, 10 s by default)
+HA_ELECTION_TTL, HA_MAX_BLIND = 3, 5.0
 
 
 def _up_devices(args) -> dict[str, list[str]]:
@@ -70,7 +79,7 @@ def _up_stack(args) -> dict:
                 prefill_pool_tokens=args.prefill_pool_tokens, decode_pool_tokens=args.decode_pool_tokens,
                 allow_small=args.allow_pool_smaller_than_context, num_prefill=args.prefill_instances,
                 num_decode=args.decode_instances, extra=_up_extra(args), devices=_up_devices(args),
-                gateway_env=_up_env(args))
+                gateway_env=_up_env(args), brokers=2 if args.ha else 1)
 
 
 def _up(args) -> int:
@@ -94,13 +103,24 @@ def _up(args) -> int:
         print(f"pdserve up: no checkpoint at {model.path} (no config.json): run `pdserve make-model --out "
               f"{model.path}`", file=sys.stderr)
         return 1
-    print(f"starting broker, {args.prefill_instances} prefill, {args.decode_instances} decode, gateway ...",
-          flush=True)
+    etcd = None
+    if args.ha:
+        from .common.etcd_server import EtcdCluster
+        etcd_dir = tempfile.mkdtemp(prefix="pdserve-etcd-")
+        etcd = EtcdCluster(etcd_dir, 1)
+        print(f"starting etcd ({etcd.endpoints[0]}, data in {etcd_dir}) ...", flush=True)
+        etcd.start()
+        stack["etcd"] = etcd.endpoints[0]
+    print(f"starting {'2 broker replicas' if args.ha else 'broker'}, {args.prefill_instances} prefill, "
+          f"{args.decode_instances} decode, gateway ...", flush=True)
     # a throwaway CA per run unless the operator keeps one: the internal services always run mutual TLS
     tls_dir = args.tls_dir or tempfile.mkdtemp(prefix="pdserve-tls-")
     try:
         procs = launcher.start_stack(args.model, echo=True, tls_dir=tls_dir, **stack)
     except BaseException as e:
+        if etcd is not None:
+            etcd.stop()
+            shutil.rmtree(etcd_dir, ignore_errors=True)
         if not args.tls_dir:
             shutil.rmtree(tls_dir, ignore_errors=True)
         if isinstance(e, launcher.StartFailed):  # its output is above; the last line says who refused and why
@@ -121,6 +141,11 @@ def _up(args) -> int:
     try:
         while not stopping:
             dead = [p for ps in procs.values() for p in ps if not p.alive()]
+            for p in dead if args.ha else ():
+                if p in procs["broker"]:  # a replica: started again on its ports, as a standby
+                    print(f"{p.name} exited with {p.popen.returncode}; starting it again", file=sys.stderr, flush=True)
+                    procs["broker"][procs["broker"].index(p)] = launcher.restart(p, echo=True)
+                    dead.remove(p)
             if dead:
                 print(f"{dead[0].name} exited with {dead[0].popen.returncode}; stopping the stack", file=sys.stderr)
                 return 1
@@ -130,6 +155,9 @@ def _up(args) -> int:
     finally:
         print("stopping ...", flush=True)
         launcher.stop_stack(procs)
+        if etcd is not None:
+            etcd.stop()
+            shutil.rmtree(etcd_dir, ignore_errors=True)
         if not args.tls_dir:
             shutil.rmtree(tls_dir, ignore_errors=True)
     return 0
@@ -209,6 +237,10 @@ def build_parser(argv: list[str], load_all: bool = False) -> argparse.ArgumentPa
                     help="the prefill instances' devices: one for all, or one per instance in order (cuda:0,cuda:1)")
     up.add_argument("--decode-device", default=None, metavar="DEV[,DEV...]",
                     help="the decode instances' devices, as --prefill-device")
+    up.add_argument("--ha", action="store_true",
+                    help="two broker replicas electing a leader on a local etcd (started here, removed at exit): "
+                         "a broker killed is replaced within the election ttl and started again, and running "
+                         "requests keep running (docs/design.md §3, \"Leader failover\")")
     up.add_argument("--context-length", type=int, default=0)
     up.add_argument("--page-size", type=int, default=config.DEFAULT_PAGE_SIZE)
     up.add_argument("--prefill-pool-tokens", type=int, default=config.DEFAULT_PREFILL_POOL_TOKENS)

@@ -122,6 +122,18 @@ def wait_ready(proc: Proc, timeout: float = 120.0) -> Proc:
     return proc
 
 
+def restart(proc: Proc, env: dict | None = None, echo: bool = False, timeout: float = 120.0,
+            log_path: str | None = None) -> Proc:
+    """Starts a service that exited (or is stopped here) again, with its arguments, on the ports it had (its clients
+    know them)."""
+    stop(proc)  # closes its lifeline
+    args = list(proc.args)
+    for flag, value in (("--port", proc.port), ("--metrics-port", proc.metrics_port)):
+        if flag in args:
+            args[args.index(flag) + 1] = str(value)
+    return start(proc.name, args, env, timeout, echo, log_path)
+
+
 def terminate(proc: Proc) -> None:
     """SIGTERM to the service's process group (it drains and exits); stop() waits for it."""
     if proc.alive():

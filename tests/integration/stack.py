@@ -102,12 +102,8 @@ class Stack:
         except ProcessLookupError:
             pass
         old.popen.wait(10)
-        launcher.stop(old)  # already gone: this only closes its lifeline
-        args = list(old.args)
-        args[args.index("--port") + 1] = str(old.port)
-        args[args.index("--metrics-port") + 1] = str(old.metrics_port)
-        self.procs[service][index] = launcher.start(old.name, args, {"PDSERVE_ENABLE_FAULTS": "1", **self.env},
-                                                    log_path=f"{self.log_dir}/{old.name}.log")
+        self.procs[service][index] = launcher.restart(old, {"PDSERVE_ENABLE_FAULTS": "1", **self.env},
+                                                      log_path=f"{self.log_dir}/{old.name}.log")
 
     def logs(self) -> str:
         return "\n".join(f"--- {n} ---\n" + "".join(p.lines[-60:]) for n, ps in self.procs.items() for p in ps)
