@@ -43,21 +43,14 @@ def landing_terms(timeout_s: int, max_write_bytes: int, slack_s: float) -> str:
 
 
 class WriteLeases:
-    """The lease protocol's one timing inequality, stated from the post:
+    """Prefill's writes under the lease protocol's one timing inequality (docs/design.md §3, "One timing bound"):
 
         L = Mooncake timeout + 1 ns x bytes of the largest batch call + landing slack  <=  lock_delay
 
-    where L (max_landing_s, landing_bound_s) bounds the time from a batch call's post to its last byte landing, and
-    the largest batch call is the write unit (--max-write-bytes: the worker cuts a write into calls of at most it),
-    never the pool. It is checked at start-up (check_bounds) and by the broker on every BeginWrite. L bounds each
-    call, not a whole write of many calls; why that suffices, on both ways the broker frees a page that a write may
-    still hit:
-    - liveness expiry: every call is posted only while this process's view of its liveness has liveness_margin_s or
-      more left (check_alive, before each call), and that view runs from the *send* of the BeginWrite or renewal,
-      before the broker received it, so it ends no later than the broker's expiry E: the last call is posted before
-      E, and it lands by E + L <= E + lock_delay, the first moment the broker may free the page;
-    - failed acknowledgement: EndWrite(success=false) is sent after the last call of the write returned, so after
-      every post of every call: each lands by its post + L < ack + L <= ack + lock_delay."""
+    checked at start-up (check_bounds) and by the broker on every BeginWrite (max_landing_s is L). Each call is
+    posted only while this process's view of its liveness, which runs from the *send* of the BeginWrite or renewal,
+    has liveness_margin_s or more left (check_alive), and EndWrite(success=false) goes out after the last call
+    returned: design.md says why that keeps every byte out of a page the broker may free."""
 
     def __init__(self, broker, writer_prefix: str, max_landing_s: float, rpc_timeout_s: float = 10.0,
                  writer_ttl_s: float = 5.0, liveness_margin_s: float = 1.0,
