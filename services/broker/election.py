@@ -31,7 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aetcd
+import grpc
 from aetcd import exceptions as etcd_errors
+from aetcd import rpc as etcd_rpc
+from aetcd import watcher as etcd_watcher
 from aetcd.rtypes import EventKind
 
 log = logging.getLogger(__name__)
@@ -44,15 +47,44 @@ def election_key(cluster: str) -> bytes:
     return f"/pdserve/{cluster}/broker/leader".encode()
 
 
-def connect(endpoints: Sequence[str], timeout: float = 2.0) -> aetcd.Client:
-    """An etcd client for `endpoints` ("host:port"). aetcd takes one host and port, which it joins into a gRPC
-    target; several endpoints (IP literals) become one `ipv4:` target with every address, so gRPC's pick_first
-    moves to another member when the one it talks to goes away."""
+class TlsClient(aetcd.Client):
+    """aetcd's client over a channel with mutual TLS (aetcd itself only speaks plaintext): the same stubs and
+    watcher on a secure channel. `server_name`: the name etcd's certificate carries, when the target is not it."""
+
+    def __init__(self, *args, credentials, server_name: str | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._credentials, self._server_name = credentials, server_name
+
+    async def connect(self) -> None:
+        if self._connected.is_set():
+            return
+        options = [*self._options.items()]
+        if self._server_name:
+            options.append(("grpc.ssl_target_name_override", self._server_name))
+        self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}", self._credentials, options=options)
+        self.kvstub, self.clusterstub = etcd_rpc.KVStub(self.channel), etcd_rpc.ClusterStub(self.channel)
+        self.leasestub, self.maintenancestub = etcd_rpc.LeaseStub(self.channel), etcd_rpc.MaintenanceStub(self.channel)
+        self._watcher = etcd_watcher.Watcher(etcd_rpc.WatchStub(self.channel), timeout=self._timeout,
+                                             metadata=self.metadata)
+        self._connected.set()
+
+
+def connect(endpoints: Sequence[str], timeout: float = 2.0, credentials=None,
+            server_name: str | None = None) -> aetcd.Client:
+    """An etcd client for `endpoints` ("host:port"), over mutual TLS with `credentials` (grpc channel credentials)
+    when given. aetcd takes one host and port, which it joins into a gRPC target; several endpoints (IP literals)
+    become one `ipv4:` target with every address, so gRPC's pick_first moves to another member when the one it
+    talks to goes away."""
     if not endpoints:
         raise ValueError("no etcd endpoints")
+
+    def client(host: str, port: int) -> aetcd.Client:
+        if credentials is None:
+            return aetcd.Client(host=host, port=port, timeout=timeout)
+        return TlsClient(host=host, port=port, timeout=timeout, credentials=credentials, server_name=server_name)
     if len(endpoints) == 1:
         host, _, port = endpoints[0].rpartition(":")
-        return aetcd.Client(host=host, port=int(port), timeout=timeout)
+        return client(host, int(port))
     for e in endpoints:
         try:
             ipaddress.IPv4Address(e.rpartition(":")[0])
@@ -60,7 +92,7 @@ def connect(endpoints: Sequence[str], timeout: float = 2.0) -> aetcd.Client:
             raise ValueError(f"several etcd endpoints must be IPv4 address:port (one gRPC ipv4: target), got {e!r}; "
                              "give a DNS name with several addresses as the one endpoint instead") from None
     head, _, port = ",".join(endpoints).rpartition(":")
-    return aetcd.Client(host=f"ipv4:{head}", port=int(port), timeout=timeout)
+    return client(f"ipv4:{head}", int(port))
 
 
 @dataclass(slots=True, frozen=True)

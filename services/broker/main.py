@@ -61,7 +61,29 @@ def add_args(p: argparse.ArgumentParser) -> None:
                     help="seconds the leader's authority ends before its etcd lease can expire (clock-rate and "
                          "scheduling slack); must be under --election-ttl")
     ha.add_argument("--advertise", default="", help="the address clients reach this replica at (default HOST:PORT)")
+    ha.add_argument("--etcd-ca", default="", help="PEM CA etcd's certificates are signed by: etcd over mutual TLS, "
+                                                  "with --etcd-cert and --etcd-key (default: plaintext)")
+    ha.add_argument("--etcd-cert", default="", help="PEM client certificate this replica presents to etcd")
+    ha.add_argument("--etcd-key", default="", help="PEM key of --etcd-cert")
+    ha.add_argument("--etcd-server-name", default="", help="the name etcd's certificate carries, when the "
+                                                           "endpoints are addresses it does not name")
     add_tls_args(p)
+
+
+def etcd_credentials(args):
+    """Mutual TLS to etcd from --etcd-ca/--etcd-cert/--etcd-key: all three, or none (plaintext, a local etcd)."""
+    given = [args.etcd_ca, args.etcd_cert, args.etcd_key]
+    if not any(given):
+        return None
+    if not all(given):
+        raise SystemExit("broker: refusing to start: --etcd-ca, --etcd-cert and --etcd-key go together "
+                         f"(given: {', '.join(n for n, v in zip(('--etcd-ca', '--etcd-cert', '--etcd-key'), given) if v)})")
+    import grpc
+
+    def read(path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+    return grpc.ssl_channel_credentials(read(args.etcd_ca), read(args.etcd_key), read(args.etcd_cert))
 
 
 def check_bounds(args) -> None:
@@ -94,7 +116,8 @@ async def serve(args) -> None:
     election = None
     if args.etcd:
         identity = f"{own_identity(tls, 'broker')}@{socket.gethostname()}-{os.getpid()}"
-        election = Election(connect(args.etcd.split(",")), election_key(args.cluster), identity,
+        election = Election(connect(args.etcd.split(","), credentials=etcd_credentials(args),
+                                    server_name=args.etcd_server_name or None), election_key(args.cluster), identity,
                             args.advertise or f"{args.host}:{svc.port}", args.election_ttl, args.election_margin)
     authority = ElectedAuthority(election) if election else SoleAuthority()
     collector = LeadershipCollector(authority)

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.request
@@ -51,6 +52,7 @@ class EtcdMember:
     data_dir: Path
     log_path: Path
     proc: subprocess.Popen | None = field(default=None, repr=False)
+    tls: tuple[str, str, str] | None = None  # (cert, key, ca): its client port demands a client certificate
 
     @property
     def endpoint(self) -> str:
@@ -64,8 +66,13 @@ class EtcdMember:
         return self.proc is not None and self.proc.poll() is None
 
     def is_healthy(self, timeout: float = 0.5) -> bool:
+        context = None
+        if self.tls:
+            context = ssl.create_default_context(cafile=self.tls[2])
+            context.load_cert_chain(self.tls[0], self.tls[1])
         try:
-            with urllib.request.urlopen(f"http://{self.endpoint}/health", timeout=timeout) as r:
+            with urllib.request.urlopen(f"{'https' if self.tls else 'http'}://{self.endpoint}/health",
+                                        timeout=timeout, context=context) as r:
                 return json.loads(r.read()).get("health") == "true"
         except (OSError, ValueError):
             return False
@@ -93,16 +100,20 @@ class EtcdMember:
 class EtcdCluster:
     """`size` members on 127.0.0.1 under `root`; `with EtcdCluster(root, 3) as c:` starts and stops them."""
 
-    def __init__(self, root: Path, size: int = 1, binary: str = BINARY, token: str = "pdserve-etcd") -> None:
+    def __init__(self, root: Path, size: int = 1, binary: str = BINARY, token: str = "pdserve-etcd",
+                 tls: tuple[str, str, str] | None = None) -> None:
+        """tls: (cert, key, ca) PEM files: clients must present a certificate the CA signed (mutual TLS); the
+        certificate must name 127.0.0.1. Peers talk plaintext on localhost either way."""
         if size < 1:
             raise ValueError(f"an etcd cluster needs at least one member, got {size}")
         if shutil.which(binary) is None:
             raise FileNotFoundError(f"no etcd at {binary}: install Debian's etcd-server (deploy/install.sh apt dev)")
         self.binary = binary
         self.token = token
+        self.tls = tls
         ports = _free_ports(2 * size)
         self.members = [EtcdMember(f"m{i}", ports[2 * i], ports[2 * i + 1], Path(root) / f"m{i}.etcd",
-                                   Path(root) / f"m{i}.log") for i in range(size)]
+                                   Path(root) / f"m{i}.log", tls=tls) for i in range(size)]
 
     @property
     def endpoints(self) -> list[str]:
@@ -110,8 +121,11 @@ class EtcdCluster:
 
     def _argv(self, m: EtcdMember) -> list[str]:
         initial = ",".join(f"{x.name}={x.peer_url}" for x in self.members)
-        return [self.binary, "--name", m.name, "--data-dir", str(m.data_dir),
-                "--listen-client-urls", f"http://{m.endpoint}", "--advertise-client-urls", f"http://{m.endpoint}",
+        scheme = "https" if self.tls else "http"
+        secure = ["--cert-file", self.tls[0], "--key-file", self.tls[1], "--client-cert-auth",
+                  "--trusted-ca-file", self.tls[2]] if self.tls else []
+        return [self.binary, "--name", m.name, "--data-dir", str(m.data_dir), *secure,
+                "--listen-client-urls", f"{scheme}://{m.endpoint}", "--advertise-client-urls", f"{scheme}://{m.endpoint}",
                 "--listen-peer-urls", m.peer_url, "--initial-advertise-peer-urls", m.peer_url,
                 "--initial-cluster", initial, "--initial-cluster-token", self.token,
                 "--initial-cluster-state", "new", "--log-level", "warn", "--logger", "zap"]

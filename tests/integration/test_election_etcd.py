@@ -293,3 +293,42 @@ def test_etcd_quorum_lost_ends_the_authority_and_its_return_brings_a_leader_back
             print(f"quorum lost: authority ended after {ended - lost:.2f} s; quorum back: {leader.identity} leads "
                   f"term {leader.check()} (was {term}) {back - returned:.2f} s after the restart")
     asyncio.run(main())
+
+
+def test_the_election_runs_over_mutual_tls_and_a_client_without_a_certificate_is_refused(tmp_path):
+    import grpc
+
+    from pdserve.common.pki import make_pki
+    files = make_pki(str(tmp_path / "pki"), ["operator/etcd", "broker/broker0", "broker/broker1"])
+    server = files["operator/etcd"]  # any certificate of the CA naming 127.0.0.1 serves
+    cluster = EtcdCluster(tmp_path / "etcd", 1, tls=(server.cert, server.key, server.ca))
+    cluster.start()
+
+    def credentials(identity: str):
+        f = files[identity]
+        return grpc.ssl_channel_credentials(*(Path(p).read_bytes() for p in (f.ca, f.key, f.cert)))
+
+    async def main():
+        key = election_key("tls")
+        a = Election(connect(cluster.endpoints, credentials=credentials("broker/broker0")), key, "a", "a:1", TTL,
+                     MARGIN)
+        b = Election(connect(cluster.endpoints, credentials=credentials("broker/broker1")), key, "b", "b:1", TTL,
+                     MARGIN)
+        plain = connect(cluster.endpoints, timeout=1)
+        try:
+            a.start()
+            await until(a.authorised, 10, "a leads over TLS")
+            b.start()
+            await until(lambda: b.state().leader is not None, 5, "b follows over TLS")
+            assert b.state().leader.term == a.check()
+            with pytest.raises(Exception):  # the client port demands a certificate
+                await asyncio.wait_for(plain.get(key), 5)
+        finally:
+            for e in (a, b):
+                await e.stop()
+                await e.client.close()
+            await plain.close()
+    try:
+        asyncio.run(main())
+    finally:
+        cluster.stop()
