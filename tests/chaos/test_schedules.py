@@ -152,6 +152,15 @@ def disrupt(stack, what: str, rng: random.Random, record: Record, streams: list[
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_chaos_schedule(chaos, oracle, seed):
+    disruption = DISRUPTIONS[seed % len(DISRUPTIONS)]
+    run_schedule(chaos, oracle, seed, disruption, disrupt, LONG_STREAMS if disruption in LINK_CUTS else 0)
+
+
+def run_schedule(chaos, oracle, seed: int, disruption: str, disrupt_fn, num_long: int,
+                 requests: int = REQUESTS_PER_SCHEDULE) -> None:
+    """One seeded schedule of `requests` on the stack, with `disruption` done by disrupt_fn(stack, disruption, rng,
+    record, streams) and num_long long streams on the shared prefix started just before it, then every check of
+    this module's docstring."""
     print(f"\nchaos schedule seed={seed} (replay: PDSERVE_CHAOS_SEED={seed})", flush=True)
     # the previous schedule's broker restart or pause may have moved decode to a new pool incarnation: it serves
     # again only after the old broker's fence (reader ttl + max ttl + lock delay), so each schedule starts served
@@ -162,7 +171,7 @@ def test_chaos_schedule(chaos, oracle, seed):
     cache = {r: chaos.metric("decode", "pdserve_prefix_cache_lookup_pages_total", {"result": r}) for r in ("hit", "refused")}
     shared = [rng.randrange(2, 512) for _ in range(SHARED_PREFIX)]
     jobs = []
-    for i in range(REQUESTS_PER_SCHEDULE):
+    for i in range(requests):
         r = rng.random()
         if r < 0.1:
             jobs.append(("overlong", [rng.randrange(2, 512) for _ in range(2048 + rng.randrange(1, 500))], 4, None))
@@ -173,14 +182,13 @@ def test_chaos_schedule(chaos, oracle, seed):
         cancel = rng.uniform(0.0, 0.4) if r < 0.25 else None
         jobs.append(("cancelled" if cancel is not None else "normal", prompt, rng.randrange(1, 8), cancel))
     choices = [("prefill", f) for f in FAULTS] + OTHER_FAULTS
-    faults = [(rng.randrange(REQUESTS_PER_SCHEDULE), *rng.choice(choices), rng.randrange(2)) for _ in range(6)]
+    faults = [(rng.randrange(requests), *rng.choice(choices), rng.randrange(2)) for _ in range(6)]
     late = {i: str(rng.choice([200, 2500, 5000])) for i, _, name, _ in faults if name == "transfer.fail_then_land"}
     late.update({i: rng.choice(CORRUPTIONS) for i, _, name, _ in faults if name == "decode.corrupt_cached"})
-    disruption = DISRUPTIONS[seed % len(DISRUPTIONS)]
-    disrupt_at = rng.randrange(10, 60)
+    disrupt_at = rng.randrange(10, min(60, requests))
     long_rng = random.Random(-seed - 1)  # its own draws: the schedule's other requests and faults stay as they were
     streams = [Long(chaos, shared + [long_rng.randrange(2, 512) for _ in range(LONG_SUFFIX)])
-               for _ in range(LONG_STREAMS if disruption in LINK_CUTS else 0)]
+               for _ in range(num_long)]
     print(f"  disruption={disruption} at request {disrupt_at}; faults={[(i, f) for i, _, f, _ in faults]}", flush=True)
     record = Record(chaos).start()
     results = []
@@ -198,7 +206,7 @@ def test_chaos_schedule(chaos, oracle, seed):
                     except grpc.RpcError:
                         pass  # that prefill is being restarted; the fault is simply not armed
             if i == disrupt_at:
-                disruption_result = pool.submit(disrupt, chaos, disruption, rng, record, streams)
+                disruption_result = pool.submit(disrupt_fn, chaos, disruption, rng, record, streams)
             futures.append(pool.submit(run_request, chaos, *job))
             time.sleep(0.01)
         results = [f.result() for f in futures]
@@ -228,7 +236,7 @@ def test_chaos_schedule(chaos, oracle, seed):
         if tokens:  # a failure's streamed tokens too: what came before it must still be its own KV
             to_check.append((prompt, tokens))
     oracle.check_many(to_check)
-    assert ok >= REQUESTS_PER_SCHEDULE // 10, (seed, ok)  # the schedule must exercise successes too
+    assert ok >= requests // 10, (seed, ok)  # the schedule must exercise successes too
     print(f"  checked {ok} successes at {time.monotonic() - start:.1f}s", flush=True)
     chaos.clear_faults()
     # quiescence: nothing leased; quarantine drains within writer ttl + lock_delay (+ sweep slack)

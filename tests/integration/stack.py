@@ -24,7 +24,8 @@ class Stack:
         self._channels = []
         self._pool_ids: dict[int, str] = {}
         self.gateway = gateway_pb2_grpc.GatewayStub(self._ch(self.procs["gateway"][0].target, tls=None))
-        self.broker = broker_pb2_grpc.BrokerStub(self._ch(self.procs["broker"][0].target))
+        self.broker = broker_pb2_grpc.BrokerStub(self._ch(self.procs["broker"][0].target)) \
+            if len(self.procs["broker"]) == 1 else _Leading(self)
         self.prefills = [prefill_pb2_grpc.PrefillStub(self._ch(p.target)) for p in self.procs["prefill"]]
         self.decodes = [decode_pb2_grpc.DecodeStub(self._ch(p.target)) for p in self.procs["decode"]]
         self.pool_ids()  # remembered now, while each decode's registration line is still in its output
@@ -112,3 +113,32 @@ class Stack:
         for ch in self._channels:
             ch.close()
         launcher.stop_stack(self.procs)
+
+
+class _Leading:
+    """The Broker stub of a stack with broker replicas: each call goes to whichever replica answers it, the leader
+    (a standby refuses NOT_LEADER, a dead or paused one does not answer)."""
+
+    def __init__(self, stack: Stack):
+        self._stack = stack
+        self._stubs: dict[str, object] = {}  # target -> stub (a restarted replica keeps its port)
+
+    def __getattr__(self, method: str):
+        def call(*args, **kwargs):
+            import grpc
+
+            from pdserve.common.errors import from_rpc_error
+            last = None
+            for p in self._stack.procs["broker"]:
+                stub = self._stubs.get(p.target)
+                if stub is None:
+                    stub = self._stubs[p.target] = broker_pb2_grpc.BrokerStub(self._stack._ch(p.target))
+                try:
+                    return getattr(stub, method)(*args, **kwargs)
+                except grpc.RpcError as e:
+                    last = e
+                    if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or \
+                            from_rpc_error(e).reason not in ("NOT_LEADER", "UNKNOWN"):
+                        raise
+            raise last
+        return call
