@@ -96,6 +96,7 @@ bench: setup
 	$(VENV)/bin/pdserve bench
 	$(PY) -m pdserve.bench.scenarios.long_prompt --prompt 32768
 	$(PY) -m pdserve.bench.scenarios.prefix_cache
+	$(PY) -m pdserve.bench.scenarios.ha
 	$(PY) -m pdserve.bench.versus
 
 bench-quick: setup

@@ -282,8 +282,9 @@ class LeaseTable:
 
     @staticmethod
     def _checked(pool: PoolPages, owner: bytes, leases: list[Lease], shares: bool = False) -> list[Page]:
-        """pool.checked_pages, but a check that comes after decode itself ended the request is refused as
-        OWNER_RELEASED, no lease violation: a BeginWrite whose caller left while it was on its way (it overlaps the
+        """pool.checked_pages, but a check of leases an earlier leader granted and nobody handed over is refused as
+        EARLIER_TERM_LEASE, and one that comes after decode itself ended the request as OWNER_RELEASED, neither a
+        lease violation: a BeginWrite whose caller left while it was on its way (it overlaps the
         forward pass), a re-check sent while the request finished. So only if decode released the owner (or its
         KeepAlive stopped naming it), the owner holds nothing now, and every lease named has ended: its page moved
         on to a later generation, or is free or quarantined at this one, or (shares) cached with the owner no longer
@@ -291,6 +292,14 @@ class LeaseTable:
         try:
             return pool.checked_pages(owner, leases, shares=shares)
         except LeaseError as e:
+            if e.reason == "LEASE_NOT_CURRENT" and owner not in pool.owners and all(
+                    0 <= p < pool.num_pages and g < pool.first_generation and pool.pages[p].generation != g
+                    for p, g in leases):
+                # granted by an earlier leader and not handed over (its request had not started decoding, and
+                # decode ended it): live for nobody here, its pages waiting out that term's writes
+                raise LeaseError("UNAVAILABLE", "EARLIER_TERM_LEASE",
+                                 f"{owner.hex()} holds leases an earlier broker leader granted, not handed over at "
+                                 f"the failover; nothing may be written for it or read by it ({e.message})") from None
             if e.reason != "LEASE_NOT_CURRENT" or owner not in pool.released or owner in pool.owners:
                 raise
 

@@ -76,6 +76,7 @@ class PoolPages:
     writing: set[int] = field(default_factory=set)
     next_generation: int = 1  # 0 is proto3's "unset" and never names a lease
     generation_limit: int = 2**63  # the first generation this table may not grant (the next term's first)
+    first_generation: int = field(init=False)  # this table's term's first: a lease below it is an earlier leader's
     revocations: RevocationLog = field(default_factory=RevocationLog)
     granted_at: dict[bytes, float] = field(default_factory=dict)  # owner -> clock at its grant
     reader_expiry: float = float("inf")  # the pool's decode renews it; set at registration
@@ -86,6 +87,7 @@ class PoolPages:
     released: OrderedDict = field(default_factory=OrderedDict)  # owner -> None, oldest first (RELEASED_MEMORY)
 
     def __post_init__(self) -> None:
+        self.first_generation = self.next_generation
         self.pages = [Page() for _ in range(self.num_pages)]
         self.free = list(range(self.num_pages))  # sorted, hence already a valid heap
 

@@ -28,8 +28,9 @@ _CODES = {
     "ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
     "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
 }
-# refusals of a lease check that put no page at stake: the request had already ended at its decode
-NO_VIOLATION = frozenset({"OWNER_RELEASED"})
+# refusals of a lease check that put no page at stake: the request had already ended at its decode, or was granted by
+# an earlier leader and not handed over (decode ended it at the failover)
+NO_VIOLATION = frozenset({"OWNER_RELEASED", "EARLIER_TERM_LEASE"})
 # created up front so a dashboard shows 0, not "no data", before the first violation
 _VIOLATION_REASONS = ("EPOCH_MISMATCH", "LEASE_NOT_CURRENT", "WRITER_ACTIVE", "LEASE_ALREADY_WRITTEN",
                       "LANDING_BOUND_EXCEEDS_LOCK_DELAY")

@@ -1,8 +1,10 @@
 """The Broker stub of prefill and decode. One address: the plain stub. Several (the replicas of an elected broker,
 docs/design.md §3, "Leader failover"): a stub that follows the leader. A call is sent to the replica believed to
 lead; when it fails in a way that says this replica cannot answer (it does not lead, it is stopping, it is
-unreachable or silent), the next calls go to the next replica. The failed call itself still fails: whether to
-retry is its caller's decision (a Grant is not idempotent), exactly as with one broker that restarted."""
+unreachable or silent), the next calls go to the next replica. A call a replica *refused* as not leading or
+stopping is sent on to the next one at once: that refusal comes before the replica's table acts, so nothing
+happened. Any other failed call still fails: whether to retry is its caller's decision (a Grant is not idempotent,
+and an unreachable replica may have acted), exactly as with one broker that restarted."""
 from __future__ import annotations
 
 import logging
@@ -35,6 +37,11 @@ def broker_stub(text: str, tls: TlsConfig | None, options) -> object:
     return stubs[0] if len(stubs) == 1 else LeaderStub(targets, stubs)
 
 
+def replicas(stub) -> int:
+    """How many broker replicas a stub made by broker_stub reaches."""
+    return len(stub.stubs) if isinstance(stub, LeaderStub) else 1
+
+
 class LeaderStub:
     """Calls go to `stubs[current]`; a failure that says that replica cannot answer moves `current` on."""
 
@@ -50,27 +57,34 @@ class LeaderStub:
             return lambda *a, **kw: _Stream(self, self.current, self.stubs[self.current].WatchRevocations(*a, **kw))
 
         async def unary(*args, **kwargs):
-            i = self.current
-            try:
-                return await getattr(self.stubs[i], method)(*args, **kwargs)
-            except grpc.RpcError as e:
-                self.failed(i, e)
-                raise
+            for attempt in range(len(self.stubs)):
+                i = self.current
+                try:
+                    return await getattr(self.stubs[i], method)(*args, **kwargs)
+                except grpc.RpcError as e:
+                    refused = self.failed(i, e)
+                    if not refused or attempt == len(self.stubs) - 1:
+                        raise
         return unary
 
-    def failed(self, i: int, e: grpc.RpcError) -> None:
-        """Moves on from replica i once, however many calls to it fail together."""
+    def failed(self, i: int, e: grpc.RpcError) -> bool:
+        """Moves on from replica i once, however many calls to it fail together; returns whether the replica
+        refused the call without acting on it (NOT_LEADER, BROKER_STOPPING)."""
         code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
-        if code not in _UNREACHABLE or i != self.current:
-            return
+        if code not in _UNREACHABLE:
+            return False
         reason = from_rpc_error(e).reason
         # UNAVAILABLE with a reason of the leader's own (FAULT_..., POOL_...) is an answer, not a replica gone
         if code == grpc.StatusCode.UNAVAILABLE and reason not in _MOVE_ON and reason != "UNKNOWN":
-            return
+            return False
+        refused = code == grpc.StatusCode.UNAVAILABLE and reason in _MOVE_ON
+        if i != self.current:
+            return refused
         self.current = (i + 1) % len(self.stubs)
         self.moves += 1
         log.warning("broker replica %s cannot answer (%s %s); trying %s", self.targets[i], code.name, reason,
                     self.targets[self.current])
+        return refused
 
 
 class _Stream:

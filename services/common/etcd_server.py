@@ -2,8 +2,9 @@
 
 Each member runs in its own process group with its data directory under a folder the caller owns, and is
 stopped with SIGTERM (SIGKILL after a grace). Should the process that started them die without stopping them
-(a test killed by SIGKILL), the kernel SIGKILLs them too (PR_SET_PDEATHSIG): that signal follows the *thread*
-that forked, so start them from a thread that outlives them (the main thread, as the tests do).
+(a test killed by SIGKILL), the kernel SIGKILLs them too (PR_SET_PDEATHSIG). That signal follows the *thread*
+that forked, so every member is forked by one thread of the cluster's own that lives as long as the process
+(a member restarted from a short-lived worker thread would die with that thread).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import ssl
 import subprocess
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,6 +116,7 @@ class EtcdCluster:
         ports = _free_ports(2 * size)
         self.members = [EtcdMember(f"m{i}", ports[2 * i], ports[2 * i + 1], Path(root) / f"m{i}.etcd",
                                    Path(root) / f"m{i}.log", tls=tls) for i in range(size)]
+        self._forker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="etcd-forker")
 
     @property
     def endpoints(self) -> list[str]:
@@ -131,6 +134,9 @@ class EtcdCluster:
                 "--initial-cluster-state", "new", "--log-level", "warn", "--logger", "zap"]
 
     def _spawn(self, m: EtcdMember) -> None:
+        self._forker.submit(self._fork, m).result()
+
+    def _fork(self, m: EtcdMember) -> None:
         m.data_dir.mkdir(parents=True, exist_ok=True)
         with open(m.log_path, "ab") as out:
             m.proc = subprocess.Popen(self._argv(m), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

@@ -11,6 +11,7 @@ import time
 import grpc
 
 from ..common.deadline import timeout_within
+from ..common.broker_client import replicas
 from ..common.errors import PdError
 from ..common.metrics import GUARD_SECONDS, PREFIX_LOOKUPS, PREFIX_REFUSED, count_violation
 from ..common.tasks import spawn
@@ -94,7 +95,7 @@ class Grants:
         await self.release(owner, epoch, leases)
 
     async def _grant_once(self, owner: bytes, need: int, deadline: float | None, lookup: list[bytes],
-                          plan: PrefixPlan | None):
+                          plan: PrefixPlan | None, handed_over: bool = False):
         if (err := self.link.blind_error()) is not None:
             raise err
         if self.growth.blocks_new_grants():
@@ -123,6 +124,10 @@ class Grants:
             if e.reason not in ("EPOCH_MISMATCH", "UNKNOWN_POOL", "POOL_FENCED"):
                 raise
             self.link.epoch_changed.set()  # re-register now rather than at the next liveness tick
+            if e.reason == "UNKNOWN_POOL" and not handed_over and replicas(self.leases.broker) > 1 \
+                    and await self.link.handed_over(self.rpc_timeout_s) and self.link.pool_id == pool_id:
+                # a new leader that had not adopted the pool yet: it has now, so the Grant goes again, once
+                return await self._grant_once(owner, need, deadline, lookup, plan, handed_over=True)
             raise PdError(grpc.StatusCode.UNAVAILABLE, "BROKER_RESTARTED", e.message) from None
         leases = leases_from_pb(resp.leases)  # GRANTING until it is an allocation (or refused)
         if (err := self.leases.bad_grant(leases, need)) is not None:

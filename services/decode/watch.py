@@ -21,6 +21,7 @@ flight (which may still write old pages) has ended."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -28,6 +29,7 @@ from typing import Protocol
 
 import grpc
 
+from ..common.broker_client import replicas
 from ..common.errors import PdError, from_rpc_error
 from ..common.metrics import HANDOVER_REQUESTS, HANDOVERS, LEASE_RECHECKS, TIMEOUTS
 from ..common.proto import broker_pb2
@@ -79,6 +81,11 @@ class BrokerWatch:
         self.fence_s = 0.0  # how long after contact_at a write it accepted may still land
         self.fenced_until = 0.0  # after a move: no grant from the new incarnation before this
         self.terms = Terms("decode")  # the newest broker term seen: an answer of an older one is refused
+        # with replicas, a KeepAlive that a silent (paused) leader leaves unanswered moves on well within
+        # max_blind; a standby refuses at once and the stub sends the call on to the leader
+        self.keepalive_timeout_s = min(rpc_timeout_s, 1.0) if replicas(broker) > 1 else rpc_timeout_s
+        self._resubscribe = asyncio.Event()  # set by a hand-over: the stream open is the old leader's
+        self._handed_over = asyncio.Event()  # set (and replaced) at each hand-over kept
         self.leases = LeaseClient(broker, self, rpc_timeout_s)  # the re-check's Validate
 
     async def register(self, quarantined: list[int] = ()) -> int:
@@ -134,7 +141,7 @@ class BrokerWatch:
                     holder_id=self.pool_id, ttl_ms=int(ttl_s * 1000), pool_id=self.pool_id,
                     held_owners=sorted(self.holder.held_owners()),
                     revocations_seen=seen if epoch == self.epoch else 0, term_seen=self.terms.newest),
-                    timeout=self.rpc_timeout_s)
+                    timeout=self.keepalive_timeout_s)
             except grpc.RpcError as e:
                 if e.code() != grpc.StatusCode.NOT_FOUND:
                     log.warning("broker unreachable (%s); running requests continue, new ones wait", e.code())
@@ -196,6 +203,9 @@ class BrokerWatch:
         HANDOVER_REQUESTS.inc(len(claims))
         self.check_lock_delay(resp.lock_delay_ms)
         self.contacted(resp.fence_ms)
+        self._resubscribe.set()
+        self._handed_over.set()
+        self._handed_over = asyncio.Event()
         log.warning("pool %s handed over from term %d to term %d: %d running requests go on", self.pool_id, old_term,
                     resp.term, len(claims))
         return True
@@ -226,35 +236,59 @@ class BrokerWatch:
         except PdError as e:
             log.error("registering pool %s failed: %s", self.pool_id, e)
 
+    async def handed_over(self, timeout_s: float) -> bool:
+        """Waits for the next hand-over this decode keeps (a Grant refused UNKNOWN_POOL by a new leader that has
+        not adopted the pool yet); False after timeout_s."""
+        try:
+            await asyncio.wait_for(self._handed_over.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
     async def watch_revocations(self, retry_s: float = 0.2) -> None:
-        """A revoked request stops before its next step; none is lost across a reconnect."""
+        """A revoked request stops before its next step; none is lost across a reconnect. A hand-over leaves the
+        stream open to the old leader (silent if it is paused): it is dropped, and the next goes to the new one."""
         while True:
             epoch, seq = self.watch_cursor
-            is_new_stream = True
             pool_id = self.pool_id
             stream = self.broker.WatchRevocations(broker_pb2.WatchRevocationsRequest(
                 pool_id=pool_id, after_seq=seq, epoch=epoch, term_seen=self.terms.newest))
+            self._resubscribe.clear()
+            consume = asyncio.ensure_future(self._consume(stream, pool_id))
+            again = asyncio.ensure_future(self._resubscribe.wait())
             try:
-                async for msg in stream:
-                    if pool_id != self.pool_id or not self.terms.fresh(msg.term, "WatchRevocations"):
-                        # the old incarnation's stream, or a replica whose term ended, must not count as hearing
-                        # the broker
-                        stream.cancel()
-                        break
-                    if msg.heartbeat:
-                        await self._on_heartbeat(msg, is_new_stream)
-                        is_new_stream = False
-                        continue
-                    self.heard_at = time.monotonic()
-                    if msg.write_done:
-                        self.holder.notices.on_notice(msg)
-                        self.watch_cursor = (msg.epoch, msg.seq)
-                    else:
-                        self._on_revocation(msg)
-                    self.holder.queue.pages_may_be_free()
-            except grpc.RpcError as e:
-                log.warning("revocation stream ended (%s); resubscribing after seq %s", e.code(), self.watch_cursor)
+                await asyncio.wait({consume, again}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                again.cancel()
+                if not consume.done():
+                    stream.cancel()
+                    consume.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                        await consume
             await asyncio.sleep(retry_s)
+
+    async def _consume(self, stream, pool_id: str) -> None:
+        is_new_stream = True
+        try:
+            async for msg in stream:
+                if pool_id != self.pool_id or not self.terms.fresh(msg.term, "WatchRevocations"):
+                    # the old incarnation's stream, or a replica whose term ended, must not count as hearing the
+                    # broker
+                    stream.cancel()
+                    break
+                if msg.heartbeat:
+                    await self._on_heartbeat(msg, is_new_stream)
+                    is_new_stream = False
+                    continue
+                self.heard_at = time.monotonic()
+                if msg.write_done:
+                    self.holder.notices.on_notice(msg)
+                    self.watch_cursor = (msg.epoch, msg.seq)
+                else:
+                    self._on_revocation(msg)
+                self.holder.queue.pages_may_be_free()
+        except grpc.RpcError as e:
+            log.warning("revocation stream ended (%s); resubscribing after seq %s", e.code(), self.watch_cursor)
 
     def _on_revocation(self, msg) -> None:
         err = PdError(grpc.StatusCode.DATA_LOSS, "REVOKED", f"the broker revoked this request's leases: {msg.reason}")

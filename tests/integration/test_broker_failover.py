@@ -105,6 +105,21 @@ def test_only_the_leader_answers_and_its_term_travels(ha_stack, oracle):
     assert 'pdserve_broker_not_leader_total{reason="TERM_OVERLAP"} 1.0' in scrape(lead)
 
 
+def running_streams(stack, n: int, max_tokens: int, seed: int):
+    """n streams of max_tokens on their own prompts, under way (decode runs them all) when this returns: (prompts,
+    results by index, once their threads end, threads)."""
+    prompts = [prompt(30 + 7 * i, seed + i) for i in range(n)]
+    results: dict[int, dict] = {}
+
+    def run(i):
+        results[i] = stack.generate(prompt_token_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True)
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: stack.metric("decode", "pdserve_requests_running") >= n, 20, "the streams run")
+    return prompts, results, threads
+
+
 def served_again(stack, p: list[int], max_tokens: int, timeout: float) -> dict:
     """Asks until answered; meanwhile a request may be refused only as retryable (no pages yet, no leader yet)."""
     deadline = time.monotonic() + timeout
@@ -123,15 +138,7 @@ def test_kill_the_leader_and_every_running_stream_completes(ha_stack, oracle):
     out = generate_when_served(stack, first, 4)
     assert "error" not in out, (out, stack.logs()[-3000:])
     pool = stack.pool_ids()[0]
-    prompts = [prompt(30 + 7 * i, 50 + i) for i in range(4)]
-    results: dict[int, dict] = {}
-
-    def run(i):
-        results[i] = stack.generate(prompt_token_ids=prompts[i], max_tokens=1500, ignore_eos=True)
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    wait_for(lambda: stack.metric("decode", "pdserve_requests_running") >= len(prompts), 20, "the streams run")
+    prompts, results, threads = running_streams(stack, 4, 1500, 50)
     time.sleep(0.5)
     os.killpg(lead.popen.pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -204,3 +211,26 @@ def test_a_paused_leader_wakes_refusing_everything_and_stands_by_again(ha_stack,
     assert stack.metric("decode", "pdserve_decode_handovers_total", {"outcome": "kept"}) == 2
     assert stack.pool_ids()[0] == pool
     assert stack.metric("decode", "pdserve_lease_violations_total") == 0
+
+
+def test_the_same_kill_without_election_ends_every_stream_and_waits_the_fence(model_dir, oracle):
+    """The design this replaces, under the same kill: one broker, started again at once (as Kubernetes would):
+    every running stream ends (UNAVAILABLE, retryable), and new requests wait for the old broker's fence."""
+    stack = Stack(model_dir, extra={"broker": BROKER, "prefill": ["--writer-ttl", "2.0", "--landing-slack", "0.3"],
+                                    "decode": ["--max-blind", str(MAX_BLIND), "--rpc-timeout", "3"]})
+    try:
+        out = generate_when_served(stack, prompt(30, 111), 4)
+        assert "error" not in out, out
+        prompts, results, threads = running_streams(stack, 4, 1500, 112)
+        killed = time.monotonic()
+        stack.restart("broker", 0)
+        for t in threads:
+            t.join(120)
+        assert all(out.get("error", {}).get("code") == "UNAVAILABLE" for out in results.values()), results
+        out = served_again(stack, prompt(45, 120), 6, FENCE + 20)
+        served = time.monotonic() - killed
+        assert "error" not in out, out
+        oracle.check(prompt(45, 120), out["token_ids"])
+        assert served >= FENCE - 1.0, f"served {served:.1f}s after the kill, inside the fence of {FENCE}s"
+    finally:
+        stack.close()

@@ -5,7 +5,6 @@ the service resumes without a restart, the pool handed over to the term that fol
 from __future__ import annotations
 
 import signal
-import threading
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from pdserve.common.etcd_server import EtcdCluster
 from tests.integration.helpers import generate_when_served, prompt, wait_for
 from tests.integration.stack import Stack
 from tests.integration.test_broker_failover import (BROKER, DRAIN, MAX_BLIND, TTL, leader_and_standby, leading,
-                                                    scrape, served_again, value)
+                                                    running_streams, scrape, served_again, value)
 
 
 @pytest.fixture
@@ -34,26 +33,13 @@ def ha3(model_dir, tmp_path):
         etcd.stop()
 
 
-def streams(stack, n: int, max_tokens: int, seed: int):
-    prompts = [prompt(30 + 5 * i, seed + i) for i in range(n)]
-    results: dict[int, dict] = {}
-
-    def run(i):
-        results[i] = stack.generate(prompt_token_ids=prompts[i], max_tokens=max_tokens, ignore_eos=True)
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    wait_for(lambda: stack.metric("decode", "pdserve_requests_running") >= n, 20, "the streams run")
-    return prompts, results, threads
-
-
 def test_an_etcd_member_dies_and_no_client_sees_a_change(ha3, oracle):
     stack, etcd = ha3
     lead, _ = leader_and_standby(stack)
     term = value(scrape(lead), "pdserve_broker_term")
     out = generate_when_served(stack, prompt(30, 81), 4)
     assert "error" not in out, out
-    prompts, results, threads = streams(stack, 3, 800, 82)
+    prompts, results, threads = running_streams(stack, 3, 800, 82)
     # the member every client's pick_first talks to: the first endpoint
     etcd.members[0].signal(signal.SIGKILL)
     for t in threads:
@@ -75,7 +61,7 @@ def test_lost_quorum_stops_the_leader_and_service_resumes_when_it_returns(ha3, o
     term = value(scrape(lead), "pdserve_broker_term")
     out = generate_when_served(stack, prompt(30, 91), 4)
     assert "error" not in out, out
-    prompts, results, threads = streams(stack, 2, 3000, 92)
+    prompts, results, threads = running_streams(stack, 2, 3000, 92)
     for m in etcd.members[1:]:
         m.signal(signal.SIGKILL)
     lost = time.monotonic()

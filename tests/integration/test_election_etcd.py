@@ -332,3 +332,25 @@ def test_the_election_runs_over_mutual_tls_and_a_client_without_a_certificate_is
         asyncio.run(main())
     finally:
         cluster.stop()
+
+
+def test_a_member_restarted_from_a_thread_that_ends_stays_up(tmp_path):
+    """The kernel's parent-death signal follows the thread that forked: the cluster forks from a thread of its own,
+    so a member a short-lived worker restarts (a chaos schedule's thread pool) does not die with that worker."""
+    cluster = EtcdCluster(tmp_path / "etcd", 1)
+    cluster.start()
+    try:
+        m = cluster.members[0]
+        m.signal(signal.SIGKILL)
+        m.proc.wait(5)
+        worker = threading.Thread(target=cluster.restart, args=(m,))
+        worker.start()
+        worker.join()
+        deadline = time.monotonic() + 10
+        while not m.is_healthy():
+            assert m.is_running() and time.monotonic() < deadline, m.log_path.read_text()[-2000:]
+            time.sleep(0.1)
+        time.sleep(1.0)
+        assert m.is_running() and m.is_healthy()
+    finally:
+        cluster.stop()

@@ -100,3 +100,16 @@ def test_only_a_pool_of_an_earlier_term_of_this_epoch_is_adopted():
             OLD_TERM, 0, claims)
     adopt(table, claims)
     refused("FAILED_PRECONDITION", "POOL_KNOWN", adopt, table, claims)
+
+
+def test_a_lease_of_an_earlier_term_nobody_handed_over_is_refused_as_such_not_as_a_violation():
+    table, _ = leader()
+    adopt(table, [(A, [(0, old_gen(4))], [False])])
+    # B's grant was the old leader's; B had not started decoding, so decode ended it and claimed nothing of it
+    refused("UNAVAILABLE", "EARLIER_TERM_LEASE", table.begin_write, "p", B, EPOCH, [(1, old_gen(5))], "w", 1.0)
+    refused("UNAVAILABLE", "EARLIER_TERM_LEASE", table.validate, "p", B, EPOCH, [(1, old_gen(5))])
+    # a lease live for someone, or one of this term, is still a violation
+    refused("FAILED_PRECONDITION", "LEASE_NOT_CURRENT", table.begin_write, "p", B, EPOCH, [(0, old_gen(4))], "w",
+            1.0)
+    refused("FAILED_PRECONDITION", "LEASE_NOT_CURRENT", table.begin_write, "p", B, EPOCH, [(1, TERM << 32)], "w",
+            1.0)

@@ -106,7 +106,7 @@ def test_balance_parks_the_surplus_and_reserves_before_a_grant_runs_short():
                             fraction=1 / 16)
         fs.poke("p")
         await fs._balancing["p"]
-        assert table.num_grantable("p") == 8 and len(table.parked("p")) == 120
+        assert table.num_grantable("p") == 16 and len(table.parked("p")) == 112  # parked down to twice low
         assert decode(etcd.kv[fs.key("p")], 128) == table.parked("p")
         await fs.ensure("p", 30)  # one write reserves the shortfall and a low-water mark more
         assert table.num_grantable("p") == 30 + 8 and len(table.grant("p", b"a" * 16, 30, EPOCH)) == 30

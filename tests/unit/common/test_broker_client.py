@@ -67,42 +67,46 @@ def test_addresses():
 
 
 @pytest.mark.parametrize("code,reason,moves", [
-    (grpc.StatusCode.UNAVAILABLE, "NOT_LEADER", True),
-    (grpc.StatusCode.UNAVAILABLE, "BROKER_STOPPING", True),
-    (grpc.StatusCode.UNAVAILABLE, None, True),  # connection refused: no reason attached
-    (grpc.StatusCode.DEADLINE_EXCEEDED, None, True),  # a paused replica
-    (grpc.StatusCode.UNAVAILABLE, "POOL_FENCED", False),  # the leader's own answer
-    (grpc.StatusCode.FAILED_PRECONDITION, "LEASE_NOT_CURRENT", False),
-    (grpc.StatusCode.NOT_FOUND, "UNKNOWN_POOL", False)])
+    (grpc.StatusCode.UNAVAILABLE, "NOT_LEADER", "retried"),  # refused before acting: sent on at once
+    (grpc.StatusCode.UNAVAILABLE, "BROKER_STOPPING", "retried"),
+    (grpc.StatusCode.UNAVAILABLE, None, "next"),  # connection refused: it may have acted, the call fails
+    (grpc.StatusCode.DEADLINE_EXCEEDED, None, "next"),  # a paused replica
+    (grpc.StatusCode.UNAVAILABLE, "POOL_FENCED", "stays"),  # the leader's own answer
+    (grpc.StatusCode.FAILED_PRECONDITION, "LEASE_NOT_CURRENT", "stays"),
+    (grpc.StatusCode.NOT_FOUND, "UNKNOWN_POOL", "stays")])
 def test_which_failures_move_on(code, reason, moves):
     async def main():
         s, a, b, _ = stub()
         assert await s.Grant(None) == "a"
         a.fail = Failed(code, reason)
-        with pytest.raises(grpc.RpcError):
-            await s.Grant(None)  # the failed call fails: retrying is its caller's decision
-        if moves:
-            assert await s.Grant(None) == "b"
+        if moves == "retried":
+            assert await s.Grant(None) == "b" and a.calls == 2 and b.calls == 1
         else:
             with pytest.raises(grpc.RpcError):
-                await s.Grant(None)
-        assert (s.current, s.moves, b.calls > 0) == ((1, 1, True) if moves else (0, 0, False))
+                await s.Grant(None)  # the failed call fails: retrying is its caller's decision
+            if moves == "next":
+                assert await s.Grant(None) == "b"
+            else:
+                with pytest.raises(grpc.RpcError):
+                    await s.Grant(None)
+        assert (s.current, s.moves, b.calls > 0) == ((0, 0, False) if moves == "stays" else (1, 1, True))
     asyncio.run(main())
 
 
-def test_calls_failing_together_move_on_once_and_wrap_around():
+def test_calls_failing_together_move_on_once_and_a_refusal_everywhere_fails():
     async def main():
         s, a, b, c = stub()
         a.fail = Failed(grpc.StatusCode.UNAVAILABLE, None)
         results = await asyncio.gather(*(s.Grant(None) for _ in range(5)), return_exceptions=True)
         assert all(isinstance(r, grpc.RpcError) for r in results) and a.calls == 5
         assert s.current == 1 and s.moves == 1
-        b.fail = c.fail = Failed(grpc.StatusCode.UNAVAILABLE, "NOT_LEADER")
+        for r in (a, b, c):
+            r.fail = Failed(grpc.StatusCode.UNAVAILABLE, "NOT_LEADER")
+        with pytest.raises(grpc.RpcError):  # no replica leads: tried once each, then the refusal
+            await s.Grant(None)
+        assert (a.calls, b.calls, c.calls) == (6, 1, 1)
         a.fail = None
-        for _ in range(2):
-            with pytest.raises(grpc.RpcError):
-                await s.Grant(None)
-        assert s.current == 0 and await s.Grant(None) == "a"
+        assert await s.Grant(None) == "a"
     asyncio.run(main())
 
 
