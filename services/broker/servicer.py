@@ -28,9 +28,10 @@ _CODES = {
     "ALREADY_EXISTS": grpc.StatusCode.ALREADY_EXISTS,
     "UNAVAILABLE": grpc.StatusCode.UNAVAILABLE,
 }
-# refusals of a lease check that put no page at stake: the request had already ended at its decode, or was granted by
-# an earlier leader and not handed over (decode ended it at the failover)
-NO_VIOLATION = frozenset({"OWNER_RELEASED", "EARLIER_TERM_LEASE"})
+# refusals of a lease check that put no page at stake: the request had already ended at its decode, was granted by an
+# earlier leader and not handed over (decode ended it at the failover), or names a pool this broker does not know (a
+# new leader before the hand-over, a forgotten pool): the broker gives no region to write to for it
+NO_VIOLATION = frozenset({"OWNER_RELEASED", "EARLIER_TERM_LEASE", "UNKNOWN_POOL", "POOL_FORGOTTEN"})
 # created up front so a dashboard shows 0, not "no data", before the first violation
 _VIOLATION_REASONS = ("EPOCH_MISMATCH", "LEASE_NOT_CURRENT", "WRITER_ACTIVE", "LEASE_ALREADY_WRITTEN",
                       "LANDING_BOUND_EXCEEDS_LOCK_DELAY")

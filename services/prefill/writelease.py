@@ -102,7 +102,8 @@ class WriteLeases:
             if e.reason in ("LEASE_NOT_CURRENT", "WRITER_ACTIVE", "LEASE_ALREADY_WRITTEN"):
                 count_violation("prefill", e.reason, owner)
                 raise PdError(grpc.StatusCode.DATA_LOSS, e.reason, e.message) from None
-            if e.reason == "EPOCH_MISMATCH":
+            # the broker restarted, or a new leader has not adopted the pool yet: retryable, as a restart is
+            if e.reason in ("EPOCH_MISMATCH", "UNKNOWN_POOL", "POOL_FORGOTTEN", "POOL_EXPIRED"):
                 raise PdError(grpc.StatusCode.UNAVAILABLE, e.reason, e.message) from None
             raise
         expires = [sent + self.writer_ttl_s]

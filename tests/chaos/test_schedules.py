@@ -183,8 +183,10 @@ def run_schedule(chaos, oracle, seed: int, disruption: str, disrupt_fn, num_long
         jobs.append(("cancelled" if cancel is not None else "normal", prompt, rng.randrange(1, 8), cancel))
     choices = [("prefill", f) for f in FAULTS] + OTHER_FAULTS
     faults = [(rng.randrange(requests), *rng.choice(choices), rng.randrange(2)) for _ in range(6)]
-    late = {i: str(rng.choice([200, 2500, 5000])) for i, _, name, _ in faults if name == "transfer.fail_then_land"}
-    late.update({i: rng.choice(CORRUPTIONS) for i, _, name, _ in faults if name == "decode.corrupt_cached"})
+    # by (request, fault): two faults armed at one request each get their own argument
+    late = {(i, name): str(rng.choice([200, 2500, 5000])) for i, _, name, _ in faults
+            if name == "transfer.fail_then_land"}
+    late.update({(i, name): rng.choice(CORRUPTIONS) for i, _, name, _ in faults if name == "decode.corrupt_cached"})
     disrupt_at = rng.randrange(10, min(60, requests))
     long_rng = random.Random(-seed - 1)  # its own draws: the schedule's other requests and faults stay as they were
     streams = [Long(chaos, shared + [long_rng.randrange(2, 512) for _ in range(LONG_SUFFIX)])
@@ -202,7 +204,7 @@ def run_schedule(chaos, oracle, seed: int, disruption: str, disrupt_fn, num_long
                 if at == i:
                     which = which if service == "prefill" else 0
                     try:
-                        chaos.arm(service, name, arg=late.get(at) or FAULT_ARGS.get(name, "1"), index=which)
+                        chaos.arm(service, name, arg=late.get((at, name)) or FAULT_ARGS.get(name, "1"), index=which)
                     except grpc.RpcError:
                         pass  # that prefill is being restarted; the fault is simply not armed
             if i == disrupt_at:

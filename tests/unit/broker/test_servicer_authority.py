@@ -9,7 +9,7 @@ import grpc
 
 from pdserve.broker.authority import ElectedAuthority
 from pdserve.broker.lease_table import LeaseTable
-from pdserve.common.proto import broker_pb2 as pb
+from pdserve.common.proto import broker_pb2 as pb, common_pb2
 from tests.unit.broker.test_authority import Scripted
 from tests.unit.broker.test_servicer import OWNER, REGION, refused, serving
 
@@ -56,4 +56,20 @@ def test_answers_carry_the_term_and_end_with_it():
                 assert e.code() == UNAVAILABLE
             election.term, election.leads = 30, True  # a new term does not revive this table
             await refused(stub.GetPoolState(pb.GetPoolStateRequest(pool_id="p")), UNAVAILABLE, "NOT_LEADER")
+    asyncio.run(main())
+
+
+def test_a_write_naming_a_pool_a_new_leader_has_not_adopted_yet_is_refused_without_a_violation():
+    async def main():
+        election = Scripted()
+        election.term, election.leads = 17, True
+        authority = ElectedAuthority(election)
+        authority.begin(17)
+        async with serving(LeaseTable(epoch=9), authority) as (_, stub, registry):
+            await refused(stub.BeginWrite(pb.BeginWriteRequest(
+                pool_id="p", owner=OWNER, epoch=9, leases=[common_pb2.PageLease(page=0, generation=3)],
+                writer_id="w", max_landing_ms=1000)), grpc.StatusCode.NOT_FOUND, "UNKNOWN_POOL")
+            counted = {s.labels["reason"]: s.value for m in registry.collect()
+                       if m.name == "pdserve_lease_violations" for s in m.samples if s.name.endswith("_total")}
+            assert counted.get("UNKNOWN_POOL", 0) == 0 and sum(counted.values()) == 0, counted
     asyncio.run(main())
