@@ -2,13 +2,14 @@
 
 Each member runs in its own process group with its data directory under a folder the caller owns, and is
 stopped with SIGTERM (SIGKILL after a grace). Should the process that started them die without stopping them
-(a test killed by SIGKILL), the kernel SIGKILLs them too (PR_SET_PDEATHSIG). That signal follows the *thread*
-that forked, so every member is forked by one thread of the cluster's own that lives as long as the process
-(a member restarted from a short-lived worker thread would die with that thread).
+(a test killed by SIGKILL), the kernel SIGKILLs them too (PR_SET_PDEATHSIG, set by util-linux's `setpriv`
+before it execs etcd: a Python preexec_fn would run gRPC's after-fork hooks in the child, which abort there when
+the fork comes from another thread than the main one). That signal follows the *thread* that forked, so every
+member is forked by one thread of the cluster's own that lives as long as the process (a member restarted from a
+short-lived worker thread would die with that thread).
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
@@ -26,11 +27,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 BINARY = "/usr/bin/etcd"
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+DIE_WITH_PARENT = ["setpriv", "--pdeathsig", "KILL"]
 
 
 def _free_ports(n: int) -> list[int]:
@@ -139,8 +136,8 @@ class EtcdCluster:
     def _fork(self, m: EtcdMember) -> None:
         m.data_dir.mkdir(parents=True, exist_ok=True)
         with open(m.log_path, "ab") as out:
-            m.proc = subprocess.Popen(self._argv(m), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      start_new_session=True, preexec_fn=_die_with_parent)
+            m.proc = subprocess.Popen([*DIE_WITH_PARENT, *self._argv(m)], stdout=out, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
 
     def restart(self, m: EtcdMember) -> None:
         """Start a member that was stopped or killed again, on its data (etcd then ignores --initial-cluster)."""
