@@ -73,7 +73,7 @@ class DurableFreeSet:
         Best effort: a failure leaves the pages parked, and the call is refused for want of pages if it must be."""
         try:
             short = need - self.table.num_grantable(pool_id)
-            if short > 0 and self.table.parked(pool_id):
+            if short > 0 and self.table.num_parked(pool_id):  # a count: a Grant copies no set of the pool
                 await self._reserve(pool_id, short + self.low(self.table.pool_state(pool_id)["num_pages"]))
         except LeaseError:
             pass  # an unknown pool: the call itself says so
@@ -98,7 +98,7 @@ class DurableFreeSet:
         try:
             num_pages = self.table.pool_state(pool_id)["num_pages"]
             low, grantable = self.low(num_pages), self.table.num_grantable(pool_id)
-            if grantable < low and self.table.parked(pool_id):
+            if grantable < low and self.table.num_parked(pool_id):
                 await self._reserve(pool_id, 2 * low - grantable)
             elif grantable > 4 * low:
                 await self._park(pool_id, grantable - 2 * low)

@@ -150,6 +150,9 @@ class LeaseTable:
     def parked(self, pool_id: str) -> frozenset[int]:
         return frozenset(self._pool(pool_id).parked)
 
+    def num_parked(self, pool_id: str) -> int:
+        return len(self._pool(pool_id).parked)
+
     def num_grantable(self, pool_id: str) -> int:
         return len(self._pool(pool_id).free)
 
