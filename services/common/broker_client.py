@@ -2,8 +2,8 @@
 docs/design.md §3, "Leader failover"): a stub that follows the leader. A call is sent to the replica believed to
 lead; when it fails in a way that says this replica cannot answer (it does not lead, it is stopping, it is
 unreachable or silent), the next calls go to the next replica. A call a replica *refused* as not leading or
-stopping is sent on to the next one at once: that refusal comes before the replica's table acts, so nothing
-happened. Any other failed call still fails: whether to retry is its caller's decision (a Grant is not idempotent,
+stopping, or one that could not even connect, is sent on to the next one at once: the refusal comes before the
+replica's table acts, and a call never connected was never sent, so nothing happened. Any other failed call still fails: whether to retry is its caller's decision (a Grant is not idempotent,
 and an unreachable replica may have acted), exactly as with one broker that restarted."""
 from __future__ import annotations
 
@@ -20,6 +20,8 @@ log = logging.getLogger(__name__)
 # answered by a replica that cannot serve: look for the leader elsewhere
 _MOVE_ON = {"NOT_LEADER", "BROKER_STOPPING"}
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+# gRPC's words for a call that found no connection to the replica: nothing of it was sent
+_NEVER_SENT = "failed to connect to all addresses"
 
 
 def addresses(text: str) -> list[str]:
@@ -77,7 +79,9 @@ class LeaderStub:
         # UNAVAILABLE with a reason of the leader's own (FAULT_..., POOL_...) is an answer, not a replica gone
         if code == grpc.StatusCode.UNAVAILABLE and reason not in _MOVE_ON and reason != "UNKNOWN":
             return False
-        refused = code == grpc.StatusCode.UNAVAILABLE and reason in _MOVE_ON
+        # a replica that refused before its table acted, or one never connected to: the call was not acted on
+        details = (e.details() if hasattr(e, "details") else None) or ""
+        refused = code == grpc.StatusCode.UNAVAILABLE and (reason in _MOVE_ON or _NEVER_SENT in details)
         if i != self.current:
             return refused
         self.current = (i + 1) % len(self.stubs)

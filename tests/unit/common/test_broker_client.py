@@ -16,12 +16,17 @@ class Failed(grpc.RpcError):
     def __init__(self, code: grpc.StatusCode, reason: str | None) -> None:
         self._code = code
         self._status = to_status(PdError(code, reason, "scripted")) if reason else None
+        self._details = "scripted"
 
     def code(self):
         return self._code
 
     def details(self):
-        return "scripted"
+        return self._details
+
+    def with_details(self, text: str) -> "Failed":
+        self._details = text
+        return self
 
     def trailing_metadata(self):
         return self._status.trailing_metadata if self._status else ()
@@ -121,4 +126,13 @@ def test_a_failed_stream_moves_on():
         assert got == ["a"] and s.current == 1
         got = [msg async for msg in s.WatchRevocations(None)]
         assert got == ["b"]
+    asyncio.run(main())
+
+
+def test_a_call_that_never_connected_is_sent_on():
+    async def main():
+        s, a, b, _ = stub()
+        a.fail = Failed(grpc.StatusCode.UNAVAILABLE, None).with_details(
+            "failed to connect to all addresses; last error: Connection refused")
+        assert await s.Grant(None) == "b" and a.calls == 1 and s.current == 1
     asyncio.run(main())
