@@ -155,7 +155,7 @@ def test_the_default_limit_admits_the_widest_legal_request_and_the_handler_count
 def test_past_a_raised_limit_the_handler_refuses_it_from_its_length_without_copying_it(wide_open, flood):
     """--max-request-bytes 64 MiB lets the message in: gRPC parses it on the event loop, and the handler refuses it
     without the copy and sort that cost 5 to 10 times that parse. Bounded as the gateway's CPU seconds per call
-    against this process's CPU seconds for the same parse, measured alongside (a loaded machine inflates both)."""
+    against this process's CPU seconds for the same parse, measured alongside."""
     refusals, cpus, parses = [], [], []
     for _ in range(CALLS):
         c0 = cpu_s(wide_open.popen.pid)
@@ -172,7 +172,9 @@ def test_past_a_raised_limit_the_handler_refuses_it_from_its_length_without_copy
         err = from_rpc_error(e)
         assert (err.code, err.reason, err.message) == (grpc.StatusCode.INVALID_ARGUMENT, "BAD_LOGIT_BIAS",
                                                        "1000000 logit_bias entries; at most 1024"), err
-    assert sorted(cpus)[CALLS // 2] < 3 * sorted(parses)[CALLS // 2], (cpus, parses)
+    # the cheapest call: a copy and sort would be in every call, while a neighbour's load (page reclaim, cache
+    # pressure) inflates only some of them
+    assert min(cpus) < 3 * sorted(parses)[CALLS // 2], (cpus, parses)
 
 
 def _limit_logged(proc) -> int:
