@@ -3,11 +3,15 @@ docs/design.md §3, "Leader failover"): a stub that follows the leader. A call i
 lead; when it fails in a way that says this replica cannot answer (it does not lead, it is stopping, it is
 unreachable or silent), the next calls go to the next replica. A call a replica *refused* as not leading or
 stopping, or one that could not even connect, is sent on to the next one at once: the refusal comes before the
-replica's table acts, and a call never connected was never sent, so nothing happened. Any other failed call still fails: whether to retry is its caller's decision (a Grant is not idempotent,
-and an unreachable replica may have acted), exactly as with one broker that restarted."""
+replica's table acts, and a call never connected was never sent, so nothing happened; when every replica refuses
+(an election under way), the call tries them again until its own deadline. Any other failed call still fails:
+whether to retry is its caller's decision (a Grant is not idempotent, and an unreachable replica may have acted),
+exactly as with one broker that restarted."""
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 import grpc
 
@@ -22,6 +26,8 @@ _MOVE_ON = {"NOT_LEADER", "BROKER_STOPPING"}
 _UNREACHABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 # gRPC's words for a call that found no connection to the replica: nothing of it was sent
 _NEVER_SENT = "failed to connect to all addresses"
+# between rounds of refusals, while a replica is being elected
+_FIRST_PAUSE_S, _LAST_PAUSE_S = 0.05, 0.4
 
 
 def addresses(text: str) -> list[str]:
@@ -58,15 +64,27 @@ class LeaderStub:
         if method == "WatchRevocations":
             return lambda *a, **kw: _Stream(self, self.current, self.stubs[self.current].WatchRevocations(*a, **kw))
 
-        async def unary(*args, **kwargs):
-            for attempt in range(len(self.stubs)):
-                i = self.current
-                try:
-                    return await getattr(self.stubs[i], method)(*args, **kwargs)
-                except grpc.RpcError as e:
-                    refused = self.failed(i, e)
-                    if not refused or attempt == len(self.stubs) - 1:
-                        raise
+        async def unary(*args, timeout: float | None = None, **kwargs):
+            # every replica refusing without acting is an election under way: with a deadline, the call waits it
+            # out by rounds, never past its deadline; without one it fails after one round
+            deadline = None if timeout is None else time.monotonic() + timeout
+            pause, refusal = _FIRST_PAUSE_S, None
+            while True:
+                for _ in range(len(self.stubs)):
+                    i = self.current
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if refusal is not None and left is not None and left <= 0:
+                        raise refusal
+                    try:
+                        return await getattr(self.stubs[i], method)(*args, timeout=left, **kwargs)
+                    except grpc.RpcError as e:
+                        if not self.failed(i, e):
+                            raise
+                        refusal = e
+                if deadline is None or deadline - time.monotonic() <= pause:
+                    raise refusal
+                await asyncio.sleep(pause)
+                pause = min(2 * pause, _LAST_PAUSE_S)
         return unary
 
     def failed(self, i: int, e: grpc.RpcError) -> bool:

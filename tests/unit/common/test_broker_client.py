@@ -136,3 +136,27 @@ def test_a_call_that_never_connected_is_sent_on():
             "failed to connect to all addresses; last error: Connection refused")
         assert await s.Grant(None) == "b" and a.calls == 1 and s.current == 1
     asyncio.run(main())
+
+
+def test_a_call_with_a_deadline_waits_out_an_election_and_never_past_its_deadline():
+    async def main():
+        s, a, b, c = stub()
+        for r in (a, b, c):
+            r.fail = Failed(grpc.StatusCode.UNAVAILABLE, "NOT_LEADER")
+        a.fail = Failed(grpc.StatusCode.UNAVAILABLE, None).with_details(
+            "failed to connect to all addresses; last error: Connection refused")  # the killed leader
+
+        async def elect():
+            await asyncio.sleep(0.3)
+            c.fail = None
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        got, _ = await asyncio.gather(s.Grant(None, timeout=5), elect())
+        assert got == "c" and 0.3 <= loop.time() - t0 < 1.5, loop.time() - t0
+        assert a.calls >= 2 and b.calls >= 2  # refused round after round until one leads
+        c.fail = Failed(grpc.StatusCode.UNAVAILABLE, "NOT_LEADER")
+        t0 = loop.time()
+        with pytest.raises(grpc.RpcError) as e:  # no one is elected: the refusal, by the call's deadline
+            await s.Grant(None, timeout=0.5)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and loop.time() - t0 < 0.7, loop.time() - t0
+    asyncio.run(main())
