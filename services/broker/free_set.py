@@ -9,6 +9,13 @@ that leaves it out has succeeded (reserve). Each write replaces the pool's whole
 serialised, and each is a transaction fenced on the leader's term (a replica whose term ended writes nothing). A
 write whose outcome is unknown leaves its pages parked: not granted, whichever way it went.
 
+What a new leader frees at once is what the set holds at the failover, so the leader keeps a floor parked (the
+low-water mark): a pool that fills with cached pages would otherwise draw its set empty, and after a failover no
+request would be admitted until the unclaimed pages drained. Over the floor, parked pages are the pool's surplus,
+reserved first when grants run short; the floor itself is reserved only for what evicting unread cached pages
+cannot supply (a pool full of leases), and is parked again, evicting unread cached pages if it must, once the
+pool can spare it.
+
 Cost: the grant path waits for etcd only when the grantable pages run short of a request (`ensure`), one write
 that reserves a whole chunk; the rest happens in the background after grants and releases (`poke`)."""
 from __future__ import annotations
@@ -46,9 +53,10 @@ def decode(value: bytes, num_pages: int) -> set[int]:
 
 
 class DurableFreeSet:
-    """low: the grantable pages the leader keeps per pool at least (min_pages, or that fraction of the pool); under
-    it, it reserves up to twice it; over four times it, it parks down to twice it: a wide band, so steady load
-    writes etcd seldom."""
+    """low: the grantable pages the leader keeps per pool at least (min_pages, or that fraction of the pool, at
+    most a quarter of it); under it, it reserves up to twice it from the surplus; over four times it, it parks
+    down to twice it: a wide band, so steady load writes etcd seldom. low is also the floor kept parked; once
+    half of it has been reserved, it is parked again (the same hysteresis)."""
 
     def __init__(self, election: Election, cluster: str, table: LeaseTable, fraction: float = 1 / 8,
                  min_pages: int = 64) -> None:
@@ -61,7 +69,7 @@ class DurableFreeSet:
         return f"/pdserve/{self.cluster}/pools/{pool_id}/free".encode()
 
     def low(self, num_pages: int) -> int:
-        return min(num_pages, max(self.min_pages, int(num_pages * self.fraction)))
+        return max(1, min(num_pages // 4, max(self.min_pages, int(num_pages * self.fraction))))
 
     async def load(self, pool_id: str, num_pages: int) -> set[int]:
         """The set an earlier leader left for the pool (empty when none), read at adoption."""
@@ -73,8 +81,16 @@ class DurableFreeSet:
         Best effort: a failure leaves the pages parked, and the call is refused for want of pages if it must be."""
         try:
             short = need - self.table.num_grantable(pool_id)
-            if short > 0 and self.table.num_parked(pool_id):  # a count: a Grant copies no set of the pool
-                await self._reserve(pool_id, short + self.low(self.table.pool_state(pool_id)["num_pages"]))
+            parked = self.table.num_parked(pool_id)  # a count: a Grant copies no set of the pool
+            if short <= 0 or not parked:
+                return
+            low = self.low(self.table.pool_state(pool_id)["num_pages"])
+            surplus = max(0, parked - low)
+            take = min(surplus, short + low)  # the surplus first, a chunk at a time
+            # the floor only for what evicting unread cached pages cannot supply
+            take += max(0, short - take - self.table.num_unread_cached(pool_id))
+            if take:
+                await self._reserve(pool_id, min(take, parked))
         except LeaseError:
             pass  # an unknown pool: the call itself says so
 
@@ -98,10 +114,16 @@ class DurableFreeSet:
         try:
             num_pages = self.table.pool_state(pool_id)["num_pages"]
             low, grantable = self.low(num_pages), self.table.num_grantable(pool_id)
-            if grantable < low and self.table.num_parked(pool_id):
-                await self._reserve(pool_id, 2 * low - grantable)
+            parked = self.table.num_parked(pool_id)
+            if grantable < low and parked > low:
+                await self._reserve(pool_id, min(2 * low - grantable, parked - low))
             elif grantable > 4 * low:
                 await self._park(pool_id, grantable - 2 * low)
+            elif parked <= low // 2:  # the floor, refilled from what the pool can spare
+                spare = max(0, grantable - low) + self.table.num_unread_cached(pool_id)
+                num = min(low - parked, spare)
+                if num > 0:
+                    await self._park(pool_id, num, evict=max(0, num - max(0, grantable - low)))
         except LeaseError:
             pass  # forgotten meanwhile
 
@@ -112,8 +134,9 @@ class DurableFreeSet:
             if taken and await self._write(pool_id, parked - set(taken), "reserve"):
                 self.table.unpark(pool_id, taken)
 
-    async def _park(self, pool_id: str, num: int) -> None:
+    async def _park(self, pool_id: str, num: int, evict: int = 0) -> None:
         async with self._lock(pool_id):
+            self.table.evict_for_parking(pool_id, evict)
             self.table.park(pool_id, num)  # out of the heap first: never granted from here on
             await self._write(pool_id, self.table.parked(pool_id), "park")
 

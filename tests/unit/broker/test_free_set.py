@@ -114,3 +114,49 @@ def test_balance_parks_the_surplus_and_reserves_before_a_grant_runs_short():
         await fs.forget("p")
         assert fs.key("p") not in etcd.kv
     asyncio.run(main())
+
+
+def test_a_pool_that_fills_with_cached_pages_keeps_its_floor_parked():
+    """What a new leader frees at once is what the set holds: a pool full of cached pages keeps the floor there
+    (grants evict unread cached pages first), and a floor reserved for leases is parked again, evicting unread
+    cached pages, once the pool can spare it."""
+    async def main():
+        etcd = Etcd(random.Random(0), 0.0)
+        table = LeaseTable(epoch=EPOCH, reader_ttl_s=float("inf"))
+        table.take_identity(EPOCH, TERM)
+        table.register_pool("p", 64)
+        fs = DurableFreeSet(SimpleNamespace(client=etcd, fenced_txn=etcd.fenced_txn), "c", table, min_pages=8,
+                            fraction=1 / 8)
+        low = fs.low(64)
+
+        async def cached_request(n: int, need: int, keep: bool = False) -> bytes:
+            owner = n.to_bytes(16, "big")
+            await fs.ensure("p", need)
+            leases = table.grant("p", owner, need, EPOCH)
+            table.begin_write("p", owner, EPOCH, leases, "w", max_landing_s=1.0)
+            table.end_write("p", owner, EPOCH, leases, "w", True)
+            chains = [(n * 64 + i).to_bytes(16, "big") for i in range(need)]
+            assert table.publish("p", owner, EPOCH, leases, chains, [1] * need, b"t" * 8) == [True] * need
+            if not keep:
+                table.release("p", owner, EPOCH)
+            fs.poke("p")
+            await fs._balancing["p"]
+            return owner
+
+        for n in range(40):
+            await cached_request(n, 4)
+            if n >= 20:  # the surplus is gone by now: the floor stays
+                assert table.num_parked("p") == low, (n, table.pool_state("p"))
+        state = table.pool_state("p")
+        assert state["num_cached"] >= 64 - 2 * low - 4 and state["num_parked"] == low, state
+        assert decode(etcd.kv[fs.key("p")], 64) == table.parked("p")
+        # leases fill the pool: the floor is reserved for them, and parked again once they end
+        held = [await cached_request(100 + n, 8, keep=True) for n in range(7)]
+        held.append(await cached_request(107, 4, keep=True))
+        assert table.num_parked("p") == low - 4, table.pool_state("p")
+        for owner in held:
+            table.release("p", owner, EPOCH)
+        fs.poke("p")
+        await fs._balancing["p"]
+        assert table.num_parked("p") == low and decode(etcd.kv[fs.key("p")], 64) == table.parked("p")
+    asyncio.run(main())
