@@ -86,7 +86,7 @@ formal: .deps-apt
 	@if [ -f formal/check.sh ]; then bash formal/check.sh; else echo "formal: no model yet"; fi
 
 soak: setup
-	$(PY) -m tests.chaos.soak --minutes $${SOAK_MINUTES:-10}
+	$(PY) -m tests.chaos.soak --minutes $${SOAK_MINUTES:-10} $(SOAK_ARGS)
 
 # One hour on 2 cores (bench/README.md): the pdserve table (`pdserve bench`: co-located, transformers, raw Mooncake,
 # ~12 min), a 32,768-token prompt against the oracle (~2.5 min), prefix caching on, off and against vLLM-CPU's
