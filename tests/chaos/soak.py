@@ -77,6 +77,14 @@ def terms_won(stack: Stack) -> float:
     return total
 
 
+def free_set_writes(stack: Stack, index: int) -> float:
+    """The etcd writes of durable free sets by one replica (each one round trip)."""
+    try:
+        return stack.metric("broker", "pdserve_broker_free_set_writes_total", index=index)
+    except (OSError, KeyError):
+        return 0.0
+
+
 class Failover:
     """One leader kill or pause: when it began, and when the first probe sent after it was answered."""
 
@@ -85,6 +93,7 @@ class Failover:
         self.at = time.monotonic()
         self.answered: float | None = None
         self.refusals: Counter = Counter()
+        self.free_set_writes = 0.0
 
     def probe(self, stack: Stack, until: float) -> None:
         """One-token requests every 0.1 s, each on its own thread, until one is answered or `until` passes."""
@@ -120,6 +129,7 @@ def fail_over(stack: Stack, what: str) -> Failover:
     f = Failover(what, i)
     prober = threading.Thread(target=f.probe, args=(stack, f.at + 30), daemon=True)
     if what == "kill":
+        f.free_set_writes = free_set_writes(stack, i)  # its count goes with it
         os.killpg(stack.procs["broker"][i].popen.pid, signal.SIGKILL)
         f.at = time.monotonic()
         prober.start()
@@ -287,6 +297,11 @@ def soak(args, rng: random.Random, ha: bool, kinds: list[str], etcd) -> int:
                   f"after a pause: {pauses} s; with no failover (controls): {controls} s; etcd lease ttl {TTL}s")
         elif ha:
             print(f"  leader changes with no fault injected: {leader_changes:.0f} (must be 0)")
+        if ha:
+            writes = sum(f.free_set_writes for f in failovers) + sum(
+                free_set_writes(stack, i) for i in range(len(stack.procs["broker"])))
+            print(f"  etcd writes of durable free sets: {writes:.0f}, "
+                  f"{writes / max(1, sum(outcomes.values())):.4f} per request")
         return 1 if leaked or corrupt or dead or unanswered or (ha and not args.failover_every and leader_changes) \
             else 0
     finally:

@@ -96,14 +96,20 @@ def test_the_stored_set_is_always_free_and_never_grantable(seed):
     asyncio.run(main())
 
 
+def reliable(num_pages: int, fraction: float) -> tuple[Etcd, LeaseTable, DurableFreeSet]:
+    """A table with pool "p" of num_pages, and its free set on an etcd whose writes all succeed (min_pages 8)."""
+    etcd = Etcd(random.Random(0), 0.0)
+    table = LeaseTable(epoch=EPOCH, reader_ttl_s=float("inf"))
+    table.take_identity(EPOCH, TERM)
+    table.register_pool("p", num_pages)
+    fs = DurableFreeSet(SimpleNamespace(client=etcd, fenced_txn=etcd.fenced_txn), "c", table, min_pages=8,
+                        fraction=fraction)
+    return etcd, table, fs
+
+
 def test_balance_parks_the_surplus_and_reserves_before_a_grant_runs_short():
     async def main():
-        etcd = Etcd(random.Random(0), 0.0)
-        table = LeaseTable(epoch=EPOCH, reader_ttl_s=float("inf"))
-        table.take_identity(EPOCH, TERM)
-        table.register_pool("p", 128)
-        fs = DurableFreeSet(SimpleNamespace(client=etcd, fenced_txn=etcd.fenced_txn), "c", table, min_pages=8,
-                            fraction=1 / 16)
+        etcd, table, fs = reliable(128, fraction=1 / 16)
         fs.poke("p")
         await fs._balancing["p"]
         assert table.num_grantable("p") == 16 and len(table.parked("p")) == 112  # parked down to twice low
@@ -121,12 +127,7 @@ def test_a_pool_that_fills_with_cached_pages_keeps_its_floor_parked():
     (grants evict unread cached pages first), and a floor reserved for leases is parked again, evicting unread
     cached pages, once the pool can spare it."""
     async def main():
-        etcd = Etcd(random.Random(0), 0.0)
-        table = LeaseTable(epoch=EPOCH, reader_ttl_s=float("inf"))
-        table.take_identity(EPOCH, TERM)
-        table.register_pool("p", 64)
-        fs = DurableFreeSet(SimpleNamespace(client=etcd, fenced_txn=etcd.fenced_txn), "c", table, min_pages=8,
-                            fraction=1 / 8)
+        etcd, table, fs = reliable(64, fraction=1 / 8)
         low = fs.low(64)
 
         async def cached_request(n: int, need: int, keep: bool = False) -> bytes:
