@@ -9,12 +9,11 @@ that leaves it out has succeeded (reserve). Each write replaces the pool's whole
 serialised, and each is a transaction fenced on the leader's term (a replica whose term ended writes nothing). A
 write whose outcome is unknown leaves its pages parked: not granted, whichever way it went.
 
-What a new leader frees at once is what the set holds at the failover, so the leader keeps a floor parked (the
-low-water mark): a pool that fills with cached pages would otherwise draw its set empty, and after a failover no
-request would be admitted until the unclaimed pages drained. Over the floor, parked pages are the pool's surplus,
-reserved first when grants run short; the floor itself is reserved only for what evicting unread cached pages
-cannot supply (a pool full of leases), and is parked again, evicting unread cached pages if it must, once the
-pool can spare it.
+What a new leader frees at once is what the set holds at the failover, so a floor of it (a sixteenth of the
+pool, at most half the low-water mark) is never reserved for grants: a pool that fills with cached pages, or with leases, would otherwise draw the
+set empty, and after a failover no request would be admitted until the unclaimed pages drained. The floor costs
+that much of the pool's capacity; it is parked once (evicting unread cached pages if it must) and stays. Over the
+floor, parked pages are the pool's surplus, reserved first when grants run short.
 
 Cost: the grant path waits for etcd only when the grantable pages run short of a request (`ensure`), one write
 that reserves a whole chunk; the rest happens in the background after grants and releases (`poke`)."""
@@ -22,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Iterable
 
 from prometheus_client import Counter
 
@@ -33,6 +33,7 @@ WRITES = Counter("pdserve_broker_free_set_writes_total", "Writes of durable free
                  "by what they did", ["op"])
 for _op in ("reserve", "park", "failed"):
     WRITES.labels(_op)
+_DELETES_PER_TXN = 100  # etcd refuses a transaction of more than --max-txn-ops (128 by default)
 
 
 def encode(pages, num_pages: int) -> bytes:
@@ -55,8 +56,8 @@ def decode(value: bytes, num_pages: int) -> set[int]:
 class DurableFreeSet:
     """low: the grantable pages the leader keeps per pool at least (min_pages, or that fraction of the pool, at
     most a quarter of it); under it, it reserves up to twice it from the surplus; over four times it, it parks
-    down to twice it: a wide band, so steady load writes etcd seldom. low is also the floor kept parked; once
-    half of it has been reserved, it is parked again (the same hysteresis)."""
+    down to twice it: a wide band, so steady load writes etcd seldom. The floor (a sixteenth of the pool, at most
+    half of low) is parked for good."""
 
     def __init__(self, election: Election, cluster: str, table: LeaseTable, fraction: float = 1 / 8,
                  min_pages: int = 64) -> None:
@@ -71,6 +72,9 @@ class DurableFreeSet:
     def low(self, num_pages: int) -> int:
         return max(1, min(num_pages // 4, max(self.min_pages, int(num_pages * self.fraction))))
 
+    def floor(self, num_pages: int) -> int:
+        return max(1, min(self.low(num_pages) // 2, num_pages // 16))
+
     async def load(self, pool_id: str, num_pages: int) -> set[int]:
         """The set an earlier leader left for the pool (empty when none), read at adoption."""
         got = await self.election.client.get(self.key(pool_id))
@@ -84,13 +88,10 @@ class DurableFreeSet:
             parked = self.table.num_parked(pool_id)  # a count: a Grant copies no set of the pool
             if short <= 0 or not parked:
                 return
-            low = self.low(self.table.pool_state(pool_id)["num_pages"])
-            surplus = max(0, parked - low)
-            take = min(surplus, short + low)  # the surplus first, a chunk at a time
-            # the floor only for what evicting unread cached pages cannot supply
-            take += max(0, short - take - self.table.num_unread_cached(pool_id))
-            if take:
-                await self._reserve(pool_id, min(take, parked))
+            num_pages = self.table.pool_state(pool_id)["num_pages"]
+            take = min(parked - self.floor(num_pages), short + self.low(num_pages))  # a chunk at a time
+            if take > 0:
+                await self._reserve(pool_id, take)
         except LeaseError:
             pass  # an unknown pool: the call itself says so
 
@@ -110,20 +111,37 @@ class DurableFreeSet:
         self._locks.pop(pool_id, None)
         self._balancing.pop(pool_id, None)
 
+    async def forget_orphans(self, known: Callable[[], Iterable[str]]) -> int:
+        """Deletes the sets of pools this leader does not know (`known()`): pools whose decode registered anew, or
+        stopped, under an earlier leader that could not delete them. Called once a term has led for longer than
+        any decode waits to hand its pool over; a set deleted too early would only make a later hand-over
+        quarantine what it names (fail safe). Returns how many went."""
+        prefix = f"/pdserve/{self.cluster}/pools/".encode()
+        got = await self.election.client.get_prefix(prefix, keys_only=True)
+        keep = {self.key(pool_id) for pool_id in known()}
+        stale = [kv.key for kv in got if kv.key not in keep]
+        tx = self.election.client.transactions
+        for i in range(0, len(stale), _DELETES_PER_TXN):
+            await self.election.fenced_txn(success=[tx.delete(key) for key in stale[i:i + _DELETES_PER_TXN]])
+        if stale:
+            log.info("deleted the durable free sets of %d pools no decode handed over: %s", len(stale),
+                     [key.decode() for key in stale[:4]])
+        return len(stale)
+
     async def _balance(self, pool_id: str) -> None:
         try:
             num_pages = self.table.pool_state(pool_id)["num_pages"]
             low, grantable = self.low(num_pages), self.table.num_grantable(pool_id)
-            parked = self.table.num_parked(pool_id)
-            if grantable < low and parked > low:
-                await self._reserve(pool_id, min(2 * low - grantable, parked - low))
+            parked, floor = self.table.num_parked(pool_id), self.floor(num_pages)
+            if grantable < low and parked > floor:
+                await self._reserve(pool_id, min(2 * low - grantable, parked - floor))
             elif grantable > 4 * low:
                 await self._park(pool_id, grantable - 2 * low)
-            elif parked <= low // 2:  # the floor, refilled from what the pool can spare
-                spare = max(0, grantable - low) + self.table.num_unread_cached(pool_id)
-                num = min(low - parked, spare)
+            elif parked < floor:  # the floor, from what the pool can spare
+                spare = max(0, grantable - low)
+                num = min(floor - parked, spare + self.table.num_unread_cached(pool_id))
                 if num > 0:
-                    await self._park(pool_id, num, evict=max(0, num - max(0, grantable - low)))
+                    await self._park(pool_id, num, evict=max(0, num - spare))
         except LeaseError:
             pass  # forgotten meanwhile
 

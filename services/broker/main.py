@@ -17,7 +17,7 @@ from ..common.tls import add_tls_args, own_identity, tls_from_args
 from ..common.unsafe import check_unsafe
 from ..kvtransfer.engine import MOONCAKE_MIN_TIMEOUT_S
 from .authority import ElectedAuthority, SoleAuthority
-from .election import Election, connect, election_key
+from .election import RETRYABLE, Election, NotLeaderError, connect, election_key
 from .free_set import DurableFreeSet
 from .lease_table import LeaseTable
 from .leadership import LeadershipCollector, lead_one_term, shared_epoch
@@ -158,9 +158,18 @@ async def replica_life(args, svc: Service, election: Election, servicer: BrokerS
         async def take_over(term: int, table=table) -> None:
             table.take_identity(await shared_epoch(election, args.cluster), term)
 
-        async def on_lead(term: int, table=table) -> None:
+        async def on_lead(term: int, table=table, free_set=free_set) -> None:
             log.warning("broker leads term %d (epoch %#x); answering", term, table.epoch)
             await svc.set_health(True)
+            cleanups.append(asyncio.create_task(forget_orphans(free_set, table)))
+
+        async def forget_orphans(free_set: DurableFreeSet, table) -> None:
+            # past the fence no decode hands an earlier term's pool over: it has registered anew or stopped
+            await asyncio.sleep(args.reader_ttl + args.max_ttl + args.lock_delay)
+            try:
+                await free_set.forget_orphans(table.pool_ids)
+            except (NotLeaderError, *RETRYABLE) as e:
+                log.warning("deleting the durable free sets of pools no decode handed over failed: %r", e)
 
         async def on_lapse(answering: bool) -> None:
             log.warning("broker: authority %s", "resumed: answering again" if answering else
@@ -171,7 +180,12 @@ async def replica_life(args, svc: Service, election: Election, servicer: BrokerS
             log.error("broker: %s; answering nothing from its table any more; following with a fresh one", why)
             await svc.set_health(False)
 
-        await lead_one_term(authority, take_over, on_lead, on_lapse, on_term_over)
+        cleanups: list[asyncio.Task] = []
+        try:
+            await lead_one_term(authority, take_over, on_lead, on_lapse, on_term_over)
+        finally:
+            for task in cleanups:
+                task.cancel()
         table = new_table()
         authority, free_set = ElectedAuthority(election), DurableFreeSet(election, args.cluster, table)
         collector.authority = authority

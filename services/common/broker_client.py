@@ -57,6 +57,7 @@ class LeaderStub:
         self.targets, self.stubs = targets, stubs
         self.current = 0
         self.moves = 0
+        self._answered = True  # since the last move: an election's rounds of refusals log one warning, not each
 
     def __getattr__(self, method: str):
         if method.startswith("_"):
@@ -76,7 +77,9 @@ class LeaderStub:
                     if refusal is not None and left is not None and left <= 0:
                         raise refusal
                     try:
-                        return await getattr(self.stubs[i], method)(*args, timeout=left, **kwargs)
+                        answer = await getattr(self.stubs[i], method)(*args, timeout=left, **kwargs)
+                        self._answered = True
+                        return answer
                     except grpc.RpcError as e:
                         if not self.failed(i, e):
                             raise
@@ -104,8 +107,9 @@ class LeaderStub:
             return refused
         self.current = (i + 1) % len(self.stubs)
         self.moves += 1
-        log.warning("broker replica %s cannot answer (%s %s); trying %s", self.targets[i], code.name, reason,
-                    self.targets[self.current])
+        log.log(logging.WARNING if self._answered else logging.DEBUG, "broker replica %s cannot answer (%s %s); "
+                "trying %s", self.targets[i], code.name, reason, self.targets[self.current])
+        self._answered = False
         return refused
 
 

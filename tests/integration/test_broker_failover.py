@@ -3,10 +3,11 @@ only the leader answers (the standby refuses NOT_LEADER and reports NOT_SERVING)
 prefill and decode follow the leader through the list of replicas. A kill -9 of the leader: the standby leads
 within the etcd lease's ttl + 1 s, decode hands its pool over, every running stream completes with the oracle's
 tokens, new requests are served again once the pages nobody claimed drained, and the pool drains at the new
-leader. A leader paused past its lease wakes refusing everything, drops its table and stands by with a fresh one,
+leader, which past the fence deletes the durable free set of a pool nobody handed over. A leader paused past its lease wakes refusing everything, drops its table and stands by with a fresh one,
 which leads again, adopting the pool a second time, when the other replica dies."""
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import urllib.request
 import grpc
 import pytest
 
+from pdserve.broker.election import connect
 from pdserve.common.etcd_server import EtcdCluster
 from pdserve.common.proto import broker_pb2, broker_pb2_grpc
 from tests.integration.helpers import refusal, generate_when_served, prompt, wait_for
@@ -131,14 +133,31 @@ def served_again(stack, p: list[int], max_tokens: int, timeout: float) -> dict:
         time.sleep(0.2)
 
 
+def etcd_keys(etcd: EtcdCluster, put: bytes | None = None) -> set[bytes]:
+    """The durable free sets' keys in etcd (after putting `put`, a set of one page)."""
+    async def main():
+        client = connect(etcd.endpoints)
+        try:
+            if put is not None:
+                await client.put(put, b"\x01")
+            return {kv.key for kv in await client.get_prefix(b"/pdserve/pdserve/pools/", keys_only=True)}
+        finally:
+            await client.close()
+    return asyncio.run(main())
+
+
 def test_kill_the_leader_and_every_running_stream_completes(ha_stack, oracle):
-    stack, _ = ha_stack
+    stack, etcd = ha_stack
     lead, standby = leader_and_standby(stack)
     first = prompt(30, 41)
     out = generate_when_served(stack, first, 4)
     assert "error" not in out, (out, stack.logs()[-3000:])
     pool = stack.pool_ids()[0]
     prompts, results, threads = running_streams(stack, 4, 1500, 50)
+    # the set of a pool whose decode registered anew under an earlier leader: the new leader deletes it past the
+    # fence, and keeps the set of the pool it adopted
+    orphan, adopted = b"/pdserve/pdserve/pools/orphan-pool/free", f"/pdserve/pdserve/pools/{pool}/free".encode()
+    etcd_keys(etcd, put=orphan)
     time.sleep(0.5)
     os.killpg(lead.popen.pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -166,6 +185,9 @@ def test_kill_the_leader_and_every_running_stream_completes(ha_stack, oracle):
         s = new.GetPoolState(broker_pb2.GetPoolStateRequest(pool_id=pool), timeout=5)
         return s.num_leased == 0 and s.num_quarantined == 0 and s.num_free + s.num_cached == s.num_pages
     wait_for(idle, DRAIN + 10, "the new leader's pool drains")
+    wait_for(lambda: orphan not in etcd_keys(etcd), max(1.0, killed + TTL + FENCE + 5 - time.monotonic()),
+             "the new leader deletes the set of a pool nobody handed over")
+    assert adopted in etcd_keys(etcd)
     assert stack.metric("decode", "pdserve_lease_violations_total") == 0
     assert stack.metric("prefill", "pdserve_lease_violations_total") == 0
 

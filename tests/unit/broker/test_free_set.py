@@ -33,6 +33,10 @@ class Etcd:
         self.rng, self.failure_rate = rng, failure_rate
         self.transactions = SimpleNamespace(put=lambda k, v: ("put", k, v), delete=lambda k: ("delete", k))
 
+    async def get_prefix(self, prefix, keys_only=False):
+        await asyncio.sleep(0)
+        return [SimpleNamespace(key=k) for k in sorted(self.kv) if k.startswith(prefix)]
+
     async def get(self, key):
         await asyncio.sleep(0)
         return SimpleNamespace(value=self.kv[key]) if key in self.kv else None
@@ -122,13 +126,14 @@ def test_balance_parks_the_surplus_and_reserves_before_a_grant_runs_short():
     asyncio.run(main())
 
 
-def test_a_pool_that_fills_with_cached_pages_keeps_its_floor_parked():
-    """What a new leader frees at once is what the set holds: a pool full of cached pages keeps the floor there
-    (grants evict unread cached pages first), and a floor reserved for leases is parked again, evicting unread
-    cached pages, once the pool can spare it."""
+def test_a_pool_full_of_cached_pages_or_of_leases_keeps_its_floor_parked():
+    """What a new leader frees at once is what the set holds: the floor stays there however the pool fills, with
+    cached pages (grants evict unread ones) or with leases (a grant past the rest of the pool is refused); a floor
+    short of its size (an adopted set) is parked from unread cached pages."""
     async def main():
-        etcd, table, fs = reliable(64, fraction=1 / 8)
-        low = fs.low(64)
+        etcd, table, fs = reliable(128, fraction=1 / 8)
+        low, floor = fs.low(128), fs.floor(128)
+        assert (low, floor) == (16, 8)
 
         async def cached_request(n: int, need: int, keep: bool = False) -> bytes:
             owner = n.to_bytes(16, "big")
@@ -136,7 +141,7 @@ def test_a_pool_that_fills_with_cached_pages_keeps_its_floor_parked():
             leases = table.grant("p", owner, need, EPOCH)
             table.begin_write("p", owner, EPOCH, leases, "w", max_landing_s=1.0)
             table.end_write("p", owner, EPOCH, leases, "w", True)
-            chains = [(n * 64 + i).to_bytes(16, "big") for i in range(need)]
+            chains = [(n * 128 + i).to_bytes(16, "big") for i in range(need)]
             assert table.publish("p", owner, EPOCH, leases, chains, [1] * need, b"t" * 8) == [True] * need
             if not keep:
                 table.release("p", owner, EPOCH)
@@ -144,20 +149,38 @@ def test_a_pool_that_fills_with_cached_pages_keeps_its_floor_parked():
             await fs._balancing["p"]
             return owner
 
-        for n in range(40):
+        for n in range(60):
             await cached_request(n, 4)
-            if n >= 20:  # the surplus is gone by now: the floor stays
-                assert table.num_parked("p") == low, (n, table.pool_state("p"))
+            assert table.num_parked("p") >= floor, (n, table.pool_state("p"))
         state = table.pool_state("p")
-        assert state["num_cached"] >= 64 - 2 * low - 4 and state["num_parked"] == low, state
-        assert decode(etcd.kv[fs.key("p")], 64) == table.parked("p")
-        # leases fill the pool: the floor is reserved for them, and parked again once they end
-        held = [await cached_request(100 + n, 8, keep=True) for n in range(7)]
-        held.append(await cached_request(107, 4, keep=True))
-        assert table.num_parked("p") == low - 4, table.pool_state("p")
+        assert state["num_cached"] >= 128 - 2 * low - 4 and state["num_parked"] == floor, state
+        assert decode(etcd.kv[fs.key("p")], 128) == table.parked("p")
+        held = [await cached_request(100 + n, 8, keep=True) for n in range(15)]  # all but the floor
+        with pytest.raises(LeaseError) as refused:
+            await cached_request(200, 1)
+        assert refused.value.reason == "POOL_EXHAUSTED"
+        assert table.num_parked("p") == floor and decode(etcd.kv[fs.key("p")], 128) == table.parked("p")
         for owner in held:
             table.release("p", owner, EPOCH)
+        # a leader that adopted a set smaller than the floor parks the rest, evicting unread cached pages
+        table.unpark("p", sorted(table.parked("p"))[:5])
         fs.poke("p")
         await fs._balancing["p"]
-        assert table.num_parked("p") == low and decode(etcd.kv[fs.key("p")], 64) == table.parked("p")
+        assert table.num_parked("p") == floor and decode(etcd.kv[fs.key("p")], 128) == table.parked("p")
+    asyncio.run(main())
+
+
+def test_the_sets_of_pools_no_decode_handed_over_are_deleted_and_no_other():
+    async def main():
+        etcd, table, fs = reliable(64, fraction=1 / 8)
+        fs.poke("p")
+        await fs._balancing["p"]
+        other = DurableFreeSet(fs.election, "other-cluster", table)
+        etcd.kv[other.key("q")] = b"\xff"  # another cluster's pool
+        orphans = [fs.key(f"gone{i}") for i in range(250)]  # more than one transaction may hold
+        etcd.kv.update({key: b"\xff" for key in orphans})
+        assert await fs.forget_orphans(table.pool_ids) == 250
+        assert set(etcd.kv) == {fs.key("p"), other.key("q")}
+        assert decode(etcd.kv[fs.key("p")], 64) == table.parked("p") and table.num_parked("p")
+        assert await fs.forget_orphans(table.pool_ids) == 0
     asyncio.run(main())

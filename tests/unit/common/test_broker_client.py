@@ -160,3 +160,21 @@ def test_a_call_with_a_deadline_waits_out_an_election_and_never_past_its_deadlin
             await s.Grant(None, timeout=0.5)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and loop.time() - t0 < 0.7, loop.time() - t0
     asyncio.run(main())
+
+
+def test_rounds_of_refusals_log_one_warning_until_a_replica_answers(caplog):
+    async def main():
+        s, a, b, c = stub()
+        for r in (a, b, c):
+            r.fail = Failed(grpc.StatusCode.UNAVAILABLE, "NOT_LEADER")
+
+        async def elect():
+            await asyncio.sleep(0.3)
+            b.fail = None
+        with caplog.at_level("WARNING", logger="pdserve.common.broker_client"):
+            await asyncio.gather(s.Grant(None, timeout=5), elect())
+            assert s.moves > 3 and len(caplog.records) == 1, caplog.records
+            b.fail = Failed(grpc.StatusCode.UNAVAILABLE, "NOT_LEADER")
+            await asyncio.gather(s.Grant(None, timeout=5), elect())  # answered since: its next move warns again
+            assert len(caplog.records) == 2, caplog.records
+    asyncio.run(main())
