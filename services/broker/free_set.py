@@ -10,10 +10,11 @@ serialised, and each is a transaction fenced on the leader's term (a replica who
 write whose outcome is unknown leaves its pages parked: not granted, whichever way it went.
 
 What a new leader frees at once is what the set holds at the failover, so a floor of it (a sixteenth of the
-pool, at most half the low-water mark) is never reserved for grants: a pool that fills with cached pages, or with leases, would otherwise draw the
-set empty, and after a failover no request would be admitted until the unclaimed pages drained. The floor costs
-that much of the pool's capacity; it is parked once (evicting unread cached pages if it must) and stays. Over the
-floor, parked pages are the pool's surplus, reserved first when grants run short.
+pool, at most half the low-water mark) is never reserved for grants: a pool that fills with cached pages, or
+with leases, would otherwise draw the set empty, and after a failover no request would be admitted until the
+unclaimed pages drained. The floor costs that much of the pool's capacity; it is parked once (evicting unread
+cached pages if it must) and stays. Over the floor, parked pages are the pool's surplus, reserved first when
+grants run short.
 
 Cost: the grant path waits for etcd only when the grantable pages run short of a request (`ensure`), one write
 that reserves a whole chunk; the rest happens in the background after grants and releases (`poke`)."""
@@ -67,7 +68,10 @@ class DurableFreeSet:
         self._balancing: dict[str, asyncio.Task] = {}
 
     def key(self, pool_id: str) -> bytes:
-        return f"/pdserve/{self.cluster}/pools/{pool_id}/free".encode()
+        return self._prefix() + f"{pool_id}/free".encode()
+
+    def _prefix(self) -> bytes:
+        return f"/pdserve/{self.cluster}/pools/".encode()
 
     def low(self, num_pages: int) -> int:
         return max(1, min(num_pages // 4, max(self.min_pages, int(num_pages * self.fraction))))
@@ -116,8 +120,7 @@ class DurableFreeSet:
         stopped, under an earlier leader that could not delete them. Called once a term has led for longer than
         any decode waits to hand its pool over; a set deleted too early would only make a later hand-over
         quarantine what it names (fail safe). Returns how many went."""
-        prefix = f"/pdserve/{self.cluster}/pools/".encode()
-        got = await self.election.client.get_prefix(prefix, keys_only=True)
+        got = await self.election.client.get_prefix(self._prefix(), keys_only=True)
         keep = {self.key(pool_id) for pool_id in known()}
         stale = [kv.key for kv in got if kv.key not in keep]
         tx = self.election.client.transactions

@@ -156,14 +156,13 @@ class LeaseTable:
     def num_grantable(self, pool_id: str) -> int:
         return len(self._pool(pool_id).free)
 
-    def evict_for_parking(self, pool_id: str, num: int) -> int:
+    def evict_for_parking(self, pool_id: str, num: int) -> None:
         """Evicts up to num unread cached pages, least recently read first, into the grantable pages (for the
-        durable free set to park next); returns how many."""
+        durable free set to park next)."""
         pool = self._pool(pool_id)
         num = min(num, pool.cache.num_evictable())
         if num > 0:
             self._shares.make_room(pool, len(pool.free) + num, [], f"{num} pages to park")
-        return max(num, 0)
 
     def grant(self, pool_id: str, owner: bytes, num_pages: int, epoch: int) -> list[Lease]:
         """An exclusive grant (no prefix reuse): grant_with_prefix's leases alone."""
