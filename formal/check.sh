@@ -114,6 +114,8 @@ add model-prefix-contents    model "$here/pdserve.pml" "-DPREFIX -DFAULTS=0" "$s
 # new leader revoking an adopted lease, with the non-atomic step: 26 million states, three minutes), P5's formula
 # across it, and the fault budget (75 million states, five minutes)
 add model-failover           model "$here/pdserve.pml" "-DFAILOVER -DFAULTS=0" "$safety" "-m10000"
+# the code's claim: the requests decoding, the others ended (any subset of those not yet reading left out)
+add model-failover-claim-subset model "$here/pdserve.pml" "-DFAILOVER -DCLAIM_SUBSET -DFAULTS=0" "$safety" "-m10000"
 if [ "${FORMAL_DEEP:-0}" = 1 ]; then
   add model-failover-revocations model "$here/pdserve.pml" "-DFAILOVER -DSTEP_WRITES -DFAULTS=0 -DREVOKE_FAULTS=1" "$safety" "-m10000"
   add model-ltl-drains-failover model "$here/pdserve.pml" "-DFAILOVER -DFAULTS=0" "-O1" "-m10000 -a -N drains"

@@ -220,6 +220,7 @@ bit nseen[NW];                   /* prefill process has seen the new term (an an
 bit wterm[NR];                   /* the term whose BeginWrite started r's write's liveness */
 bit gdel[NR];                    /* r's Grant reply has reached decode */
 bit gold[NR];                    /* r's Grant was decided by the old leader, its reply still on its way */
+bit unclaimed[NR];               /* decode held r at the hand-over and left it out of its claim: r must end */
 #endif
 
 /* ---------------- decode's pool memory (never zeroed) ---------------- */
@@ -927,9 +928,9 @@ inline olddrain() {
 /* decode holds r (the leases it hands over to a new leader): it has the Grant's reply and has not ended r (with
  * -DSTEP_WRITES, nor dropped r's allocation on a revocation) */
 #ifdef STEP_WRITES
-#define CLAIMED(r) (rpage[r] != NONE && gdel[r] && !rdone[r] && !unheld[r])
+#define CLAIMED(r) (rpage[r] != NONE && gdel[r] && !rdone[r] && !unheld[r] && !unclaimed[r])
 #else
-#define CLAIMED(r) (rpage[r] != NONE && gdel[r] && !rdone[r])
+#define CLAIMED(r) (rpage[r] != NONE && gdel[r] && !rdone[r] && !unclaimed[r])
 #endif
 #define ADOPTS(pp) (CLAIMED(powner[pp]) && rpage[powner[pp]] == (pp))
 /* the leader's authority ended (it could not renew its etcd lease: killed, partitioned, paused) and a standby
@@ -951,6 +952,14 @@ inline failover() {
      oldcur[k] = (rpage[k] != NONE && LEASE_CUR(k) && paw[rpage[k]] == 0 && !pwrit[rpage[k]]);
      gold[k] = (rpage[k] != NONE && !gdel[k]);
      wdq[k] = 0;
+#ifdef CLAIM_SUBSET
+     /* the code claims the requests decoding and ends the others (BROKER_FAILOVER): any held request not yet
+      * reading may be left out, its page then nobody's (quarantine below) */
+     if
+     :: CLAIMED(k) && !reading[k] -> if :: skip :: unclaimed[k] = 1 fi
+     :: else
+     fi;
+#endif
      k++
   :: else -> break
   od;
@@ -1303,6 +1312,12 @@ regrant:
   :: atomic { printf("CANCEL    r%d while it waits (old path: for prefill; Run: for its notice)\n", r); goto PRE_OUT }
   fi;
   atomic {                                           /* verify_prompt_pages */
+#if defined(FAILOVER) && !defined(MUT_FO_UNCLAIMED_READS)
+    if
+    :: unclaimed[r] -> printf("FAILOVER  r%d was left out of the claim: it ends before reading\n", r); goto PRE_OUT
+    :: else
+    fi;
+#endif
 #ifdef EXPIRY
     if                                               /* Decode / Run takes its allocation first */
     :: atab[r] -> atab[r] = 0; printf("TAKE      r%d: Decode / Run takes its allocation\n", r)

@@ -120,6 +120,9 @@ PREFIX_REFUSAL_REASONS = ("TAG_MISSING", "TAG_EPOCH", "TAG_GENERATION", "TAG_PAG
 PREFIX_ROUTES = Counter("pdserve_gateway_prefix_routes_total", "Requests with a prefix scope the gateway routed, by "
                         "role and by what decided: affinity (the backend last sent their prefix) or load",
                         ["role", "result"])
+PREFIX_ROUTE_ENTRIES = Gauge("pdserve_gateway_prefix_route_entries", "Entries the gateway's prefix route map holds, by "
+                             "role, at most --prefix-route-entries: it grows to that bound, then stays (about 130 "
+                             "bytes an entry)", ["role"])
 # what to scale and page on (issue 21). HTTP requests by route template, never by path: a client's made-up path is
 # route "other", so the series stay a fixed, small set whatever clients send
 HTTP_REQUESTS = Counter("pdserve_http_requests_total", "HTTP requests the gateway's OpenAI front answered, by route "

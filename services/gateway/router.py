@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from ..common.errors import PdError
-from ..common.metrics import PREFIX_ROUTES
+from ..common.metrics import PREFIX_ROUTE_ENTRIES, PREFIX_ROUTES
 from .affinity import PrefixMap
 
 # backend states (the gateway's pdserve_gateway_backends{role,state} gauge counts them)
@@ -91,6 +91,7 @@ class Router:
         self.all: list[Backend] = list(backends)
         self._tick = itertools.count()
         self.prefixes = PrefixMap() if prefixes is None else prefixes
+        PREFIX_ROUTE_ENTRIES.labels(role).set_function(self.prefixes.__len__)
         self.max_load_gap = max_load_gap
 
     @property

@@ -33,6 +33,8 @@ from tests.integration.helpers import drained
 from tests.integration.stack import Stack
 from tests.oracle import Oracle, OracleMismatch
 
+# memory a process takes while its bounded caches (the prefix route maps, torch's allocator pools) fill
+WARM_UP_MINUTES = 2
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -56,6 +58,12 @@ def slope_per_min(samples: list[tuple[float, float]]) -> float:
     my = sum(v for _, v in samples) / n
     var = sum((t - mx) ** 2 for t, _ in samples)
     return sum((t - mx) * (v - my) for t, v in samples) / var if var else float("nan")
+
+
+def route_entries(stack: Stack) -> dict[str, float]:
+    """Entries of the gateway's bounded prefix route maps, by role: they fill during the warm-up, then stay."""
+    return {role: stack.metric("gateway", "pdserve_gateway_prefix_route_entries", {"role": role})
+            for role in ("prefill", "decode")}
 
 
 def violations(stack: Stack) -> float:
@@ -155,6 +163,10 @@ def main(argv=None) -> int:
     ap.add_argument("--brokers", type=int, default=2, help="1: one broker, no etcd")
     ap.add_argument("--failover-every", type=float, default=60.0, help="seconds; 0: none (the leader must hold)")
     ap.add_argument("--failovers", default="kill,pause", help="what each failover does to the leader, in turn")
+    ap.add_argument("--route-entries", type=int, default=8192,
+                    help="the gateway's --prefix-route-entries: small enough that its maps fill, the gateway's "
+                         "warm-up, within the first minutes (at the default 65,536 they take ~17 MiB and, with every "
+                         "prompt distinct, most of a 10-minute run)")
     ap.add_argument("--model", default=os.path.join(ROOT, "models", "pdserve-tiny"))
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
@@ -179,8 +191,9 @@ def main(argv=None) -> int:
 
 
 def soak(args, rng: random.Random, ha: bool, kinds: list[str], etcd) -> int:
+    extra = {**(ha_extra() if ha else CHAOS_EXTRA), "gateway": ["--prefix-route-entries", str(args.route_entries)]}
     stack = Stack(args.model, num_prefill=2, prefill_pool_tokens=2048, decode_pool_tokens=4096, allow_small=True,
-                  extra=ha_extra() if ha else CHAOS_EXTRA,
+                  extra=extra,
                   **({"brokers": args.brokers, "etcd": ",".join(etcd.endpoints)} if ha else {}))
     oracle = Oracle(args.model)
     failovers: list[Failover] = []
@@ -253,8 +266,9 @@ def soak(args, rng: random.Random, ha: bool, kinds: list[str], etcd) -> int:
                     for ps in stack.procs.values():
                         for p in ps:
                             rss_series[p.name].append((minute, rss_mib(p.popen.pid)))
-                    print("  RSS MiB at minute %.0f: %s" % (minute, {k: round(v[-1][1]) for k, v in
-                                                                   rss_series.items()}), flush=True)
+                    print("  RSS MiB at minute %.0f: %s; the gateway's prefix route maps hold %s entries"
+                          % (minute, {k: round(v[-1][1]) for k, v in rss_series.items()}, route_entries(stack)),
+                          flush=True)
                     next_sample = now + 60
                 if now > next_report:
                     with lock:
@@ -281,9 +295,10 @@ def soak(args, rng: random.Random, ha: bool, kinds: list[str], etcd) -> int:
             if restarted[name]:  # a new process each time: its series is not one process's memory
                 print(f"  {name}: killed and started again {restarted[name]} times; RSS now {rss1[name]:.0f} MiB")
                 continue
+            after = [(t, v) for t, v in rss_series[name] if t >= WARM_UP_MINUTES]
             print(f"  {name}: RSS {rss0[name]:.0f} MiB -> {rss1[name]:.0f} MiB ({rss1[name] - rss0[name]:+.0f}); "
-                  f"slope {slope_per_min(rss_series[name]):+.2f} MiB/min over {len(rss_series[name])} samples "
-                  f"{[round(v) for _, v in rss_series[name]]}")
+                  f"slope after minute {WARM_UP_MINUTES} {slope_per_min(after):+.2f} MiB/min over {len(after)} "
+                  f"samples; all samples {[round(v) for _, v in rss_series[name]]}")
         dead = [p.name for ps in stack.procs.values() for p in ps if not p.alive()]
         print(f"  crashed services: {dead or 'none'}")
         unanswered = [f for f in failovers if f.answered is None]
