@@ -118,6 +118,7 @@ add model-failover           model "$here/pdserve.pml" "-DFAILOVER -DFAULTS=0" "
 add model-failover-claim-subset model "$here/pdserve.pml" "-DFAILOVER -DCLAIM_SUBSET -DFAULTS=0" "$safety" "-m10000"
 if [ "${FORMAL_DEEP:-0}" = 1 ]; then
   add model-failover-revocations model "$here/pdserve.pml" "-DFAILOVER -DSTEP_WRITES -DFAULTS=0 -DREVOKE_FAULTS=1" "$safety" "-m10000"
+  add model-failover-claim-subset-revocations model "$here/pdserve.pml" "-DFAILOVER -DCLAIM_SUBSET -DSTEP_WRITES -DFAULTS=0 -DREVOKE_FAULTS=1" "$safety -DCOLLAPSE" "-m10000"
   add model-ltl-drains-failover model "$here/pdserve.pml" "-DFAILOVER -DFAULTS=0" "-O1" "-m10000 -a -N drains"
   add model-failover-faults  model "$here/pdserve.pml" "-DFAILOVER" "$safety -DCOLLAPSE" "-m10000"
   add model-failover-step-writes-faults model "$here/pdserve.pml" "-DFAILOVER -DSTEP_WRITES" "$safety -DCOLLAPSE" "-m10000"

@@ -933,6 +933,11 @@ inline olddrain() {
 #define CLAIMED(r) (rpage[r] != NONE && gdel[r] && !rdone[r] && !unclaimed[r])
 #endif
 #define ADOPTS(pp) (CLAIMED(powner[pp]) && rpage[powner[pp]] == (pp))
+#ifdef MUT_FO_CLAIM_UNVERIFIED_WRITTEN
+#define MUT_FO_CLAIM_UNVERIFIED 1    /* every claimed page adopted as written, the unverified ones too */
+#else
+#define MUT_FO_CLAIM_UNVERIFIED 0
+#endif
 /* the leader's authority ended (it could not renew its etcd lease: killed, partitioned, paused) and a standby
  * won the election at a newer term; decode registers with it, handing over the leases it holds. The new leader
  * knows the lease identities (epoch, generation counter) and the durable free set, not who writes what:
@@ -975,6 +980,13 @@ inline failover() {
      :: pst[k] != FREE && ADOPTS(k) -> setpst(k, LEASED); paw[k] = 0; pwrit[k] = 1;   /* as if nobody wrote */
 #elif defined(MUT_FO_ADOPT_UNSEALED)
      :: pst[k] != FREE && ADOPTS(k) -> setpst(k, LEASED); paw[k] = ADPW; pwrit[k] = 0; /* a BeginWrite may follow */
+#elif defined(CLAIM_SUBSET)
+     /* the code's claim: a request decoding verified its pages against the acknowledged write, which nothing
+      * can begin again (sealed): adopted as written, with no writer; a held request not reading as above */
+     :: pst[k] != FREE && ADOPTS(k) && (reading[powner[k]] || MUT_FO_CLAIM_UNVERIFIED) -> setpst(k, LEASED);
+        paw[k] = 0; pwrit[k] = 1;
+     :: pst[k] != FREE && ADOPTS(k) && !(reading[powner[k]] || MUT_FO_CLAIM_UNVERIFIED) -> setpst(k, LEASED);
+        paw[k] = ADPW; pwrit[k] = 1;
 #else
      :: pst[k] != FREE && ADOPTS(k) -> setpst(k, LEASED); paw[k] = ADPW; pwrit[k] = 1;
 #endif

@@ -18,6 +18,8 @@ import ctypes.util
 import logging
 import os
 
+from ..common.metrics import C_HEAP
+
 log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # malloc.h
@@ -27,8 +29,29 @@ _OWN_SETTINGS = ("GLIBC_TUNABLES", "MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESH
                  "MALLOC_ARENA_MAX", "LD_PRELOAD")
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap_bytes() -> tuple[int, int] | None:
+    """(in use, free and kept) bytes of the C heap over every arena (glibc's mallinfo2), None where the C library
+    has none. The free part is what the thresholds keep for the next pass: RSS swings by it, up to TRIM_THRESHOLD
+    a heap, with no leak behind the swing."""
+    try:
+        fn = ctypes.CDLL(None).mallinfo2
+    except AttributeError:
+        return None
+    fn.restype = _MallInfo2
+    info = fn()
+    return info.uordblks + info.hblkhd, info.fordblks
+
+
 def keep_freed_memory() -> str:
     """Sets the thresholds (once per process is enough; again is harmless); returns what it did, for the log."""
+    if heap_bytes() is not None:
+        for state, i in (("in_use", 0), ("free", 1)):
+            C_HEAP.labels(state).set_function(lambda i=i: heap_bytes()[i])
     own = [k for k in _OWN_SETTINGS if os.environ.get(k)]
     if own:
         return f"C heap: the operator's settings stand ({', '.join(own)})"

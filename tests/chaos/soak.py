@@ -35,6 +35,7 @@ from tests.oracle import Oracle, OracleMismatch
 
 # memory a process takes while its bounded caches (the prefix route maps, torch's allocator pools) fill
 WARM_UP_MINUTES = 2
+ENGINES = ("prefill", "decode")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -64,6 +65,14 @@ def route_entries(stack: Stack) -> dict[str, float]:
     """Entries of the gateway's bounded prefix route maps, by role: they fill during the warm-up, then stay."""
     return {role: stack.metric("gateway", "pdserve_gateway_prefix_route_entries", {"role": role})
             for role in ("prefill", "decode")}
+
+
+def heap_free_mib(stack: Stack, service: str, index: int) -> float:
+    """The free C heap an engine process keeps for its next forward pass (services/engine/heap.py)."""
+    try:
+        return stack.metric(service, "pdserve_c_heap_bytes", {"state": "free"}, index=index) / 2 ** 20
+    except (OSError, KeyError):
+        return float("nan")
 
 
 def violations(stack: Stack) -> float:
@@ -206,6 +215,7 @@ def soak(args, rng: random.Random, ha: bool, kinds: list[str], etcd) -> int:
         v0 = violations(stack)
         started = time.monotonic()
         rss_series: dict[str, list[tuple[float, float]]] = {name: [(0.0, v)] for name, v in rss0.items()}
+        kept_series: dict[str, list[tuple[float, float]]] = {}  # engine processes: the free C heap they keep
         next_sample = started + 60
         deadline = time.monotonic() + args.minutes * 60
         next_fault = time.monotonic() + 2
@@ -263,12 +273,15 @@ def soak(args, rng: random.Random, ha: bool, kinds: list[str], etcd) -> int:
                     next_failover = now + args.failover_every / 2
                 if now > next_sample:  # every minute, so a slow leak shows as a slope, not as noise
                     minute = (now - started) / 60
-                    for ps in stack.procs.values():
-                        for p in ps:
+                    for svc, ps in stack.procs.items():
+                        for i, p in enumerate(ps):
                             rss_series[p.name].append((minute, rss_mib(p.popen.pid)))
-                    print("  RSS MiB at minute %.0f: %s; the gateway's prefix route maps hold %s entries"
-                          % (minute, {k: round(v[-1][1]) for k, v in rss_series.items()}, route_entries(stack)),
-                          flush=True)
+                            if svc in ENGINES:
+                                kept_series.setdefault(p.name, []).append((minute, heap_free_mib(stack, svc, i)))
+                    print("  RSS MiB at minute %.0f: %s; of it free C heap kept for the next pass: %s; the gateway's "
+                          "prefix route maps hold %s entries"
+                          % (minute, {k: round(v[-1][1]) for k, v in rss_series.items()},
+                             {k: round(v[-1][1]) for k, v in kept_series.items()}, route_entries(stack)), flush=True)
                     next_sample = now + 60
                 if now > next_report:
                     with lock:
@@ -299,6 +312,12 @@ def soak(args, rng: random.Random, ha: bool, kinds: list[str], etcd) -> int:
             print(f"  {name}: RSS {rss0[name]:.0f} MiB -> {rss1[name]:.0f} MiB ({rss1[name] - rss0[name]:+.0f}); "
                   f"slope after minute {WARM_UP_MINUTES} {slope_per_min(after):+.2f} MiB/min over {len(after)} "
                   f"samples; all samples {[round(v) for _, v in rss_series[name]]}")
+            if name in kept_series:  # RSS less the free heap kept: what a leak would grow
+                net = [(t, v - k) for (t, v), (_, k) in zip(rss_series[name][1:], kept_series[name])]
+                net_after = [(t, v) for t, v in net if t >= WARM_UP_MINUTES]
+                print(f"    less the free C heap it keeps ({[round(k) for _, k in kept_series[name]]} MiB): slope "
+                      f"after minute {WARM_UP_MINUTES} {slope_per_min(net_after):+.2f} MiB/min; samples "
+                      f"{[round(v) for _, v in net]}")
         dead = [p.name for ps in stack.procs.values() for p in ps if not p.alive()]
         print(f"  crashed services: {dead or 'none'}")
         unanswered = [f for f in failovers if f.answered is None]
