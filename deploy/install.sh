@@ -29,7 +29,8 @@ cd "$(dirname "$0")/.."
 # dev: Debian's python3 has no ensurepip without python3-venv; formal/check.sh compiles SPIN's pan.c with gcc; the tests
 # reset live TCP connections with iproute2's ss -K; the broker's election tests start etcd-server's /usr/bin/etcd (the
 # broker itself needs only the Python client, a pip dependency)
-RUNTIME_APT=(libibverbs1 librdmacm1 libnuma1 libcurl4)
+# libjemalloc2: the engines' C allocator (services/engine/allocator.py)
+RUNTIME_APT=(libibverbs1 librdmacm1 libnuma1 libcurl4 libjemalloc2)
 DEV_APT=("${RUNTIME_APT[@]}" python3 python3-venv gcc libc6-dev spin prometheus iproute2 etcd-server)
 # build: what an image's build stage needs to compile the CPU decode attention kernel (install.sh native)
 BUILD_APT=(gcc libc6-dev)

@@ -322,6 +322,9 @@ def main(argv: list[str] | None = None) -> int:
     watch_from_env()  # started by services/launcher.py: stop when it dies
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
+    if args.cmd in ("prefill", "decode"):
+        from .engine.allocator import use_jemalloc
+        use_jemalloc()
     try:
         rc = args.fn(args)
     except CheckpointError as e:  # a checkpoint the engine cannot serve: the user's to fix, not a crash

@@ -1,4 +1,5 @@
-"""The C heap of an engine process: freed forward-pass buffers are kept for the next pass, not handed back.
+"""The C heap of an engine process where it is glibc's (allocator.py runs engines under jemalloc where it is
+installed): freed forward-pass buffers are kept for the next pass, not handed back.
 
 A forward pass allocates and frees tensors of megabytes, op after op. glibc's defaults give such blocks back to the
 kernel when they are freed (blocks above the mmap threshold are unmapped; a heap top above the trim threshold is
@@ -19,6 +20,7 @@ import logging
 import os
 
 from ..common.metrics import C_HEAP
+from .allocator import chosen
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +51,11 @@ def heap_bytes() -> tuple[int, int] | None:
 
 def keep_freed_memory() -> str:
     """Sets the thresholds (once per process is enough; again is harmless); returns what it did, for the log."""
+    if "jemalloc" in os.environ.get("LD_PRELOAD", ""):
+        return f"C heap: jemalloc (MALLOC_CONF={os.environ.get('MALLOC_CONF', '')}; services/engine/allocator.py)"
+    if chosen() == "jemalloc" and not os.environ.get("LD_PRELOAD") and not ctypes.util.find_library("jemalloc"):
+        log.warning("jemalloc is not installed (Debian's libjemalloc2; `make setup` installs it): the C heap is "
+                    "glibc's, whose RSS swings by hundreds of MiB as its free heap fragments")
     if heap_bytes() is not None:
         for state, i in (("in_use", 0), ("free", 1)):
             C_HEAP.labels(state).set_function(lambda i=i: heap_bytes()[i])

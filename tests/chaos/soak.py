@@ -13,6 +13,7 @@ Not part of `make test`. Usage: python -m tests.chaos.soak [--minutes 10] [--con
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
 import signal
@@ -68,7 +69,8 @@ def route_entries(stack: Stack) -> dict[str, float]:
 
 
 def heap_free_mib(stack: Stack, service: str, index: int) -> float:
-    """The free C heap an engine process keeps for its next forward pass (services/engine/heap.py)."""
+    """The free C heap an engine process keeps for its next forward pass (services/engine/heap.py); NaN where the
+    process does not say (jemalloc's heap, services/engine/allocator.py)."""
     try:
         return stack.metric(service, "pdserve_c_heap_bytes", {"state": "free"}, index=index) / 2 ** 20
     except (OSError, KeyError):
@@ -276,8 +278,8 @@ def soak(args, rng: random.Random, ha: bool, kinds: list[str], etcd) -> int:
                     for svc, ps in stack.procs.items():
                         for i, p in enumerate(ps):
                             rss_series[p.name].append((minute, rss_mib(p.popen.pid)))
-                            if svc in ENGINES:
-                                kept_series.setdefault(p.name, []).append((minute, heap_free_mib(stack, svc, i)))
+                            if svc in ENGINES and not math.isnan(kept := heap_free_mib(stack, svc, i)):
+                                kept_series.setdefault(p.name, []).append((minute, kept))
                     print("  RSS MiB at minute %.0f: %s; of it free C heap kept for the next pass: %s; the gateway's "
                           "prefix route maps hold %s entries"
                           % (minute, {k: round(v[-1][1]) for k, v in rss_series.items()},
@@ -312,7 +314,7 @@ def soak(args, rng: random.Random, ha: bool, kinds: list[str], etcd) -> int:
             print(f"  {name}: RSS {rss0[name]:.0f} MiB -> {rss1[name]:.0f} MiB ({rss1[name] - rss0[name]:+.0f}); "
                   f"slope after minute {WARM_UP_MINUTES} {slope_per_min(after):+.2f} MiB/min over {len(after)} "
                   f"samples; all samples {[round(v) for _, v in rss_series[name]]}")
-            if name in kept_series:  # RSS less the free heap kept: what a leak would grow
+            if len(kept_series.get(name, ())) == len(rss_series[name]) - 1:  # glibc's heap: RSS less its free part
                 net = [(t, v - k) for (t, v), (_, k) in zip(rss_series[name][1:], kept_series[name])]
                 net_after = [(t, v) for t, v in net if t >= WARM_UP_MINUTES]
                 print(f"    less the free C heap it keeps ({[round(k) for _, k in kept_series[name]]} MiB): slope "
