@@ -319,12 +319,15 @@ def build_parser(argv: list[str], load_all: bool = False) -> argparse.ArgumentPa
 def main(argv: list[str] | None = None) -> int:
     from .common.lifeline import watch_from_env
     from .engine.config import CheckpointError
-    watch_from_env()  # started by services/launcher.py: stop when it dies
+    own_command_line = argv is None
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser(argv).parse_args(argv)
-    if args.cmd in ("prefill", "decode"):
+    # an engine run as its own command (a caller of main(argv) is never executed over), before the lifeline is
+    # watched: its fd must outlive the exec
+    if own_command_line and args.cmd in ("prefill", "decode"):
         from .engine.allocator import use_jemalloc
         use_jemalloc()
+    watch_from_env()  # started by services/launcher.py: stop when it dies
     try:
         rc = args.fn(args)
     except CheckpointError as e:  # a checkpoint the engine cannot serve: the user's to fix, not a crash
