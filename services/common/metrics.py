@@ -120,9 +120,9 @@ PREFIX_REFUSAL_REASONS = ("TAG_MISSING", "TAG_EPOCH", "TAG_GENERATION", "TAG_PAG
 PREFIX_ROUTES = Counter("pdserve_gateway_prefix_routes_total", "Requests with a prefix scope the gateway routed, by "
                         "role and by what decided: affinity (the backend last sent their prefix) or load",
                         ["role", "result"])
-C_HEAP = Gauge("pdserve_c_heap_bytes", "An engine process's C heap (glibc mallinfo2, every arena): in_use, or free "
-               "and kept for the next forward pass (RSS swings by it, up to 256 MiB a heap: services/engine/heap.py)",
-               ["state"])
+C_HEAP = Gauge("pdserve_c_heap_bytes", "An engine process's C heap where it is glibc's (mallinfo2, every arena): "
+               "in_use, or free and kept for the next forward pass; RSS swings by the free part, which grows as the "
+               "heap fragments (services/engine/allocator.py)", ["state"])
 PREFIX_ROUTE_ENTRIES = Gauge("pdserve_gateway_prefix_route_entries", "Entries the gateway's prefix route map holds, by "
                              "role, at most --prefix-route-entries: it grows to that bound, then stays (about 130 "
                              "bytes an entry)", ["role"])

@@ -38,8 +38,8 @@ class _MallInfo2(ctypes.Structure):
 
 def heap_bytes() -> tuple[int, int] | None:
     """(in use, free and kept) bytes of the C heap over every arena (glibc's mallinfo2), None where the C library
-    has none. The free part is what the thresholds keep for the next pass: RSS swings by it, up to TRIM_THRESHOLD
-    a heap, with no leak behind the swing."""
+    has none. The free part is what the thresholds keep for the next pass: RSS swings by it, and it grows as the
+    heap fragments under passes of every prompt length (allocator.py), with no live object behind the growth."""
     try:
         fn = ctypes.CDLL(None).mallinfo2
     except AttributeError:
