@@ -10,7 +10,7 @@ VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
 STUBS := services/v1/.stamp
 PROTOS := $(wildcard protos/pdserve/v1/*.proto)
 NATIVE := services/engine/_native/.stamp
-NATIVE_SRC := $(wildcard services/engine/csrc/*.c)
+NATIVE_SRC := $(wildcard services/engine/csrc/*.c services/engine/csrc/*.h)
 
 .PHONY: setup run test unit integration chaos formal bench bench-quick bench-commit bench-gpu soak kills clean deps stubs model image
 

@@ -83,5 +83,5 @@ if os.environ.get("PDSERVE_SKIP_NATIVE") != "1":
     build_native()
 setup(packages=packages(), package_data={"pdserve.v1": ["*.pyi"], "pdserve.bench": ["*.sh"],
                                          "pdserve.bench.tests": ["data/*.json.gz"],
-                                         "pdserve.engine": ["csrc/*.c", "_native/*.so"]},
+                                         "pdserve.engine": ["csrc/*.c", "csrc/*.h", "_native/*.so"]},
       cmdclass={"gen_stubs": GenStubs})

@@ -12,6 +12,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = sorted(glob.glob(os.path.join(HERE, "csrc", "*.c")))
+HEADERS = sorted(glob.glob(os.path.join(HERE, "csrc", "*.h")))  # included by the sources
 # -ffast-math for the compile only: linked with it, gcc adds crtfastmath.o, which sets flush-to-zero for the whole
 # process (torch included) when the library loads
 COMPILE_FLAGS = ["-O3", "-ffast-math", "-fPIC", "-fno-semantic-interposition", "-Wno-psabi"]
@@ -21,7 +22,7 @@ LINK_FLAGS = ["-shared"]
 def library_name(sources: list[str] = SOURCES) -> str:
     """Named after the sources and the flags: a stale build is never loaded."""
     h = hashlib.sha256(" ".join(COMPILE_FLAGS + LINK_FLAGS).encode())
-    for src in sources:
+    for src in [*sources, *(HEADERS if sources is SOURCES else ())]:
         with open(src, "rb") as f:
             h.update(os.path.basename(src).encode() + b"\0" + f.read())
     return f"pdserve-native-{h.hexdigest()[:16]}.so"

@@ -19,9 +19,11 @@ log = logging.getLogger(__name__)
 
 DTYPE_CODES = native.DTYPE_CODES
 ERRORS = {1: "a prefix page id outside the pool", 2: "fewer prefix pages than the prefix needs, or an empty chunk",
-          3: "a shape the kernel does not take (heads, head_dim or group)", 5: "out of memory"}
+          3: "a shape the kernel does not take (heads, head_dim or group)", 5: "out of memory",
+          6: "16 lanes asked of a CPU without AVX-512"}
 MAX_HEAD_DIM = 256  # as csrc/prefill_attention.c
 MAX_GROUP = 64      # query heads per KV head: its block of query rows (BR)
+SPLIT_MACS = 1 << 24  # a chunk's score products below which its heads are not split over threads (~0.15 ms)
 
 _fn = None
 _warned: set[str] = set()
@@ -38,8 +40,8 @@ def _kernel():
         fn = lib.pd_prefill_attention
         fn.restype = ctypes.c_int
         i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
-        fn.argtypes = [vp, vp, vp, vp, i64, vp, i32, i64, i64, i64, i64, i64, i32, i32, i32, i32, vp, i64, i64,
-                       i32, i32, ctypes.c_float]
+        fn.argtypes = [vp, vp, vp, i64, i64, i64, vp, i64, vp, i32, i64, i64, i64, i64, i64, i32, i32, i32, i32, vp,
+                       i64, i64, i32, i32, ctypes.c_float, i32]
         _fn = fn
     return _fn
 
@@ -79,13 +81,16 @@ def status(cache: torch.Tensor, num_heads: int) -> str:
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                      prefix_pages: torch.Tensor, prefix_len: int) -> torch.Tensor:
-    """q: [L, H, D]; k, v: [L, kvh, D], the chunk's own keys (after RoPE) and values; cache: a layer's pool view
+                      prefix_pages: torch.Tensor, prefix_len: int, lanes: int = 0) -> torch.Tensor:
+    """q: [L, H, D]; k, v: [L, kvh, D], the chunk's own keys (after RoPE) and values (any token stride); cache: a layer's pool view
     [num_pages, 2, ps, kvh, D] whose pages prefix_pages ([>= ceil(prefix_len / ps)] int64, in order) hold positions
     0 .. prefix_len - 1. Query i sits at position prefix_len + i and sees keys 0 .. prefix_len + i. Returns
-    [L, H, D] in q's dtype; the arithmetic is float32."""
+    [L, H, D] in q's dtype; the arithmetic is float32. lanes: the kernel's vector width, 0 for the widest the CPU
+    runs (16 with AVX-512, else 8); both widths give the same floats."""
     L, H, D = q.shape
-    qf, kf, vf = (t.float().contiguous() for t in (q, k, v))
+    # read where the projection left them (views of its one output) when float32 with each token's heads in a row
+    qf, kf, vf = (t if t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == D else t.float().contiguous()
+                  for t in (q, k, v))
     pages = prefix_pages.contiguous()
     if pages.dtype != torch.int64 or pages.device.type != "cpu":
         raise ValueError(f"prefix pages must be int64 on the CPU, got {pages.dtype} on {pages.device}")
@@ -94,12 +99,14 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
     fn = _kernel()
 
     def heads(lo: int, hi: int) -> int:  # ctypes drops the GIL for the call: ranges of heads run side by side
-        return fn(qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), out.data_ptr(), L, cache.data_ptr(),
+        return fn(qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), qf.stride(0), kf.stride(0), vf.stride(0),
+                  out.data_ptr(), L, cache.data_ptr(),
                   DTYPE_CODES[cache.dtype], cache.shape[0], cache.stride(0), cache.stride(1), cache.stride(2),
                   cache.stride(3), cache.shape[2], kvh, H, D, pages.data_ptr(), pages.numel(), prefix_len, lo, hi,
-                  D ** -0.5)
+                  D ** -0.5, lanes)
 
-    n = min(torch.get_num_threads(), kvh)
+    # a split costs a hand-off to the pool's threads and back (~0.1 ms): worth it only for a larger product
+    n = min(torch.get_num_threads(), kvh) if L * (prefix_len + (L + 1) // 2) * H * D >= SPLIT_MACS else 1
     if n > 1:
         global _pool, _pool_size
         if _pool_size < n:

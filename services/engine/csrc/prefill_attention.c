@@ -1,5 +1,5 @@
-/* Chunked prefill attention on the CPU: a chunk of L tokens that continues a prompt after prefix_len tokens
- * already in the paged KV pool attends to that prefix where it lies, page by page, with a causal offset (query i
+/* Prefill attention on the CPU, a whole prompt (prefix_len 0) or a chunk: a chunk of L tokens that continues a
+ * prompt after prefix_len tokens already in the paged KV pool attends to that prefix where it lies, page by page, with a causal offset (query i
  * of the chunk sits at position prefix_len + i and sees keys 0 .. prefix_len + i). No copy of the prefix is made
  * and no mask is materialised: keys are taken a tile of TK positions at a time, and the softmax is taken online
  * across tiles (flash attention's running maximum and sum).
@@ -9,10 +9,11 @@
  * from the pool (float32, bfloat16 or float16, widened exactly), as decode reads it.
  *
  * Work is blocked for gcc -O3's vectoriser: a block of BR query rows (query positions times the query heads of
- * one KV head, so each key row is read once for its whole group) against a tile of TK = 16 keys. The scores are
+ * one KV head, so each key row is read once for its whole group) against a tile of TK keys. The scores are
  * kept transposed (keys by query rows): a key's elements are broadcasts against vectors of query rows (the block's
  * queries are transposed once), so float32 keys and values are read where they lie in the pool, and the online
- * softmax runs over vectors of rows without a horizontal reduction. Every page id is checked against the pool
+ * softmax runs over vectors of rows without a horizontal reduction. The kernel is built for 8 lanes and, where
+ * AVX-512 runs, 16 (prefill_attention_lanes.h, included once for each). Every page id is checked against the pool
  * before anything is read: a bad page table is an error code, never a read outside it.
  *
  * Built into the engine's one library by services/engine/native_build.py; called through ctypes from
@@ -32,9 +33,10 @@
 #define PF_BAD_LENGTH 2    /* fewer pages than the prefix needs, or an empty chunk */
 #define PF_BAD_SHAPE 3     /* heads not a multiple of kv heads, head_dim not a multiple of 8 or too large, dtype */
 #define PF_NO_MEMORY 5
+#define PF_NO_LANES 6      /* 16 lanes asked of a CPU without AVX-512 */
 
 #define PF_MAX_HEAD_DIM 256
-#define TK 16              /* keys per tile: two 8-float vectors of scores per query row */
+#define TK 32              /* keys per tile (32: fewer rescalings of the output than 16, scores still in L1) */
 #define BR 128             /* query rows per block (positions x group) */
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -47,49 +49,6 @@ typedef float v8 __attribute__((vector_size(32)));
 
 static inline v8 load8(const float *p) { v8 v; memcpy(&v, p, sizeof v); return v; }
 static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
-typedef int32_t v8i __attribute__((vector_size(32)));
-
-/* lane-wise a > b ? a : b (C has no vector ?:, a bit select is what it compiles to) */
-static inline v8 max8(v8 a, v8 b) {
-    const v8i m = a > b;
-    return (v8)((m & (v8i)a) | (~m & (v8i)b));
-}
-
-/* e^x for x <= 0: the same Cephes polynomial as paged_attention.c's (a loop of it vectorises; libm's would not) */
-static inline float exp_nonpositive(float x) {
-    x = x > 0.0f ? 0.0f : x;  /* a masked key's score above the row's maximum: its weight is dropped anyway */
-    x = x < -87.0f ? -87.0f : x;
-    const float n = floorf(x * 1.44269504088896341f + 0.5f);
-    const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
-/* the same on 8 lanes (x <= 0 assumed: scores less their row's maximum); n rounds x log2(e) to a nearest
- * integer by truncating y - 0.5 (y <= 0), which keeps the reduced argument within the polynomial's range */
-static inline v8 exp8_nonpositive(v8 x) {
-    x = max8(x, (v8){0} - 87.0f);
-    const v8i ni = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, v8i);
-    const v8 n = __builtin_convertvector(ni, v8);
-    const v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    return p * (v8)((ni + 127) << 23);
-}
-
 static inline float widen(const char *p, int dtype) {
     uint16_t h;
     if (dtype == PF_F32) { float f; memcpy(&f, p, 4); return f; }
@@ -126,13 +85,20 @@ struct pool {
     const int64_t *pages;
 };
 
+/* The chunk's own queries, keys and values: token i's head h at q + i q_tok + h D (k and v likewise), so they
+ * may be views into one projection's output */
+struct chunk {
+    const float *q, *k, *v;
+    int64_t q_tok, k_tok, v_tok;
+};
+
 /* The rows of keys t0 .. t0 + cnt - 1 of KV head j, as float32: a float32 pool's rows where they lie, other pools'
  * widened into kbuf and vbuf ([TK][D]); slots past cnt point at a zero row, so a tile never carries a stale value
  * (a weight of 0 times a NaN would still be NaN). Positions below prefix_len are the pool's, the rest the chunk's
- * fresh k and v ([L, kvh, D] float32). */
-static inline void tile_rows(const struct pool *pl, int64_t prefix_len, const float *k_new, const float *v_new,
-                             int kvh, int j, int D, int64_t t0, int cnt, const float *zero, float *kbuf,
-                             float *vbuf, const float **kr, const float **vr) {
+ * fresh k and v. */
+static inline void tile_rows(const struct pool *pl, int64_t prefix_len, const struct chunk *ch, int j, int D,
+                             int64_t t0, int cnt, const float *zero, float *kbuf, float *vbuf, const float **kr,
+                             const float **vr) {
     int64_t page = t0 / pl->page_size, slot = t0 % pl->page_size;  /* one division per tile, not per key */
     for (int t = 0; t < TK; t++, slot++) {
         if (slot == pl->page_size) { page++; slot = 0; }
@@ -140,8 +106,8 @@ static inline void tile_rows(const struct pool *pl, int64_t prefix_len, const fl
         if (t >= cnt) {
             kr[t] = vr[t] = zero;
         } else if (pos >= prefix_len) {
-            kr[t] = k_new + ((pos - prefix_len) * kvh + j) * D;
-            vr[t] = v_new + ((pos - prefix_len) * kvh + j) * D;
+            kr[t] = ch->k + (pos - prefix_len) * ch->k_tok + j * D;
+            vr[t] = ch->v + (pos - prefix_len) * ch->v_tok + j * D;
         } else {
             const char *kp = pl->base + (pl->pages[page] * pl->page_stride + slot * pl->token_stride +
                                          j * pl->head_stride) * pl->esize;
@@ -162,75 +128,70 @@ static inline void tile_rows(const struct pool *pl, int64_t prefix_len, const fl
     }
 }
 
-/* st[t][r] = kr[t] . qt[.][r]: the scores transposed (keys by query rows), so the row vectors are the query rows
- * and a key's element is a broadcast; rp (a multiple of 16) rows, qt is [D][rp] */
-static inline void scores_t(const float *qt, const float *const *kr, float *st, int rp, int D) {
-    for (int rc = 0; rc < rp; rc += 16) {
-        for (int t = 0; t < TK; t += 4) {
-            const float *k0 = kr[t], *k1 = kr[t + 1], *k2 = kr[t + 2], *k3 = kr[t + 3];
-            v8 a00 = {0}, a01 = {0}, a10 = {0}, a11 = {0}, a20 = {0}, a21 = {0}, a30 = {0}, a31 = {0};
-            for (int i = 0; i < D; i++) {
-                const v8 x = load8(qt + i * rp + rc), y = load8(qt + i * rp + rc + 8);
-                /* a scalar times a vector: gcc broadcasts it once (a hand-built splat costs 8 inserts in a clone) */
-                a00 += k0[i] * x; a01 += k0[i] * y;
-                a10 += k1[i] * x; a11 += k1[i] * y;
-                a20 += k2[i] * x; a21 += k2[i] * y;
-                a30 += k3[i] * x; a31 += k3[i] * y;
-            }
-            float *o = st + t * rp + rc;
-            store8(o, a00); store8(o + 8, a01);
-            store8(o + rp, a10); store8(o + rp + 8, a11);
-            store8(o + 2 * rp, a20); store8(o + 2 * rp + 8, a21);
-            store8(o + 3 * rp, a30); store8(o + 3 * rp + 8, a31);
-        }
+/* A thread's working space, kept for its next call (at most ~370 KiB, at head_dim 256): taken and given back at
+ * every call of a pass, the heap's free blocks shifted between passes and every other pass faulted fresh pages */
+static float *scratch_floats(size_t n) {
+    static __thread float *buf;
+    static __thread size_t cap;
+    if (n > cap) {
+        free(buf);
+        buf = aligned_alloc(64, ((n * sizeof(float) + 63) & ~(size_t)63));
+        cap = buf == NULL ? 0 : n;
     }
+    return buf;
 }
 
-/* ob[r] = ob[r] alpha[r] + sum_t w[t][r] vr[t] for rows 0 .. rp (a multiple of 2), D a multiple of 8 */
-static inline void weighted_values(const float *w, const float *const *vr, const float *alpha, float *ob, int rp,
-                                   int D) {
-    int c = 0;
-    for (; c + 32 <= D; c += 32) {
-        for (int r = 0; r < rp; r += 2) {
-            float *o0 = ob + r * D + c, *o1 = o0 + D;
-            const float a0 = alpha[r], a1 = alpha[r + 1];
-            v8 x0 = a0 * load8(o0), x1 = a0 * load8(o0 + 8), x2 = a0 * load8(o0 + 16), x3 = a0 * load8(o0 + 24);
-            v8 y0 = a1 * load8(o1), y1 = a1 * load8(o1 + 8), y2 = a1 * load8(o1 + 16), y3 = a1 * load8(o1 + 24);
-            for (int t = 0; t < TK; t++) {
-                const float *v = vr[t] + c;
-                const v8 v0 = load8(v), v1 = load8(v + 8), v2 = load8(v + 16), v3 = load8(v + 24);
-                const float b = w[t * rp + r], b1 = w[t * rp + r + 1];
-                x0 += b * v0; x1 += b * v1; x2 += b * v2; x3 += b * v3;
-                y0 += b1 * v0; y1 += b1 * v1; y2 += b1 * v2; y3 += b1 * v3;
-            }
-            store8(o0, x0); store8(o0 + 8, x1); store8(o0 + 16, x2); store8(o0 + 24, x3);
-            store8(o1, y0); store8(o1 + 8, y1); store8(o1 + 16, y2); store8(o1 + 24, y3);
-        }
-    }
-    for (; c < D; c += 8) {
-        for (int r = 0; r < rp; r++) {
-            float *o = ob + r * D + c;
-            v8 x = alpha[r] * load8(o);
-            for (int t = 0; t < TK; t++) x += w[t * rp + r] * load8(vr[t] + c);
-            store8(o, x);
-        }
-    }
-}
+#define PF_CAT(a, b) a##b
+#define PF_XCAT(a, b) PF_CAT(a, b)
+
+/* 8 lanes: helpers inlined into the kernel, which gcc builds for x86-64-v4 (ymm), v3 and the baseline */
+#define VL 8
+#define KP 4
+#define VR 2
+#define HATTR
+#define KATTR PF_CLONES
+#include "prefill_attention_lanes.h"
+#undef VL
+#undef KP
+#undef VR
+#undef HATTR
+#undef KATTR
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PF_HAVE_V4 1
+/* 16 lanes where AVX-512 runs: 32 registers, so twice the keys per pass of the scores and the rows of the values */
+#define VL 16
+#define KP 8
+#define VR 4
+#define HATTR __attribute__((target("arch=x86-64-v4"), always_inline))
+#define KATTR __attribute__((target("arch=x86-64-v4")))
+#include "prefill_attention_lanes.h"
+#undef VL
+#undef KP
+#undef VR
+#undef HATTR
+#undef KATTR
+#else
+#define PF_HAVE_V4 0
+#endif
 
 /*
- * q:      [L, H, D] float32, contiguous (unscaled)
- * k_new, v_new: [L, kvh, D] float32, contiguous: the chunk's own keys (after RoPE) and values
+ * q:      [L, H, D] float32 (unscaled)
+ * q_tok, k_tok, v_tok: elements from one token's row of q (k_new, v_new) to the next; a token's heads contiguous
+ * k_new, v_new: [L, kvh, D] float32: the chunk's own keys (after RoPE) and values
  * out:    [L, H, D] float32, contiguous
  * cache:  the layer's pool view; strides in elements: page, kv (K -> V), token, head; dimension D contiguous
  * pages:  [num_prefix_pages] int64: the pages holding positions 0 .. prefix_len - 1, in order
  * kv heads head_lo .. head_hi - 1 are computed (callers may split the heads over threads)
+ * lanes:  0 the widest vectors the CPU runs, 8 or 16 (PF_NO_LANES where it has no AVX-512): both give the same
+ *         floats
  */
-PF_CLONES
-int pd_prefill_attention(const float *q, const float *k_new, const float *v_new, float *out, int64_t L,
+int pd_prefill_attention(const float *q, const float *k_new, const float *v_new, int64_t q_tok, int64_t k_tok,
+                         int64_t v_tok, float *out, int64_t L,
                          const void *cache, int dtype, int64_t num_pages, int64_t page_stride, int64_t kv_stride,
                          int64_t token_stride, int64_t head_stride, int page_size, int num_kv_heads, int num_heads,
                          int head_dim, const int64_t *pages, int64_t num_prefix_pages, int64_t prefix_len,
-                         int head_lo, int head_hi, float scale) {
+                         int head_lo, int head_hi, float scale, int lanes) {
     if (dtype < PF_F32 || dtype > PF_F16 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
         head_dim <= 0 || head_dim % 8 != 0 || head_dim > PF_MAX_HEAD_DIM || page_size <= 0 ||
         num_heads / num_kv_heads > BR || head_lo < 0 || head_hi > num_kv_heads || head_lo > head_hi)
@@ -239,69 +200,18 @@ int pd_prefill_attention(const float *q, const float *k_new, const float *v_new,
         return PF_BAD_LENGTH;
     for (int64_t p = 0; p < (prefix_len + page_size - 1) / page_size; p++)
         if (pages[p] < 0 || pages[p] >= num_pages) return PF_BAD_PAGE;
-    const int D = head_dim, H = num_heads, kvh = num_kv_heads, G = H / kvh;
-    const int bq = BR / G;  /* query positions per block */
     const struct pool pl = {(const char *)cache, dtype, dtype == PF_F32 ? 4 : 2, page_stride, kv_stride,
                             token_stride, head_stride, page_size, pages};
-    const int RPMAX = (BR + 15) & ~15;
-    float *scratch = aligned_alloc(64, sizeof(float) * (size_t)(2 * RPMAX * D + RPMAX * TK + 3 * TK * D + 3 * RPMAX));
-    if (scratch == NULL) return PF_NO_MEMORY;
-    float *qt = scratch, *ob = qt + RPMAX * D, *st = ob + RPMAX * D, *kbuf = st + RPMAX * TK, *vbuf = kbuf + TK * D,
-          *zero = vbuf + TK * D, *m = zero + TK * D, *l = m + RPMAX, *alpha = l + RPMAX;
-    memset(zero, 0, sizeof(float) * (size_t)D);
-    const float *kr[TK], *vr[TK];
-    for (int j = head_lo; j < head_hi; j++) {
-        for (int64_t q0 = 0; q0 < L; q0 += bq) {
-            const int nq = (int)(L - q0 < bq ? L - q0 : bq);
-            const int rows = nq * G, rp = (rows + 15) & ~15;  /* padding rows: zero queries, results dropped */
-            memset(qt, 0, sizeof(float) * (size_t)rp * D);
-            for (int a = 0; a < nq; a++)
-                for (int g = 0; g < G; g++) {
-                    const float *src = q + ((q0 + a) * H + j * G + g) * D;
-                    for (int i = 0; i < D; i++) qt[i * rp + a * G + g] = src[i] * scale;
-                }
-            memset(ob, 0, sizeof(float) * (size_t)rp * D);
-            for (int r = 0; r < rp; r++) { m[r] = -1e30f; l[r] = 0.0f; }
-            const int64_t first = prefix_len + q0;     /* the block's first query position */
-            const int64_t end = prefix_len + q0 + nq;  /* keys 0 .. end - 1 are seen by some row of the block */
-            for (int64_t t0 = 0; t0 < end; t0 += TK) {
-                const int cnt = (int)(end - t0 < TK ? end - t0 : TK);
-                tile_rows(&pl, prefix_len, k_new, v_new, kvh, j, D, t0, cnt, zero, kbuf, vbuf, kr, vr);
-                scores_t(qt, kr, st, rp, D);
-                /* keys after a row's position, or past the tile's end, weigh exactly 0 */
-                const int masked = t0 + TK - 1 > first;
-                if (masked)
-                    for (int t = 0; t < TK; t++)
-                        for (int r = 0; r < rp; r++)
-                            if (t >= cnt || t0 + t > first + r / G) st[t * rp + r] = -1e30f;
-                for (int r = 0; r < rp; r += 8) {
-                    const v8 old = load8(m + r);
-                    v8 mx = old;
-                    for (int t = 0; t < TK; t++) mx = max8(mx, load8(st + t * rp + r));
-                    store8(alpha + r, exp8_nonpositive(old - mx));
-                    store8(m + r, mx);
-                    for (int t = 0; t < TK; t++) store8(st + t * rp + r, exp8_nonpositive(load8(st + t * rp + r) - mx));
-                }
-                if (masked)  /* exactly 0, not e^-87 */
-                    for (int t = 0; t < TK; t++)
-                        for (int r = 0; r < rp; r++)
-                            if (t >= cnt || t0 + t > first + r / G) st[t * rp + r] = 0.0f;
-                for (int r = 0; r < rp; r += 8) {
-                    v8 sum = load8(l + r) * load8(alpha + r);
-                    for (int t = 0; t < TK; t++) sum += load8(st + t * rp + r);
-                    store8(l + r, sum);
-                }
-                weighted_values(st, vr, alpha, ob, rp, D);
-            }
-            for (int a = 0; a < nq; a++)
-                for (int g = 0; g < G; g++) {
-                    const int r = a * G + g;
-                    const float inv = 1.0f / l[r];
-                    float *dst = out + ((q0 + a) * H + j * G + g) * D;
-                    for (int i = 0; i < D; i++) dst[i] = ob[r * D + i] * inv;
-                }
-        }
-    }
-    free(scratch);
-    return PF_OK;
+    const struct chunk ch = {q, k_new, v_new, q_tok, k_tok, v_tok};
+#if PF_HAVE_V4
+    const int wide = __builtin_cpu_supports("x86-64-v4") != 0;
+    if (lanes == 16 && !wide) return PF_NO_LANES;
+    if (lanes != 8 && wide)
+        return heads16(&ch, out, L, &pl, num_kv_heads, num_heads, head_dim, prefix_len, head_lo,
+                       head_hi, scale);
+#else
+    if (lanes == 16) return PF_NO_LANES;
+#endif
+    return heads8(&ch, out, L, &pl, num_kv_heads, num_heads, head_dim, prefix_len, head_lo, head_hi,
+                  scale);
 }

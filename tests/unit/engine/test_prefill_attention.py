@@ -1,7 +1,8 @@
-"""Chunked prefill attention read in place from the paged pool (csrc/prefill_attention.c): against softmax(QK^T)V
-computed here in float64 with an explicit causal mask over the prefix gathered by hand, at chunk boundaries inside a
-page and on a page boundary, on pages scattered over the pool with NaN in every slot the prefix does not own; then
-through the model, where a prompt computed in chunks must give the logits and greedy tokens of the whole prompt."""
+"""Prefill attention read in place from the paged pool (csrc/prefill_attention.c), both of its builds (16 lanes where
+the CPU has AVX-512, 8 elsewhere): against softmax(QK^T)V computed here in float64 with an explicit causal mask over
+the prefix gathered by hand, at chunk boundaries inside a page and on a page boundary, on pages scattered over the
+pool with NaN in every slot the prefix does not own, the two builds giving the same floats; then through the model,
+where a prompt computed in chunks must give the logits and greedy tokens of the whole prompt, both on the kernel."""
 import math
 
 import pytest
@@ -43,35 +44,52 @@ def _case(dtype, kvh, group, D, ps, prefix_len, L, num_pages=96, layers=3, seed=
     return q, k, v, cache, pages
 
 
+def _lanes():
+    q, k, v, cache, pages = _case(torch.float32, 1, 1, 8, 16, 0, 1)
+    try:
+        native_prefill.prefill_attention(q, k, v, cache, pages, 0, 16)
+        return [8, 16]
+    except ValueError as e:
+        assert "without AVX-512" in str(e)
+        return [8]
+
+
+@pytest.mark.parametrize("lanes", [8, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("prefix_len,L", [(37, 50), (48, 3), (16, 1), (5, 140), (200, 16), (0, 33)])
+@pytest.mark.parametrize("prefix_len,L", [(37, 50), (48, 3), (16, 1), (5, 140), (200, 16), (0, 33), (31, 34),
+                                          (64, 65), (0, 97)])
 @pytest.mark.parametrize("kvh,group,D,ps", [(4, 2, 32, 16), (2, 4, 64, 16), (1, 8, 128, 7), (3, 3, 40, 5)])
-def test_matches_a_masked_softmax_over_the_gathered_prefix(dtype, prefix_len, L, kvh, group, D, ps):
+def test_matches_a_masked_softmax_over_the_gathered_prefix(lanes, dtype, prefix_len, L, kvh, group, D, ps):
     """Boundaries inside a page (37, 5), on one (48, 16), a prefix of one page, no prefix; chunk sizes around the
-    kernel's 16-key tiles and its query blocks. Pool values are widened exactly: float32 arithmetic is the only
+    kernel's 32-key tiles and its query blocks. Pool values are widened exactly: float32 arithmetic is the only
     error, whatever the dtype."""
+    if lanes not in _lanes():
+        pytest.skip("no AVX-512 on this CPU")
     q, k, v, cache, pages = _case(dtype, kvh, group, D, ps, prefix_len, L)
-    out = native_prefill.prefill_attention(q, k, v, cache, pages, prefix_len)
+    out = native_prefill.prefill_attention(q, k, v, cache, pages, prefix_len, lanes)
     ref = _reference(q, k, v, cache, pages, prefix_len)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert not out.isnan().any()
     assert (out.double() - ref).abs().max().item() < 2e-5 * max(1.0, ref.abs().max().item())
+    widest = native_prefill.prefill_attention(q, k, v, cache, pages, prefix_len)
+    assert torch.equal(out, widest)  # every lane a query row, the same arithmetic in the same order at any width
 
 
 @pytest.mark.parametrize("threads", [2, 3])
 def test_heads_split_over_threads_give_the_same_attention(threads):
     """With several intra-op threads the KV heads are computed in ranges side by side (3 heads over 2 threads: an
     uneven split); each range writes only its own heads."""
-    q, k, v, cache, pages = _case(torch.float32, 3, 2, 32, 16, 70, 40)
-    one = native_prefill.prefill_attention(q, k, v, cache, pages, 70)
+    q, k, v, cache, pages = _case(torch.float32, 3, 2, 32, 16, 700, 300, num_pages=128)
+    assert 300 * (700 + 150) * 6 * 32 >= native_prefill.SPLIT_MACS  # large enough to be split
+    one = native_prefill.prefill_attention(q, k, v, cache, pages, 700)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        split = native_prefill.prefill_attention(q, k, v, cache, pages, 70)
+        split = native_prefill.prefill_attention(q, k, v, cache, pages, 700)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, split)
-    assert (split.double() - _reference(q, k, v, cache, pages, 70)).abs().max().item() < 1e-4
+    assert (split.double() - _reference(q, k, v, cache, pages, 700)).abs().max().item() < 1e-4
 
 
 def test_refuses_a_page_outside_the_pool_and_too_few_pages():
@@ -101,7 +119,8 @@ def runner(model_dir):
 @pytest.mark.parametrize("cuts", [(37, 90), (48, 96), (1, 2, 130)])
 def test_a_prompt_in_chunks_gives_the_whole_prompts_logits_and_tokens(runner, monkeypatch, cuts):
     """Chunk boundaries inside a page (37, 90, 1, 2, 130) and on page boundaries (48, 96), on scattered pages of a
-    pool whose every other slot holds NaN; the chunked passes go through the in-place kernel (counted)."""
+    pool whose every other slot holds NaN; the chunked passes go through the in-place kernel (counted), and so does
+    the whole prompt and each first chunk (prefix 0)."""
     calls = []
     kernel = native_prefill.prefill_attention
     monkeypatch.setattr(native_prefill, "prefill_attention", lambda *a: calls.append(a[-1]) or kernel(*a))
@@ -114,7 +133,8 @@ def test_a_prompt_in_chunks_gives_the_whole_prompts_logits_and_tokens(runner, mo
     bounds = [0, *cuts, n]
     parts = [runner.prefill_batch([Chunk(ids[a:b], a, chunk_pages, True)])[0] for a, b in zip(bounds, bounds[1:])]
     chunked = torch.cat(parts)
-    assert calls == [c for c in cuts for _ in range(runner.config.num_hidden_layers)]  # every layer, every chunk
+    layers = runner.config.num_hidden_layers
+    assert calls == [0] * layers + [c for c in (0, *cuts) for _ in range(layers)]  # every layer, every chunk
     assert not chunked.isnan().any()
     assert (chunked - whole).abs().max().item() < 1e-4
     assert chunked.argmax(-1).tolist() == whole.argmax(-1).tolist()
