@@ -27,7 +27,7 @@ SPLIT_MACS = 1 << 24  # a chunk's score products below which its heads are not s
 
 _fn = None
 _warned: set[str] = set()
-_pool: ThreadPoolExecutor | None = None  # KV heads split over torch's intra-op threads, when it has several
+_pool: ThreadPoolExecutor | None = None  # blocks of queries shared by torch's intra-op threads, when it has several
 _pool_size = 0
 
 
@@ -41,7 +41,7 @@ def _kernel():
         fn.restype = ctypes.c_int
         i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
         fn.argtypes = [vp, vp, vp, i64, i64, i64, vp, i64, vp, i32, i64, i64, i64, i64, i64, i32, i32, i32, i32, vp,
-                       i64, i64, i32, i32, ctypes.c_float, i32]
+                       i64, i64, i32, i32, ctypes.c_float, i32, ctypes.POINTER(ctypes.c_int64)]
         _fn = fn
     return _fn
 
@@ -98,21 +98,22 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
     kvh = cache.shape[3]
     fn = _kernel()
 
-    def heads(lo: int, hi: int) -> int:  # ctypes drops the GIL for the call: ranges of heads run side by side
+    def heads(lo: int, hi: int, shared=None) -> int:  # ctypes drops the GIL for the call: threads run side by side
         return fn(qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), qf.stride(0), kf.stride(0), vf.stride(0),
-                  out.data_ptr(), L, cache.data_ptr(),
-                  DTYPE_CODES[cache.dtype], cache.shape[0], cache.stride(0), cache.stride(1), cache.stride(2),
-                  cache.stride(3), cache.shape[2], kvh, H, D, pages.data_ptr(), pages.numel(), prefix_len, lo, hi,
-                  D ** -0.5, lanes)
+                  out.data_ptr(), L, cache.data_ptr(), DTYPE_CODES[cache.dtype], cache.shape[0], cache.stride(0),
+                  cache.stride(1), cache.stride(2), cache.stride(3), cache.shape[2], kvh, H, D, pages.data_ptr(),
+                  pages.numel(), prefix_len, lo, hi, D ** -0.5, lanes, shared)
 
     # a split costs a hand-off to the pool's threads and back (~0.1 ms): worth it only for a larger product
-    n = min(torch.get_num_threads(), kvh) if L * (prefix_len + (L + 1) // 2) * H * D >= SPLIT_MACS else 1
+    n = torch.get_num_threads() if L * (prefix_len + (L + 1) // 2) * H * D >= SPLIT_MACS else 1
     if n > 1:
         global _pool, _pool_size
         if _pool_size < n:
             _pool, _pool_size = ThreadPoolExecutor(n, thread_name_prefix="prefill-attention"), n
-        cuts = [kvh * i // n for i in range(n + 1)]
-        rc = next((r for r in _pool.map(heads, cuts[:-1], cuts[1:]) if r != 0), 0)
+        # the threads share the blocks of queries through one counter (not a fixed share each): one that decode
+        # or anything else holds back takes fewer, rather than the pass waiting for its share
+        shared = ctypes.pointer(ctypes.c_int64(0))
+        rc = next((r for r in _pool.map(lambda _: heads(0, kvh, shared), range(n)) if r != 0), 0)
     else:
         rc = heads(0, kvh)
     if rc != 0:

@@ -182,7 +182,9 @@ static float *scratch_floats(size_t n) {
  * out:    [L, H, D] float32, contiguous
  * cache:  the layer's pool view; strides in elements: page, kv (K -> V), token, head; dimension D contiguous
  * pages:  [num_prefix_pages] int64: the pages holding positions 0 .. prefix_len - 1, in order
- * kv heads head_lo .. head_hi - 1 are computed (callers may split the heads over threads)
+ * kv heads head_lo .. head_hi - 1 are computed (callers may split the heads over threads); next: NULL, or a
+ *         counter shared by threads that call with the same arguments (from 0): each takes the next block of
+ *         queries of a head from it until none is left, so a thread the scheduler holds back takes fewer
  * lanes:  0 the widest vectors the CPU runs, 8 or 16 (PF_NO_LANES where it has no AVX-512): both give the same
  *         floats
  */
@@ -191,7 +193,7 @@ int pd_prefill_attention(const float *q, const float *k_new, const float *v_new,
                          const void *cache, int dtype, int64_t num_pages, int64_t page_stride, int64_t kv_stride,
                          int64_t token_stride, int64_t head_stride, int page_size, int num_kv_heads, int num_heads,
                          int head_dim, const int64_t *pages, int64_t num_prefix_pages, int64_t prefix_len,
-                         int head_lo, int head_hi, float scale, int lanes) {
+                         int head_lo, int head_hi, float scale, int lanes, int64_t *next) {
     if (dtype < PF_F32 || dtype > PF_F16 || num_kv_heads <= 0 || num_heads % num_kv_heads != 0 ||
         head_dim <= 0 || head_dim % 8 != 0 || head_dim > PF_MAX_HEAD_DIM || page_size <= 0 ||
         num_heads / num_kv_heads > BR || head_lo < 0 || head_hi > num_kv_heads || head_lo > head_hi)
@@ -208,10 +210,10 @@ int pd_prefill_attention(const float *q, const float *k_new, const float *v_new,
     if (lanes == 16 && !wide) return PF_NO_LANES;
     if (lanes != 8 && wide)
         return heads16(&ch, out, L, &pl, num_kv_heads, num_heads, head_dim, prefix_len, head_lo,
-                       head_hi, scale);
+                       head_hi, scale, next);
 #else
     if (lanes == 16) return PF_NO_LANES;
 #endif
     return heads8(&ch, out, L, &pl, num_kv_heads, num_heads, head_dim, prefix_len, head_lo, head_hi,
-                  scale);
+                  scale, next);
 }

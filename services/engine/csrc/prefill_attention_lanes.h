@@ -100,7 +100,7 @@ static inline HATTR void PF_N(weighted_values)(const float *w, const float *cons
 KATTR
 static int PF_N(heads)(const struct chunk *ch, float *out, int64_t L,
                        const struct pool *pl, int kvh, int H, int D, int64_t prefix_len, int head_lo, int head_hi,
-                       float scale) {
+                       float scale, int64_t *next) {
     const int G = H / kvh;
     const int bq = BR / G;  /* query positions per block */
     const int RPMAX = (BR + 2 * VL - 1) & ~(2 * VL - 1);
@@ -110,8 +110,15 @@ static int PF_N(heads)(const struct chunk *ch, float *out, int64_t L,
           *zero = vbuf + TK * D, *m = zero + TK * D, *l = m + RPMAX, *alpha = l + RPMAX;
     memset(zero, 0, sizeof(float) * (size_t)D);
     const float *kr[TK], *vr[TK];
-    for (int j = head_lo; j < head_hi; j++) {
-        for (int64_t q0 = 0; q0 < L; q0 += bq) {
+    const int64_t nh = head_hi - head_lo, blocks = (L + bq - 1) / bq;
+    for (int64_t item = 0;; item++) {
+        /* one block of queries of one head at a time: the last blocks (the most keys) first, so threads that share
+         * the items through next end together */
+        const int64_t it = next != NULL ? __atomic_fetch_add(next, 1, __ATOMIC_RELAXED) : item;
+        if (it >= nh * blocks) break;
+        const int j = head_lo + (int)(it % nh);
+        const int64_t q0 = (blocks - 1 - it / nh) * bq;
+        {
             const int nq = (int)(L - q0 < bq ? L - q0 : bq);
             /* padding rows: zero queries, results dropped */
             const int rows = nq * G, rp = (rows + 2 * VL - 1) & ~(2 * VL - 1);

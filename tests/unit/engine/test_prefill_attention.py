@@ -75,10 +75,10 @@ def test_matches_a_masked_softmax_over_the_gathered_prefix(lanes, dtype, prefix_
     assert torch.equal(out, widest)  # every lane a query row, the same arithmetic in the same order at any width
 
 
-@pytest.mark.parametrize("threads", [2, 3])
-def test_heads_split_over_threads_give_the_same_attention(threads):
-    """With several intra-op threads the KV heads are computed in ranges side by side (3 heads over 2 threads: an
-    uneven split); each range writes only its own heads."""
+@pytest.mark.parametrize("threads", [2, 3, 5])
+def test_blocks_shared_over_threads_give_the_same_attention(threads):
+    """With several intra-op threads the blocks of queries of every head are shared through one counter (3 heads,
+    2, 3 or 5 threads); each block is written by the one thread that took it, with the arithmetic it has alone."""
     q, k, v, cache, pages = _case(torch.float32, 3, 2, 32, 16, 700, 300, num_pages=128)
     assert 300 * (700 + 150) * 6 * 32 >= native_prefill.SPLIT_MACS  # large enough to be split
     one = native_prefill.prefill_attention(q, k, v, cache, pages, 700)
