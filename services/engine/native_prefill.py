@@ -18,7 +18,8 @@ from . import native
 log = logging.getLogger(__name__)
 
 DTYPE_CODES = native.DTYPE_CODES
-ERRORS = {1: "a prefix page id outside the pool", 2: "fewer prefix pages than the prefix needs, or an empty chunk",
+ERRORS = {1: "a prefix page id outside the pool",
+          2: "fewer prefix pages than the prefix needs, an empty chunk, or positions past 2^31",
           3: "a shape the kernel does not take (heads, head_dim or group)", 5: "out of memory",
           6: "16 lanes asked of a CPU without AVX-512"}
 MAX_HEAD_DIM = 256  # as csrc/prefill_attention.c

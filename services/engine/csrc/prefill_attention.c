@@ -30,7 +30,7 @@
 
 #define PF_OK 0
 #define PF_BAD_PAGE 1      /* a page id outside [0, num_pages) */
-#define PF_BAD_LENGTH 2    /* fewer pages than the prefix needs, or an empty chunk */
+#define PF_BAD_LENGTH 2    /* fewer pages than the prefix needs, an empty chunk, or positions past 2^31 */
 #define PF_BAD_SHAPE 3     /* heads not a multiple of kv heads, head_dim not a multiple of 8 or too large, dtype */
 #define PF_NO_MEMORY 5
 #define PF_NO_LANES 6      /* 16 lanes asked of a CPU without AVX-512 */
@@ -198,7 +198,8 @@ int pd_prefill_attention(const float *q, const float *k_new, const float *v_new,
         head_dim <= 0 || head_dim % 8 != 0 || head_dim > PF_MAX_HEAD_DIM || page_size <= 0 ||
         num_heads / num_kv_heads > BR || head_lo < 0 || head_hi > num_kv_heads || head_lo > head_hi)
         return PF_BAD_SHAPE;
-    if (L <= 0 || prefix_len < 0 || (prefix_len + page_size - 1) / page_size > num_prefix_pages)
+    if (L <= 0 || prefix_len < 0 || (prefix_len + page_size - 1) / page_size > num_prefix_pages ||
+        prefix_len + L >= INT32_MAX)  /* positions are compared as 32-bit lanes */
         return PF_BAD_LENGTH;
     for (int64_t p = 0; p < (prefix_len + page_size - 1) / page_size; p++)
         if (pages[p] < 0 || pages[p] >= num_pages) return PF_BAD_PAGE;

@@ -17,6 +17,7 @@ typedef int32_t VI __attribute__((vector_size(VL * 4)));
 
 static inline HATTR VF PF_N(vload)(const float *p) { VF v; memcpy(&v, p, sizeof v); return v; }
 static inline HATTR void PF_N(vstore)(float *p, VF v) { memcpy(p, &v, sizeof v); }
+static inline HATTR VI PF_N(iload)(const int32_t *p) { VI v; memcpy(&v, p, sizeof v); return v; }
 
 static inline HATTR VF PF_N(vmax)(VF a, VF b) {
     const VI m = a > b;
@@ -104,10 +105,11 @@ static int PF_N(heads)(const struct chunk *ch, float *out, int64_t L,
     const int G = H / kvh;
     const int bq = BR / G;  /* query positions per block */
     const int RPMAX = (BR + 2 * VL - 1) & ~(2 * VL - 1);
-    float *scratch = scratch_floats((size_t)(2 * RPMAX * D + RPMAX * TK + 3 * TK * D + 3 * RPMAX));
+    float *scratch = scratch_floats((size_t)(2 * RPMAX * D + RPMAX * TK + 3 * TK * D + 4 * RPMAX));
     if (scratch == NULL) return PF_NO_MEMORY;
     float *qt = scratch, *ob = qt + RPMAX * D, *st = ob + RPMAX * D, *kbuf = st + RPMAX * TK, *vbuf = kbuf + TK * D,
           *zero = vbuf + TK * D, *m = zero + TK * D, *l = m + RPMAX, *alpha = l + RPMAX;
+    int32_t *rowpos = (int32_t *)(alpha + RPMAX);  /* each row's query position */
     memset(zero, 0, sizeof(float) * (size_t)D);
     const float *kr[TK], *vr[TK];
     const int64_t nh = head_hi - head_lo, blocks = (L + bq - 1) / bq;
@@ -132,20 +134,28 @@ static int PF_N(heads)(const struct chunk *ch, float *out, int64_t L,
             for (int r = 0; r < rp; r++) { m[r] = -1e30f; l[r] = 0.0f; }
             const int64_t first = prefix_len + q0;     /* the block's first query position */
             const int64_t end = prefix_len + q0 + nq;  /* keys 0 .. end - 1 are seen by some row of the block */
+            for (int r = 0; r < rp; r++) rowpos[r] = (int32_t)(first + r / G);
             for (int64_t t0 = 0; t0 < end; t0 += TK) {
                 const int cnt = (int)(end - t0 < TK ? end - t0 : TK);
                 tile_rows(pl, prefix_len, ch, j, D, t0, cnt, zero, kbuf, vbuf, kr, vr);
                 PF_N(scores_t)(qt, kr, st, rp, D);
                 /* keys after a row's position, or past the tile's end, weigh exactly 0 */
                 const int masked = t0 + TK - 1 > first;
-                if (masked)
-                    for (int t = 0; t < TK; t++)
-                        for (int r = 0; r < rp; r++)
-                            if (t >= cnt || t0 + t > first + r / G) st[t * rp + r] = -1e30f;
                 for (int r = 0; r < rp; r += VL) {
                     const VF old = PF_N(vload)(m + r);
                     VF mx = old;
-                    for (int t = 0; t < TK; t++) mx = PF_N(vmax)(mx, PF_N(vload)(st + t * rp + r));
+                    if (masked) {
+                        const VI pos = PF_N(iload)(rowpos + r);
+                        const VI low = (VI)((VF){0} - 1e30f);
+                        for (int t = 0; t < TK; t++) {
+                            const VI hide = ((VI){0} + (t < cnt ? (int32_t)(t0 + t) : INT32_MAX)) > pos;
+                            const VF s = (VF)((hide & low) | (~hide & (VI)PF_N(vload)(st + t * rp + r)));
+                            PF_N(vstore)(st + t * rp + r, s);
+                            mx = PF_N(vmax)(mx, s);
+                        }
+                    } else {
+                        for (int t = 0; t < TK; t++) mx = PF_N(vmax)(mx, PF_N(vload)(st + t * rp + r));
+                    }
                     PF_N(vstore)(alpha + r, PF_N(vexp)(old - mx));
                     PF_N(vstore)(m + r, mx);
                     VF sum = PF_N(vload)(l + r) * PF_N(vload)(alpha + r);
