@@ -1,5 +1,7 @@
-"""Chunked prefill attention on the CPU kernel (csrc/prefill_attention.c): a chunk that continues a prompt attends
-to the prefix where it lies in the paged pool, with a causal offset, without copying the prefix or building a mask.
+"""Prefill attention on the CPU kernel (csrc/prefill_attention.c), for whole prompts and chunks: a chunk that
+continues a prompt attends to the prefix where it lies in the paged pool, with a causal offset, without copying the
+prefix or building a mask; a whole prompt is a chunk with no prefix. The kernel runs in 16 lanes where the CPU has
+AVX-512, else 8.
 
 The kernel is part of the engine's one native library (native.py loads it). `supports` says whether it takes a
 layer; where it does not (a pool on a GPU, no library, a head_dim that is not a multiple of 8) the model keeps the
@@ -69,16 +71,16 @@ def supports(cache: torch.Tensor, num_heads: int) -> bool:
     reason = why_not(cache, num_heads)
     if reason is not None and reason not in _warned:
         _warned.add(reason)  # once per reason: the path is slower, never different in what it computes
-        log.warning("chunked prefill attention: torch path (gathers the prefix, explicit mask): %s", reason)
+        log.warning("prefill attention: torch path (SDPA; a chunk gathers its prefix and masks): %s", reason)
     return reason is None
 
 
 def status(cache: torch.Tensor, num_heads: int) -> str:
-    """One line for the start-up log: which chunked prefill attention runs, and why."""
+    """One line for the start-up log: which prefill attention runs, and why."""
     reason = why_not(cache, num_heads)
     if reason is None:
-        return "chunked prefill attention: native CPU kernel, the prefix read in place"
-    return f"chunked prefill attention: torch path, the prefix gathered and masked ({reason})"
+        return "prefill attention: native CPU kernel, a chunk's prefix read in place"
+    return f"prefill attention: torch path (SDPA), a chunk's prefix gathered and masked ({reason})"
 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,

@@ -14,7 +14,7 @@ from ..common.prefix import chain_seed, checkpoint_identity
 from .context import AttentionContext, reset_context, set_context
 from .dtypes import kv_dtype as pick_kv_dtype
 from .kv_pool import KVPool, PoolLayout
-from . import native, packed_linear
+from . import native, native_prefill, packed_linear
 from .loader import load_model, weight_nbytes
 from .paged_attention import prepare_paged_decode
 from .sizing import PoolSize, kv_bytes_per_token
@@ -188,7 +188,8 @@ class ModelRunner:
                 f"tokens ({self.pool.num_pages} pages of {self.page_size}, {self.kv_dtype}, {per_token} bytes/token, "
                 f"{self.pool.data_nbytes / 2**20:.1f} MiB; from {self.pool_source}), pool/context "
                 f"{self.pool.num_tokens / context_length:.4g} of a {context_length}-token context; "
-                f"{self.linears}; {self.decode_attention()}")
+                f"{self.linears}; {native_prefill.status(self.pool.kv[:, 0], self.config.num_attention_heads)}; "
+                f"{self.decode_attention()}")
 
     def decode_attention(self) -> str:
         """Which decode path runs, and why not the CPU kernels where it does not."""

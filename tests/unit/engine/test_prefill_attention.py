@@ -105,6 +105,11 @@ def test_refuses_a_page_outside_the_pool_and_too_few_pages():
 def test_a_pool_it_does_not_take_is_named():
     assert "head_dim 12" in native_prefill.why_not(torch.zeros(4, 2, 16, 2, 12), 4)
     assert native_prefill.why_not(torch.zeros(4, 2, 16, 2, 32, dtype=torch.float64), 4) is not None
+    # the start-up line says which path runs and why
+    assert native_prefill.status(torch.zeros(4, 2, 16, 2, 12), 4) == \
+        "prefill attention: torch path (SDPA), a chunk's prefix gathered and masked (head_dim 12 (the kernel takes " \
+        "multiples of 8 up to 256))"
+    assert native_prefill.status(torch.zeros(4, 2, 16, 2, 32), 4).startswith("prefill attention: native CPU kernel")
 
 
 PS = 16
