@@ -195,11 +195,13 @@ def run_schedule(chaos, oracle, seed: int, disruption: str, disrupt_fn, num_long
     record = Record(chaos).start()
     results = []
     start = time.monotonic()
-    with ThreadPoolExecutor(16) as pool:
+    # the long streams and the disruption get threads of their own: queued behind the schedule's requests in the
+    # shared pool they started late, and the disruption found every long stream already ended
+    with ThreadPoolExecutor(16) as pool, ThreadPoolExecutor(num_long + 1) as side:
         futures = []
         for i, job in enumerate(jobs):
             if i == disrupt_at:
-                futures += [pool.submit(s.run) for s in streams]
+                futures += [side.submit(s.run) for s in streams]
             for at, service, name, which in faults:
                 if at == i:
                     which = which if service == "prefill" else 0
@@ -208,7 +210,7 @@ def run_schedule(chaos, oracle, seed: int, disruption: str, disrupt_fn, num_long
                     except grpc.RpcError:
                         pass  # that prefill is being restarted; the fault is simply not armed
             if i == disrupt_at:
-                disruption_result = pool.submit(disrupt_fn, chaos, disruption, rng, record, streams)
+                disruption_result = side.submit(disrupt_fn, chaos, disruption, rng, record, streams)
             futures.append(pool.submit(run_request, chaos, *job))
             time.sleep(0.01)
         results = [f.result() for f in futures]
