@@ -1,4 +1,5 @@
-"""A prompt prefilled in chunks against the same prompt in one pass: `python -m pdserve.bench.scenarios.chunked_prefill`.
+"""A prompt prefilled in chunks against the same prompt in one pass:
+`python -m pdserve.bench.scenarios.chunked_prefill`.
 
 For each prompt length and chunk size, one process times the whole prompt in one pass and the same prompt as
 consecutive chunks (each one a pass of its own that attends to the chunks before it where their KV lies in the pool,
@@ -56,8 +57,7 @@ def measure(runner: ModelRunner, length: int, chunk: int, reps: int, seed: int =
             fn()
             times[name].append(time.perf_counter() - t)
     w, c = statistics.median(times["whole"]) * 1e3, statistics.median(times["chunked"]) * 1e3
-    return {"length": length, "chunk": chunk, "whole_ms": round(w, 2), "chunked_ms": round(c, 2),
-            "ratio": round(c / w, 3)}
+    return {"length": length, "chunk": chunk, "whole_ms": w, "chunked_ms": c, "ratio": c / w}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -82,7 +82,8 @@ def main(argv: list[str] | None = None) -> None:
     print("| prompt | chunk | one pass ms | in chunks ms | chunks / one pass |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['length']:,} | {r['chunk']:,} | {r['whole_ms']:.1f} | {r['chunked_ms']:.1f} | {r['ratio']:.3f}× |")
+        print(f"| {r['length']:,} | {r['chunk']:,} | {r['whole_ms']:.1f} | {r['chunked_ms']:.1f} "
+              f"| {r['ratio']:.3f}× |")
     if args.json:
         print(json.dumps(rows))
 

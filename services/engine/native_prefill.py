@@ -26,7 +26,7 @@ ERRORS = {1: "a prefix page id outside the pool",
           6: "16 lanes asked of a CPU without AVX-512"}
 MAX_HEAD_DIM = 256  # as csrc/prefill_attention.c
 MAX_GROUP = 64      # query heads per KV head: its block of query rows (BR)
-SPLIT_MACS = 1 << 24  # a chunk's score products below which its heads are not split over threads (~0.15 ms)
+SPLIT_MACS = 1 << 24  # a chunk's score products below which one thread computes it all (~0.15 ms)
 
 _fn = None
 _warned: set[str] = set()
@@ -85,9 +85,9 @@ def status(cache: torch.Tensor, num_heads: int) -> str:
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                       prefix_pages: torch.Tensor, prefix_len: int, lanes: int = 0) -> torch.Tensor:
-    """q: [L, H, D]; k, v: [L, kvh, D], the chunk's own keys (after RoPE) and values (any token stride); cache: a layer's pool view
-    [num_pages, 2, ps, kvh, D] whose pages prefix_pages ([>= ceil(prefix_len / ps)] int64, in order) hold positions
-    0 .. prefix_len - 1. Query i sits at position prefix_len + i and sees keys 0 .. prefix_len + i. Returns
+    """q: [L, H, D]; k, v: [L, kvh, D], the chunk's own keys (after RoPE) and values (any token stride); cache: a
+    layer's pool view [num_pages, 2, ps, kvh, D] whose pages prefix_pages ([>= ceil(prefix_len / ps)] int64, in
+    order) hold positions 0 .. prefix_len - 1. Query i sits at position prefix_len + i and sees keys 0 .. prefix_len + i. Returns
     [L, H, D] in q's dtype; the arithmetic is float32. lanes: the kernel's vector width, 0 for the widest the CPU
     runs (16 with AVX-512, else 8); both widths give the same floats."""
     L, H, D = q.shape
@@ -101,11 +101,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
     kvh = cache.shape[3]
     fn = _kernel()
 
-    def heads(lo: int, hi: int, shared=None) -> int:  # ctypes drops the GIL for the call: threads run side by side
+    def heads(shared=None) -> int:  # ctypes drops the GIL for the call: threads run side by side
         return fn(qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), qf.stride(0), kf.stride(0), vf.stride(0),
                   out.data_ptr(), L, cache.data_ptr(), DTYPE_CODES[cache.dtype], cache.shape[0], cache.stride(0),
                   cache.stride(1), cache.stride(2), cache.stride(3), cache.shape[2], kvh, H, D, pages.data_ptr(),
-                  pages.numel(), prefix_len, lo, hi, D ** -0.5, lanes, shared)
+                  pages.numel(), prefix_len, 0, kvh, D ** -0.5, lanes, shared)
 
     # a split costs a hand-off to the pool's threads and back (~0.1 ms): worth it only for a larger product
     n = torch.get_num_threads() if L * (prefix_len + (L + 1) // 2) * H * D >= SPLIT_MACS else 1
@@ -116,9 +116,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
         # the threads share the blocks of queries through one counter (not a fixed share each): one that decode
         # or anything else holds back takes fewer, rather than the pass waiting for its share
         shared = ctypes.pointer(ctypes.c_int64(0))
-        rc = next((r for r in _pool.map(lambda _: heads(0, kvh, shared), range(n)) if r != 0), 0)
+        rc = next((r for r in _pool.map(lambda _: heads(shared), range(n)) if r != 0), 0)
     else:
-        rc = heads(0, kvh)
+        rc = heads()
     if rc != 0:
         raise ValueError(f"prefill attention refused a chunk of {L} tokens after {prefix_len} on "
                          f"{pages.numel()} pages of {cache.shape[2]} (pool of {cache.shape[0]} pages): "

@@ -1,8 +1,8 @@
 /* Prefill attention on the CPU, a whole prompt (prefix_len 0) or a chunk: a chunk of L tokens that continues a
- * prompt after prefix_len tokens already in the paged KV pool attends to that prefix where it lies, page by page, with a causal offset (query i
- * of the chunk sits at position prefix_len + i and sees keys 0 .. prefix_len + i). No copy of the prefix is made
- * and no mask is materialised: keys are taken a tile of TK positions at a time, and the softmax is taken online
- * across tiles (flash attention's running maximum and sum).
+ * prompt after prefix_len tokens already in the paged KV pool attends to that prefix where it lies, page by page,
+ * with a causal offset (query i of the chunk sits at position prefix_len + i and sees keys 0 .. prefix_len + i).
+ * No copy of the prefix is made and no mask is materialised: keys are taken a tile of TK positions at a time, and
+ * the softmax is taken online across tiles (flash attention's running maximum and sum).
  *
  * The chunk's own keys and values come from the fresh k and v the caller passes (float32, as the projection left
  * them), so a chunked prompt does the same arithmetic as a whole one whatever the pool's dtype; the prefix comes
