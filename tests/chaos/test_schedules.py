@@ -102,10 +102,12 @@ class Long:
 
 
 def cut_link(stack, what: str, streams: list[Long]) -> tuple[str, list[int | None]]:
-    """Cuts decode's link to the broker once every long stream is under way (or has ended: a fault may end one),
-    and again after decode's re-check; returns what it saw, and each long stream's tokens at the cut (None: it had
-    ended)."""
-    wait_for(lambda: all(s.running() or s.ended.is_set() for s in streams), 60, "every long stream under way")
+    """Cuts decode's link to the broker once a long stream is under way (or every one has ended: a fault may end
+    one), and again after decode's re-check; returns what it saw, and each long stream's tokens at the cut (None: it
+    had not started or had ended). Waiting for every stream to be under way let the first ones end before the last
+    began, in a loaded client whose threads read their streams late."""
+    wait_for(lambda: any(s.running() for s in streams) or all(s.ended.is_set() for s in streams), 60,
+             "a long stream under way")
     before, at_cut = rechecks(stack), [len(s.tokens) if s.running() else None for s in streams]
     port = stack.procs["broker"][0].port
     if what == "cut_watch":
