@@ -16,7 +16,9 @@ When the pool runs dry (POOL_EXHAUSTED) the policy is:
      broker refused for want of pages: running requests come first (one whose Extend is only on its way holds
      back no one);
   2. a sequence that has lacked that page for `preempt_after_s` (a quarantine or a release may free pages sooner)
-     preempts the youngest running request (the last admitted; possibly itself): that request's stream ends with
+     preempts the youngest running request (the last admitted; possibly itself) of those the gateway resubmitted
+     the fewest times (a resubmission is admitted anew, so by age alone the request just handed back would be the
+     next victim again, until its resubmissions run out): that request's stream ends with
      UNAVAILABLE / PREEMPTED carrying how many tokens it streamed (`tokens_streamed`), its pages are released, and
      the gateway resubmits prompt + those tokens through prefill and continues the client's stream;
   3. one preemption at a time: the next no sooner than `preempt_after_s` after the last, so the pages released
@@ -150,12 +152,13 @@ class Growth:
                   and o in self._exhausted]
         if not waited or now - self._preempted_at < self.preempt_after_s:
             return
-        victim = max(seqs, key=lambda s: s.admitted)
+        victim = max(seqs, key=lambda s: (-s.handed_back, s.admitted))
         PREEMPTIONS.inc()
         self._preempted_at = now
         log.warning("pool dry: %d sequences lack a page for their next step (oldest for %.2fs); preempting the "
-                    "youngest, %s, after %d tokens (%d pages)", len(self.starving),
-                    now - min(self.starving.values()), victim.owner.hex(), len(victim.generated), len(victim.leases))
+                    "youngest of those handed back the fewest times (%d), %s, after %d tokens (%d pages)",
+                    len(self.starving), now - min(self.starving.values()), victim.handed_back, victim.owner.hex(),
+                    len(victim.generated), len(victim.leases))
         self.starving.pop(victim.owner, None)
         self.mark(victim, preempted(victim, f"the KV pool ran dry and {len(waited)} older requests waited "
                                            f"{self.preempt_after_s:g}s for pages; resubmit prompt + its tokens"))

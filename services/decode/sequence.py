@@ -38,6 +38,7 @@ class Sequence:
     # growth (growth.py) has leased the rest. 0: every page was leased up front.
     max_pages: int = 0
     admitted: int = 0  # admission order: the policy preempts the youngest (largest) first
+    handed_back: int = 0  # times the gateway resubmitted it before: the policy preempts the fewest first
     # structured output: the grammar's state after every token generated so far (None: unconstrained)
     grammar: GrammarState | None = None
     revoked: bool = False  # decode learnt that the broker ended its leases (counted once: first_revocation)

@@ -219,7 +219,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
             self.notices.forget(owner)
         dreq = decode_pb2.DecodeRequest(request_id=owner, num_prompt_tokens=request.num_prompt_tokens,
                                         first_token=notice.first_token, sampling=sampling,
-                                        coverage=notice.coverage, prompt_token_ids=request.prompt_token_ids)
+                                        coverage=notice.coverage, prompt_token_ids=request.prompt_token_ids,
+                                        handed_back=request.handed_back)
         async for r in self.decode_stream(dreq, alloc, deadline, validate=False):
             yield decode_pb2.RunEvent(token=r)
 
@@ -234,7 +235,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServicer):
         if alloc.num_shared:  # cached pages carry their publisher's tag, checked when they were shared
             expected[:alloc.num_shared] = alloc.shared_words
         seq = Sequence(owner, alloc.epoch, alloc.leases, expected, alloc.num_prompt_tokens, SamplingParams(),
-                       self.eos, [request.first_token])
+                       self.eos, [request.first_token], handed_back=request.handed_back)
         self.scheduler.join(seq)
         try:
             await self._verify(request, owner, alloc, seq, deadline, validate)

@@ -262,7 +262,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         the pool is full) and sends the destination; prefill writes there and acks to the broker; the broker's
         write-done notice starts decode, whose first token comes down the same stream."""
         run = decode_pb2.RunRequest(request_id=request_id, num_prompt_tokens=len(tokens), sampling=sampling,
-                                    prompt_digest=prompt_digest(tokens), prefix_scope=client.scope)
+                                    prompt_digest=prompt_digest(tokens), prefix_scope=client.scope,
+                                    handed_back=client.resubmissions)
         # the penalty counts prompt tokens; a scope's chain is computed by decode from the ids themselves
         if client.scope or sampling_from_pb(sampling).repetition_penalty != 1.0:
             run.prompt_token_ids.extend(tokens)

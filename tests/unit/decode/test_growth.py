@@ -143,31 +143,51 @@ def test_sequences_grow_their_leases_in_batches_and_decode_the_references_tokens
     assert sorted(released) == sorted(q.owner for q in seqs)
 
 
-def test_a_dry_pool_preempts_the_youngest_and_the_older_completes(runner, oracle):
-    """7 pages: the older needs 5, the younger 5 (6 + 70 tokens); the younger is preempted, tokens_streamed its count, and its
-    pages let the older finish with the reference's tokens."""
+def _two_on_seven_pages(runner, first_byte: int, seed: int, young_handed_back: int = 0):
+    """7 pages: an older and a younger sequence need 5 each (6 + 70 tokens), so one must be preempted. Returns
+    (prompts, sequences, (tokens, error) of each, preemptions counted, broker), the older first."""
     async def main():
         broker, released = Broker(7), []
         s = _scheduler(runner, broker, released, growth_pages=1)
         before = PREEMPTIONS._value.get()
-        old_p, young_p = _prompt(6, seed=400), _prompt(6, seed=401)
-        old, young = _admit(runner, broker, 60, old_p, 70), _admit(runner, broker, 61, young_p, 70)
-        for seq in (old, young):
+        prompts = [_prompt(6, seed=seed), _prompt(6, seed=seed + 1)]
+        seqs = [_admit(runner, broker, first_byte + i, p, 70) for i, p in enumerate(prompts)]
+        seqs[1].handed_back = young_handed_back
+        for seq in seqs:
             s.join(seq)
             s.add(seq)
         loop = asyncio.create_task(s.run())
         try:
-            results = await asyncio.gather(_drain(old), _drain(young))
+            results = await asyncio.gather(*(_drain(q) for q in seqs))
         finally:
             loop.cancel()
-        return old_p, old, young, results, PREEMPTIONS._value.get() - before, broker
-    old_p, old, young, ((old_toks, old_err), (young_toks, young_err)), preemptions, broker = asyncio.run(main())
+        return prompts, seqs, results, PREEMPTIONS._value.get() - before, broker
+    return asyncio.run(main())
+
+
+def test_a_dry_pool_preempts_the_youngest_and_the_older_completes(runner, oracle):
+    """The younger is preempted, tokens_streamed its count, and its pages let the older finish with the
+    reference's tokens."""
+    (old_p, _), (old, young), ((old_toks, old_err), (young_toks, young_err)), preemptions, broker = \
+        _two_on_seven_pages(runner, 60, 400)
+    assert old.admitted < young.admitted
     assert old_err is None and len(old_toks) == 70
     oracle.check(old_p, old_toks)
     assert young_err is not None and young_err.code == grpc.StatusCode.UNAVAILABLE
     assert young_err.reason == "PREEMPTED" and young_err.metadata == {"tokens_streamed": str(len(young_toks))}
     assert young_toks == young.generated and preemptions == 1
     assert broker.table.pool_state("p")["num_leased"] == 0
+
+
+def test_a_dry_pool_spares_a_request_handed_back_before_a_younger_one_than_any_other(runner, oracle):
+    """As above, but the younger was resubmitted once already (handed_back 1): the older, handed back never, is
+    the victim now, and the younger completes with the reference's tokens."""
+    (_, young_p), (old, young), ((old_toks, old_err), (young_toks, young_err)), preemptions, _ = \
+        _two_on_seven_pages(runner, 62, 402, young_handed_back=1)
+    assert old.admitted < young.admitted
+    assert old_err is not None and old_err.reason == "PREEMPTED" and old_toks == old.generated
+    assert young_err is None and len(young_toks) == 70 and preemptions == 1
+    oracle.check(young_p, young_toks)
 
 
 def revocations_counted() -> float:

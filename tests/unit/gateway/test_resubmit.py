@@ -131,6 +131,13 @@ def test_decode_counts_each_submission_on_its_own():
     assert [r.sampling.max_tokens for r in decode.requests] == [7, 5, 3]
 
 
+def test_each_resubmission_tells_decode_how_often_the_request_was_handed_back():
+    """Decode's preemption policy spares the requests handed back most (growth.py): the gateway counts for it."""
+    got, err, decode, _ = _generate([([65, 66], 2, None), ([67], 1, None), ([68, 69, 70, 71], None, None)])
+    assert err is None and [t for m in got for t in m.token_ids] == list(range(65, 72))
+    assert [r.handed_back for r in decode.requests] == [0, 1, 2]
+
+
 def test_a_constrained_resubmission_carries_its_output_so_far_to_the_grammar():
     """Prefill and decode start the grammar afresh: they are told the tokens it must consume first, and min_tokens
     counts what was streamed before."""
