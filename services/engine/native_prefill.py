@@ -87,9 +87,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
                       prefix_pages: torch.Tensor, prefix_len: int, lanes: int = 0) -> torch.Tensor:
     """q: [L, H, D]; k, v: [L, kvh, D], the chunk's own keys (after RoPE) and values (any token stride); cache: a
     layer's pool view [num_pages, 2, ps, kvh, D] whose pages prefix_pages ([>= ceil(prefix_len / ps)] int64, in
-    order) hold positions 0 .. prefix_len - 1. Query i sits at position prefix_len + i and sees keys 0 .. prefix_len + i. Returns
-    [L, H, D] in q's dtype; the arithmetic is float32. lanes: the kernel's vector width, 0 for the widest the CPU
-    runs (16 with AVX-512, else 8); both widths give the same floats."""
+    order) hold positions 0 .. prefix_len - 1. Query i sits at position prefix_len + i and sees keys
+    0 .. prefix_len + i. Returns [L, H, D] in q's dtype; the arithmetic is float32. lanes: the kernel's vector
+    width, 0 for the widest the CPU runs (16 with AVX-512, else 8); both widths give the same floats."""
     L, H, D = q.shape
     # read where the projection left them (views of its one output) when float32 with each token's heads in a row
     qf, kf, vf = (t if t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == D else t.float().contiguous()
@@ -101,7 +101,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
     kvh = cache.shape[3]
     fn = _kernel()
 
-    def heads(shared=None) -> int:  # ctypes drops the GIL for the call: threads run side by side
+    # every head; with `shared`, the blocks go to whichever thread takes them next. ctypes drops the GIL for the
+    # call: threads run side by side
+    def call(shared=None) -> int:
         return fn(qf.data_ptr(), kf.data_ptr(), vf.data_ptr(), qf.stride(0), kf.stride(0), vf.stride(0),
                   out.data_ptr(), L, cache.data_ptr(), DTYPE_CODES[cache.dtype], cache.shape[0], cache.stride(0),
                   cache.stride(1), cache.stride(2), cache.stride(3), cache.shape[2], kvh, H, D, pages.data_ptr(),
@@ -116,9 +118,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: 
         # the threads share the blocks of queries through one counter (not a fixed share each): one that decode
         # or anything else holds back takes fewer, rather than the pass waiting for its share
         shared = ctypes.pointer(ctypes.c_int64(0))
-        rc = next((r for r in _pool.map(lambda _: heads(shared), range(n)) if r != 0), 0)
+        rc = next((r for r in _pool.map(lambda _: call(shared), range(n)) if r != 0), 0)
     else:
-        rc = heads()
+        rc = call()
     if rc != 0:
         raise ValueError(f"prefill attention refused a chunk of {L} tokens after {prefix_len} on "
                          f"{pages.numel()} pages of {cache.shape[2]} (pool of {cache.shape[0]} pages): "
