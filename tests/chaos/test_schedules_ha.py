@@ -41,7 +41,10 @@ def ha_chaos(model_dir, tmp_path_factory):
     etcd.start()
     stack = None
     try:
-        stack = Stack(model_dir, num_prefill=2, prefill_pool_tokens=2048, decode_pool_tokens=2048, allow_small=True,
+        # decode's pool twice the other chaos stack's: after a failover the old term's pages wait out its fence
+        # (max_ttl + lock_delay, 13 s) while the four long streams grow to 107 of 128 pages, and the preemptions of
+        # that dry spell, not the hand-over under test, ended them past --max-resubmissions
+        stack = Stack(model_dir, num_prefill=2, prefill_pool_tokens=2048, decode_pool_tokens=4096, allow_small=True,
                       extra=ha_extra(), brokers=2, etcd=",".join(etcd.endpoints))
         stack.etcd = etcd
         yield stack
