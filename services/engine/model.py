@@ -27,8 +27,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # one fused op; the same float32 arithmetic as below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            # one call over every row where the native library takes x, else torch's one fused op; the same float32
+            # arithmetic as below
+            y = native_prefill.rms_norm(x, self.weight, self.eps)
+            return y if y is not None else F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype  # transformers' order: normalised in float32, rounded, then scaled in the weights' dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -93,8 +95,32 @@ class LlamaAttention(nn.Module):
         T, H, kvh, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv is None:
             return (self.q_proj(x).view(T, H, D), self.k_proj(x).view(T, kvh, D), self.v_proj(x).view(T, kvh, D))
-        qkv = linear(x, *self.qkv).view(T, H + 2 * kvh, D)
+        return self._split(linear(x, *self.qkv))
+
+    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        H, kvh = self.num_heads, self.num_kv_heads
+        qkv = qkv.view(qkv.shape[0], H + 2 * kvh, self.head_dim)
         return qkv[:, :H], qkv[:, H:H + kvh], qkv[:, H + kvh:]
+
+    def _rotated_and_stored(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k (normed where the family norms them, rotated) and v, this pass's K and V written into the pool."""
+        cache = self.kv_cache
+        if ctx.is_prefill and self.qkv is not None and not self.qk_norm:
+            qkv = linear(x, *self.qkv)
+            if native_prefill.rope_kv_supported(qkv, cos, cache):
+                native_prefill.rope_kv(qkv, cos, sin, cache, ctx.slot_pages, ctx.slot_offsets, self.num_heads)
+                return self._split(qkv)
+            q, k, v = self._split(qkv)
+        else:
+            q, k, v = self._project(x)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            cache[ctx.slot_pages, 0, ctx.slot_offsets] = k.to(cache.dtype)
+            cache[ctx.slot_pages, 1, ctx.slot_offsets] = v.to(cache.dtype)
+        return q, k, v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden]
@@ -106,13 +132,7 @@ class LlamaAttention(nn.Module):
             qkv = linear(x, *self.qkv)
             o = native.decode_attention_block(qkv, cos[:, 0], sin[:, 0], cache, ctx.table, ctx.lens, self.num_heads)
             return self.o_proj(o.view(T, self.num_heads * self.head_dim))
-        q, k, v = self._project(x)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            cache[ctx.slot_pages, 0, ctx.slot_offsets] = k.to(cache.dtype)
-            cache[ctx.slot_pages, 1, ctx.slot_offsets] = v.to(cache.dtype)
+        q, k, v = self._rotated_and_stored(x, cos, sin, ctx)
         if ctx.is_prefill:
             # packed sequences, each attending only to itself: no padding, no [T, T] mask across the batch
             cu = ctx.cu_seqlens
@@ -171,8 +191,12 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = linear(x, *self.gate_up).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = linear(x, *self.gate_up)
+        act = native_prefill.silu_mul(gate_up)  # one call over every row where the native library takes them
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return self.down_proj(act)
 
 
 class LlamaDecoderLayer(nn.Module):

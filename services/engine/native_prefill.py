@@ -6,6 +6,10 @@ AVX-512, else 8.
 The kernel is part of the engine's one native library (native.py loads it). `supports` says whether it takes a
 layer; where it does not (a pool on a GPU, no library, a head_dim that is not a multiple of 8) the model keeps the
 torch path, which gathers the prefix and masks, and `why_not` gives the reason for its start-up line and its log.
+
+The pass's row-wise ops run on the library too where it loads (`rows`): RoPE with the K/V write, RMSNorm and
+SiLU(gate) * up, each one call over all rows in the calling thread. As torch ops each starts its thread team and
+waits at its barrier, and on cores decode shares a team waits for whichever thread decode holds.
 """
 from __future__ import annotations
 
@@ -29,6 +33,7 @@ MAX_GROUP = 64      # query heads per KV head: its block of query rows (BR)
 SPLIT_MACS = 1 << 24  # a chunk's score products below which one thread computes it all (~0.15 ms)
 
 _fn = None
+_rows = None
 _warned: set[str] = set()
 _pool: ThreadPoolExecutor | None = None  # blocks of queries shared by torch's intra-op threads, when it has several
 _pool_size = 0
@@ -47,6 +52,74 @@ def _kernel():
                        i64, i64, i32, i32, ctypes.c_float, i32, ctypes.POINTER(ctypes.c_int64)]
         _fn = fn
     return _fn
+
+
+def rows():
+    """The library's row-wise kernels, or None where it does not load (the model keeps torch's ops)."""
+    global _rows
+    if _rows is None:
+        lib = native._load()
+        if lib is None:
+            return None
+        i64, i32, vp = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p
+        lib.pd_prefill_rope_kv.restype = i32
+        lib.pd_prefill_rope_kv.argtypes = [vp, i64, i64, vp, vp, vp, i32, i64, i64, i64, i64, i64, vp, vp, i32, i32,
+                                           i32, i32]
+        lib.pd_rms_norm.restype = None
+        lib.pd_rms_norm.argtypes = [vp, vp, ctypes.c_float, vp, i32, i64]
+        lib.pd_silu_mul.restype = None
+        lib.pd_silu_mul.argtypes = [vp, vp, i32, i64]
+        _rows = lib
+    return _rows
+
+
+def _plain(*ts: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in ts)
+
+
+def rope_kv_supported(qkv: torch.Tensor, cos: torch.Tensor, cache: torch.Tensor | None) -> bool:
+    return cache is not None and cache.device.type == "cpu" and cache.dtype in (torch.float32, torch.bfloat16) \
+        and cache.stride(-1) == 1 and qkv.dim() == 2 and _plain(qkv, cos) and rows() is not None
+
+
+def rope_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor, slot_pages: torch.Tensor,
+            slot_offsets: torch.Tensor, num_heads: int) -> None:
+    """RoPE on q and k of the fused projection's rows qkv [T, (H + 2 kvh) * D], in place, then each token's K and V
+    into its slot (slot_pages[t], slot_offsets[t]) of a layer's pool view [num_pages, 2, ps, kvh, D]; the same
+    floats as apply_rope and the indexed write (csrc/paged_attention.c's rope)."""
+    T = qkv.shape[0]
+    kvh, D = cache.shape[3], cache.shape[4]
+    if qkv.shape[1] != (num_heads + 2 * kvh) * D:
+        raise ValueError(f"qkv {tuple(qkv.shape)} is not [T, (H + 2 kvh) * D] for {num_heads} heads over {kvh}")
+    pages, offsets = (t.to(torch.int64).contiguous() for t in (slot_pages, slot_offsets))
+    sin = sin.contiguous()
+    rc = rows().pd_prefill_rope_kv(qkv.data_ptr(), T, qkv.stride(0), cos.data_ptr(), sin.data_ptr(), cache.data_ptr(),
+                                   DTYPE_CODES[cache.dtype], cache.shape[0], cache.stride(0), cache.stride(1),
+                                   cache.stride(2), cache.stride(3), pages.data_ptr(), offsets.data_ptr(),
+                                   cache.shape[2], kvh, num_heads, D)
+    if rc != 0:
+        raise ValueError(f"prefill's K/V write refused {T} slots in a pool of {cache.shape[0]} pages of "
+                         f"{cache.shape[2]}: {native.ERRORS.get(rc, f'error {rc}')}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm over x's last dimension on the library, or None where it does not take x (torch's op then)."""
+    if not _plain(x, weight) or x.shape[-1] != weight.numel() or rows() is None:
+        return None
+    y = torch.empty_like(x)
+    rows().pd_rms_norm(x.data_ptr(), weight.data_ptr(), eps, y.data_ptr(), x.numel() // weight.numel(),
+                       weight.numel())
+    return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """SiLU(gate) * up of the fused projection's rows [T, 2 I] on the library, or None where it does not take them."""
+    if gate_up.dim() != 2 or not _plain(gate_up) or rows() is None:
+        return None
+    T, I = gate_up.shape[0], gate_up.shape[1] // 2
+    act = torch.empty(T, I)
+    rows().pd_silu_mul(gate_up.data_ptr(), act.data_ptr(), T, I)
+    return act
 
 
 def why_not(cache: torch.Tensor, num_heads: int) -> str | None:

@@ -278,6 +278,16 @@ PD_CLONES static void silu_mul(const float *gu, float *act, int M, int64_t I) {
         }
 }
 
+/* A prefill pass's row-wise ops on the same code as the step's: one call for all T rows of a pass, in the calling
+ * thread (torch's would start its thread team for each, and wait at its barrier for a thread that decode holds). */
+void pd_rms_norm(const float *x, const float *w, float eps, float *y, int M, int64_t D) {
+    rms_norm(x, w, eps, y, M, D);
+}
+
+void pd_silu_mul(const float *gu, float *act, int M, int64_t I) {
+    silu_mul(gu, act, M, I);
+}
+
 /* What one layer's weights and pool view are: pointers and the pool strides (elements), as native.py packs them. */
 typedef struct {
     const float *input_norm, *qkv, *qkv_bias, *o, *o_bias, *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;

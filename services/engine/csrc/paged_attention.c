@@ -504,6 +504,57 @@ static void rope(const float *x, const float *cos, const float *sin, int d, floa
     for (int i = half; i < d; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
+/* One token's K and V heads into its slot: a float32 pool takes them as they are, a bfloat16 one rounded. */
+static void write_slot(const float *k, const float *v, char *slot, int dtype, int64_t kv_stride, int64_t head_stride,
+                       int kvh, int D) {
+    const int64_t esize = dtype == PD_F32 ? 4 : 2;
+    for (int j = 0; j < kvh; j++) {
+        char *kd = slot + j * head_stride * esize, *vd = kd + kv_stride * esize;
+        if (dtype == PD_F32) {
+            memcpy(kd, k + j * D, D * 4);
+            memcpy(vd, v + j * D, D * 4);
+        } else {
+            uint16_t *kb = (uint16_t *)kd, *vb = (uint16_t *)vd;
+            for (int i = 0; i < D; i++) { kb[i] = f32_to_bf16(k[j * D + i]); vb[i] = f32_to_bf16(v[j * D + i]); }
+        }
+    }
+}
+
+/*
+ * A prefill pass's rotation and K/V write, one call per layer in place of a dozen tensor ops: RoPE on every q and k
+ * head of the fused projection's rows, in place (the pass's attention reads them there), then each token's K and V
+ * into the slot slot_pages[t], slot_offsets[t] names. Every slot is checked before any byte moves.
+ *
+ * qkv:    [T, (H + 2 kvh) * D] float32, rows qkv_stride apart; cos, sin: [T, D] (rope.py's tables)
+ */
+PD_CLONES
+int pd_prefill_rope_kv(float *qkv, int64_t T, int64_t qkv_stride, const float *cos, const float *sin, void *cache,
+                       int dtype, int64_t num_pages, int64_t page_stride, int64_t kv_stride, int64_t token_stride,
+                       int64_t head_stride, const int64_t *slot_pages, const int64_t *slot_offsets, int page_size,
+                       int num_kv_heads, int num_heads, int head_dim) {
+    if (dtype != PD_F32 && dtype != PD_BF16) return PD_BAD_SHAPE;
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || head_dim <= 0 || head_dim > MAX_HEAD_DIM ||
+        head_dim % 2 != 0 || page_size <= 0)
+        return PD_BAD_SHAPE;
+    for (int64_t t = 0; t < T; t++)
+        if (slot_pages[t] < 0 || slot_pages[t] >= num_pages || slot_offsets[t] < 0 || slot_offsets[t] >= page_size)
+            return PD_BAD_PAGE;
+    const int D = head_dim, H = num_heads, kvh = num_kv_heads;
+    const int64_t esize = dtype == PD_F32 ? 4 : 2;
+    float tmp[MAX_HEAD_DIM];
+    for (int64_t t = 0; t < T; t++) {
+        float *row = qkv + t * qkv_stride;
+        const float *c = cos + t * D, *s = sin + t * D;
+        for (int h = 0; h < H + kvh; h++) {
+            rope(row + h * D, c, s, D, tmp);
+            memcpy(row + h * D, tmp, D * 4);
+        }
+        char *slot = (char *)cache + (slot_pages[t] * page_stride + slot_offsets[t] * token_stride) * esize;
+        write_slot(row + H * D, row + (H + kvh) * D, slot, dtype, kv_stride, head_stride, kvh, D);
+    }
+    return PD_OK;
+}
+
 /*
  * A decode step's attention from the fused q/k/v projection on: RoPE on q and k, the new token's K and V written
  * into its slot of its own last page, then paged attention over each sequence's pages (pd_paged_decode_attention's
@@ -536,25 +587,15 @@ int pd_decode_attention_block(const float *qkv, int64_t qkv_stride, const float 
     }
     const int D = head_dim, H = num_heads, kvh = num_kv_heads;
     const int64_t esize = dtype == PD_F32 ? 4 : 2;
-    float k_rot[MAX_HEAD_DIM];
+    float k_rot[MAX_HEADS * MAX_HEAD_DIM];
     for (int b = 0; b < batch; b++) {
         const float *row = qkv + b * qkv_stride, *c = cos + (int64_t)b * D, *s = sin + (int64_t)b * D;
         for (int h = 0; h < H; h++) rope(row + h * D, c, s, D, q_rot + ((int64_t)b * H + h) * D);
         const int64_t pos = lens[b] - 1;
         const int64_t page = table[b * table_stride + pos / page_size];
         char *slot = (char *)cache + (page * page_stride + (pos % page_size) * token_stride) * esize;
-        for (int j = 0; j < kvh; j++) {
-            const float *k = row + (H + j) * D, *v = row + (H + kvh + j) * D;
-            rope(k, c, s, D, k_rot);
-            char *kd = slot + j * head_stride * esize, *vd = kd + kv_stride * esize;
-            if (dtype == PD_F32) {
-                memcpy(kd, k_rot, D * 4);
-                memcpy(vd, v, D * 4);
-            } else {
-                uint16_t *kb = (uint16_t *)kd, *vb = (uint16_t *)vd;
-                for (int i = 0; i < D; i++) { kb[i] = f32_to_bf16(k_rot[i]); vb[i] = f32_to_bf16(v[i]); }
-            }
-        }
+        for (int j = 0; j < kvh; j++) rope(row + (H + j) * D, c, s, D, k_rot + j * D);
+        write_slot(k_rot, row + (H + kvh) * D, slot, dtype, kv_stride, head_stride, kvh, D);
     }
     attend(q_rot, out, cache, dtype, page_stride, kv_stride, token_stride, head_stride, page_size, kvh, H, D, table,
            table_stride, lens, batch, scale);
