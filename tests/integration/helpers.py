@@ -92,6 +92,10 @@ def drained(stack, pools: int | None = None) -> bool:
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.NOT_FOUND:  # a restarted broker that decode has not re-registered with yet
             return False
+        if from_rpc_error(e).reason == "NOT_LEADER":
+            # broker replicas: a killed leader's key stands until its etcd lease lapses, and meanwhile every replica
+            # refuses (fail closed); the wait goes on until the next one leads
+            return False
         raise
     return (pools is None or len(states) == pools) and all(
         s.num_leased == 0 and s.num_quarantined == 0 and s.num_shared_reads == 0
